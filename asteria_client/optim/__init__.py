@@ -1,0 +1,1 @@
+"""Asteria's optimizers and the machinery they share (blocking, grafting, numerics)."""

@@ -1,0 +1,342 @@
+"""What Shampoo, SOAP and KL-Shampoo share: named parameters, blocking, sources, state, safety.
+
+Subclasses implement one method, :meth:`AsteriaOptimizer._step_param`, for one parameter with a
+non-empty, finite gradient; everything around it lives here:
+
+- parameters are known by name (``model.named_parameters()``), so state is keyed by parameter
+  name and tile, not by position: a checkpoint loads into a model whose groups are ordered
+  differently, or (later) into another world size;
+- every gradient is checked for NaN/Inf *before* anything changes; a bad one raises
+  :class:`NonFiniteGradientError` naming the parameter (or, with ``nonfinite="skip"``, the whole
+  step is skipped and counted) — never a silent NaN in the weights;
+- roots and bases come from a :class:`PreconditionerSource`; results are installed only when
+  their version is newer than the one in use, and a failed computation leaves the last good
+  result in place.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
+from asteria_client.runtime.source import (
+    NativeSource,
+    PreconditionerRequest,
+    PreconditionerResult,
+    PreconditionerSource,
+)
+from asteria_server.errors import (
+    AsteriaError,
+    InvalidInputError,
+    NonFiniteGradientError,
+    UnsupportedParameterError,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "asteria.optim/1"
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+class Mode(enum.Enum):
+    """Where roots and eigenbases are computed."""
+
+    NATIVE = "native"  # synchronously, in step(), on the parameter's device
+    EMBEDDED = "embedded"  # an engine in this process, solver worker processes
+    DAEMON = "daemon"  # the node's asteria-server
+
+
+class NonFinitePolicy(enum.Enum):
+    """What ``step()`` does when a gradient holds NaN or Inf."""
+
+    RAISE = "raise"
+    SKIP = "skip"
+
+
+def parse_enum(enum_type: type[enum.Enum], value: Any, field: str) -> Any:
+    """Accept an enum member or its string value; name the field on failure."""
+    if isinstance(value, enum_type):
+        return value
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum_type)
+        raise InvalidInputError(f"{field}={value!r} is not one of {allowed}") from None
+
+
+def check_range(name: str, value: float, low: float, high: float, *, high_open: bool = True) -> None:
+    ok = low <= value < high if high_open else low <= value <= high
+    if not ok or math.isnan(value):
+        bracket = ")" if high_open else "]"
+        raise InvalidInputError(f"{name}={value!r} must be in [{low}, {high}{bracket}")
+
+
+def make_source(mode: Mode) -> PreconditionerSource:
+    if mode is Mode.NATIVE:
+        return NativeSource()
+    raise AsteriaError(
+        f"mode={mode.value!r} is not available in this version of Asteria; use mode='native'"
+    )
+
+
+def block_name(param_name: str, tile: int, dim: int) -> str:
+    return f"{param_name}/tile{tile}/dim{dim}"
+
+
+class AsteriaOptimizer(torch.optim.Optimizer):
+    """Base class; see the module docstring. Not used directly."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        mode: Mode | str = Mode.NATIVE,
+        nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE,
+        source: PreconditionerSource | None = None,
+    ) -> None:
+        self._unnamed = 0
+        self.mode: Mode = parse_enum(Mode, mode, "mode")
+        self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
+        check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
+        check_range("precondition_frequency", defaults["precondition_frequency"], 1, math.inf)
+        defaults["large_dim_policy"] = parse_enum(
+            LargeDimPolicy, defaults["large_dim_policy"], "large_dim_policy"
+        )
+        super().__init__(params, defaults)
+        self._source = source if source is not None else make_source(self.mode)
+        self._plans: dict[str, BlockingPlan] = {}
+        self.skipped_steps = 0
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ parameters and names
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if "param_names" not in group:
+            group["param_names"] = []
+            for _ in group["params"]:
+                group["param_names"].append(f"param{self._unnamed}")
+                self._unnamed += 1
+            self._warn_once(
+                "unnamed",
+                "parameters were given without names; optimizer state is keyed by position "
+                "('param0', ...). Pass model.named_parameters() to key checkpoints by name.",
+            )
+        for name, p in zip(group["param_names"], group["params"], strict=True):
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise UnsupportedParameterError(
+                    f"parameter {name!r} has dtype {p.dtype}; Asteria supports "
+                    "float32, float64, float16 and bfloat16"
+                )
+        group.setdefault("large_dim_policy", self.defaults.get("large_dim_policy"))
+        group["large_dim_policy"] = parse_enum(
+            LargeDimPolicy, group["large_dim_policy"], "large_dim_policy"
+        )
+        names = [n for g in self.param_groups for n in g["param_names"]]
+        if len(names) != len(set(names)):
+            raise InvalidInputError("parameter names must be unique across param groups")
+
+    def named_params(self) -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
+        for group in self.param_groups:
+            for name, p in zip(group["param_names"], group["params"], strict=True):
+                yield name, p, group
+
+    def plan(self, name: str, param: torch.Tensor, group: dict[str, Any]) -> BlockingPlan:
+        plan = self._plans.get(name)
+        if plan is None:
+            plan = plan_blocking(
+                param.shape, int(group["max_preconditioner_dim"]), group["large_dim_policy"]
+            )
+            self._plans[name] = plan
+        return plan
+
+    # ------------------------------------------------------------------ the step
+    def _first_bad_gradient(self) -> str | None:
+        grads, names = [], []
+        for name, p, _ in self.named_params():
+            if p.grad is None or p.numel() == 0:
+                continue
+            if p.grad.is_sparse:
+                raise UnsupportedParameterError(
+                    f"parameter {name!r} has a sparse gradient; Asteria needs dense gradients "
+                    "(use nn.Embedding(sparse=False))"
+                )
+            grads.append(p.grad)
+            names.append(name)
+        if not grads:
+            return None
+        finite = torch.stack([torch.isfinite(g).all() for g in grads])
+        if bool(finite.all()):
+            return None
+        return names[int((~finite).nonzero()[0])]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        bad = self._first_bad_gradient()
+        if bad is not None:
+            if self.nonfinite is NonFinitePolicy.RAISE:
+                raise NonFiniteGradientError(
+                    f"gradient of parameter {bad!r} holds NaN or Inf; the step was not applied "
+                    "and the weights are unchanged (lower the learning rate, check the loss, or "
+                    "pass nonfinite='skip' to skip such steps)"
+                )
+            self.skipped_steps += 1
+            self._warn_once("skip", f"skipping steps with non-finite gradients (first: {bad!r})")
+            return loss
+        for name, p, group in self.named_params():
+            if p.grad is None or p.numel() == 0:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["tiles"] = []
+            state["step"] += 1
+            self._step_param(name, p, p.grad, state, group, self.plan(name, p, group))
+        return loss
+
+    def _step_param(
+        self,
+        name: str,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        plan: BlockingPlan,
+    ) -> None:
+        raise NotImplementedError  # abstract: each optimizer defines its update
+
+    # ------------------------------------------------------------------ results
+    def _request(self, request: PreconditionerRequest) -> None:
+        self._source.submit(request)
+
+    def _take_newer(self, block: str, installed_version: int) -> PreconditionerResult | None:
+        """A ready result for ``block`` newer than ``installed_version``; older ones are dropped."""
+        result = self._source.take(block)
+        if result is None or result.version <= installed_version:
+            return None
+        return result
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    # ------------------------------------------------------------------ status
+    def _iter_blocks(self) -> Iterator[tuple[str, int, int, dict[str, Any]]]:
+        """(param name, step, dim, tile state) for every preconditioned block with state."""
+        for name, p, _ in self.named_params():
+            state = self.state.get(p)
+            if not state:
+                continue
+            for tile_state in state["tiles"]:
+                for dim, block in enumerate(tile_state.get("blocks", [])):
+                    if block is not None:
+                        yield block, state["step"], dim, tile_state
+
+    def preconditioner_status(self) -> list[dict[str, Any]]:
+        """One dict per block: version in use, staleness in steps, failures, last solve time."""
+        rows = []
+        for block, step, dim, tile_state in self._iter_blocks():
+            version = int(tile_state["versions"][dim])
+            record = self._source.record(block)
+            rows.append(
+                {
+                    "block": block,
+                    "version": version,
+                    "staleness_steps": step - version if version >= 0 else step,
+                    "failures": record.failures,
+                    "consecutive_failures": record.consecutive_failures,
+                    "last_solve_s": record.last_solve_s,
+                    "last_error": record.last_error,
+                    "mode": self.mode.value,
+                }
+            )
+        return rows
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """State keyed by parameter name (and tile inside), plus group hyperparameters."""
+        state = {}
+        for name, p, _ in self.named_params():
+            if self.state.get(p):
+                state[name] = _clone_tree(self.state[p])
+        groups = []
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["large_dim_policy"] = group["large_dim_policy"].value
+            groups.append(saved)
+        return {
+            "format": STATE_FORMAT,
+            "state": state,
+            "param_groups": groups,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        if state_dict.get("format") != STATE_FORMAT:
+            raise InvalidInputError(
+                f"not an Asteria optimizer checkpoint (format={state_dict.get('format')!r}); "
+                f"expected {STATE_FORMAT!r}"
+            )
+        saved_groups = state_dict["param_groups"]
+        by_name = {n: g for g in saved_groups for n in g["param_names"]}
+        known = {name for name, _, _ in self.named_params()}
+        unknown = sorted(set(state_dict["state"]) - known)
+        if unknown:
+            raise InvalidInputError(
+                f"checkpoint holds state for parameters this optimizer does not have: "
+                f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+            )
+        for group in self.param_groups:
+            source = by_name.get(group["param_names"][0]) if group["param_names"] else None
+            if source is None:
+                continue
+            for key, value in source.items():
+                if key in ("param_names", "params"):
+                    continue
+                group[key] = value
+            group["large_dim_policy"] = parse_enum(
+                LargeDimPolicy, group["large_dim_policy"], "large_dim_policy"
+            )
+        self._plans.clear()
+        self.state.clear()
+        for name, p, group in self.named_params():
+            saved = state_dict["state"].get(name)
+            if saved is None:
+                continue
+            tiles = saved.get("tiles", [])
+            plan = self.plan(name, p, group)
+            if len(tiles) not in (0, len(plan.tiles)):
+                raise InvalidInputError(
+                    f"checkpoint state of {name!r} has {len(tiles)} tiles but the parameter "
+                    f"(shape {tuple(p.shape)}) is blocked into {len(plan.tiles)}; "
+                    "max_preconditioner_dim or the parameter's shape changed"
+                )
+            self.state[p] = _clone_tree(saved, device=p.device)
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def close(self) -> None:
+        """Release the preconditioner source (worker processes, connections)."""
+        self._source.close()
+
+
+def _clone_tree(tree: Any, device: torch.device | None = None) -> Any:
+    if isinstance(tree, torch.Tensor):
+        out = tree.detach().clone()
+        return out.to(device) if device is not None else out
+    if isinstance(tree, dict):
+        return {k: _clone_tree(v, device) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone_tree(v, device) for v in tree]
+    return tree

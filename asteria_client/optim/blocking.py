@@ -1,0 +1,161 @@
+"""How a parameter of any shape is cut into the tiles that get Kronecker-factored preconditioners.
+
+The rules (DESIGN.md, "The math"):
+
+1. Size-1 dimensions are dropped.
+2. A parameter with at most one dimension left (bias, norm scale, scalar) is not preconditioned:
+   it falls back to the optimizer's diagonal (Adam) update.
+3. The first remaining dimension (the fan-out) is kept on its own; the dimensions after it are
+   merged left to right while their product stays within ``max_preconditioner_dim``. A conv
+   weight ``(128, 64, 3, 3)`` therefore becomes ``(128, 576)``.
+4. A merged dimension larger than ``max_preconditioner_dim`` is either split into near-equal tiles
+   (``LargeDimPolicy.TILE``) or left unpreconditioned (``LargeDimPolicy.IDENTITY``, as SOAP does
+   for vocabulary dimensions).
+
+Each tile is then an independent tensor of order k with one factor matrix per preconditioned
+dimension. A ``BlockingPlan`` is a pure description; ``split`` and ``merge`` move data between the
+parameter's shape and its tiles.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class LargeDimPolicy(enum.Enum):
+    """What happens to a (merged) dimension larger than ``max_preconditioner_dim``."""
+
+    TILE = "tile"
+    IDENTITY = "identity"
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """One tile: where it lies in the merged tensor and which of its dims carry a factor."""
+
+    index: int
+    slices: tuple[slice, ...]
+    shape: tuple[int, ...]
+    preconditioned: tuple[bool, ...]
+
+    @property
+    def num_factors(self) -> int:
+        return sum(self.preconditioned)
+
+    @property
+    def order(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class BlockingPlan:
+    """The tiles of one parameter. ``diagonal`` plans have no factor at all (Adam fallback)."""
+
+    param_shape: tuple[int, ...]
+    merged_shape: tuple[int, ...]
+    tiles: tuple[TilePlan, ...]
+
+    @property
+    def diagonal(self) -> bool:
+        return all(t.num_factors == 0 for t in self.tiles)
+
+    @property
+    def tiled(self) -> bool:
+        return len(self.tiles) > 1
+
+    def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``tensor`` (shaped like the parameter) for each tile."""
+        merged = tensor.reshape(self.merged_shape)
+        if not self.tiled:
+            return [merged]
+        return [merged[t.slices] for t in self.tiles]
+
+    def merge(self, tiles: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Assemble per-tile tensors back into one tensor of the parameter's shape."""
+        if len(tiles) != len(self.tiles):
+            raise ValueError(f"expected {len(self.tiles)} tiles, got {len(tiles)}")
+        if not self.tiled:
+            return tiles[0].reshape(self.param_shape)
+        out = tiles[0].new_empty(self.merged_shape)
+        for plan, tile in zip(self.tiles, tiles, strict=True):
+            out[plan.slices] = tile
+        return out.reshape(self.param_shape)
+
+    def describe(self) -> str:
+        dims = " x ".join(str(d) for d in self.merged_shape) or "scalar"
+        if self.diagonal:
+            return f"{dims}: diagonal (Adam)"
+        return f"{dims}: {len(self.tiles)} tile(s), first {self.tiles[0].shape}"
+
+
+def _merge_dims(dims: Sequence[int], max_dim: int) -> list[int]:
+    """Keep the first dim; merge the following ones left to right while the product fits."""
+    merged = [dims[0]]
+    current = 0
+    for d in dims[1:]:
+        if current and current * d <= max_dim:
+            current *= d
+        else:
+            if current:
+                merged.append(current)
+            current = d
+    if current:
+        merged.append(current)
+    return merged
+
+
+def _chunks(size: int, max_dim: int) -> list[tuple[int, int]]:
+    """Split ``size`` into ceil(size / max_dim) near-equal (start, stop) ranges."""
+    count = math.ceil(size / max_dim)
+    base, extra = divmod(size, count)
+    ranges = []
+    start = 0
+    for i in range(count):
+        stop = start + base + (1 if i < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def plan_blocking(
+    shape: Sequence[int],
+    max_preconditioner_dim: int,
+    large_dim_policy: LargeDimPolicy = LargeDimPolicy.TILE,
+) -> BlockingPlan:
+    """Decide the tiles of a parameter of ``shape``. See the module docstring for the rules."""
+    if max_preconditioner_dim < 1:
+        raise ValueError(f"max_preconditioner_dim must be >= 1, got {max_preconditioner_dim}")
+    param_shape = tuple(int(d) for d in shape)
+    core = [d for d in param_shape if d != 1]
+    numel = math.prod(param_shape)
+    if len(core) <= 1 or numel == 0:
+        merged_shape = (numel,)
+        tile = TilePlan(0, (slice(0, numel),), merged_shape, (False,))
+        return BlockingPlan(param_shape, merged_shape, (tile,))
+
+    merged_shape = tuple(_merge_dims(core, max_preconditioner_dim))
+    per_dim: list[list[tuple[int, int]]] = []
+    preconditioned: list[bool] = []
+    for d in merged_shape:
+        if d <= max_preconditioner_dim:
+            per_dim.append([(0, d)])
+            preconditioned.append(True)
+        elif large_dim_policy is LargeDimPolicy.TILE:
+            per_dim.append(_chunks(d, max_preconditioner_dim))
+            preconditioned.append(True)
+        else:
+            per_dim.append([(0, d)])
+            preconditioned.append(False)
+
+    tiles = []
+    for index, ranges in enumerate(itertools.product(*per_dim)):
+        slices = tuple(slice(a, b) for a, b in ranges)
+        tile_shape = tuple(b - a for a, b in ranges)
+        tiles.append(TilePlan(index, slices, tile_shape, tuple(preconditioned)))
+    return BlockingPlan(param_shape, merged_shape, tuple(tiles))

@@ -1,0 +1,229 @@
+"""KL-Shampoo: Shampoo's factors estimated by Kullback-Leibler minimization (Lin et al. 2025,
+arXiv 2509.03378), run in an eigenbasis refreshed by QR as in SOAP.
+
+Per tile W in R^{d_1 x ... x d_k} with gradient G, each preconditioned dimension i keeps a factor
+L_i, a basis Q_i and eigenvalue estimates lambda_i; an unpreconditioned dimension keeps only a
+diagonal lambda_i (Q_i = I). With ``P_j^{-1} = Q_j diag(lambda_j + eps)^{-1} Q_j^T`` from the
+*stored* (possibly stale) bases and eigenvalues, and N_i = numel / d_i:
+
+- ``H_i = G_(i) (kron_{j != i} P_j^{-1}) G_(i)^T / N_i`` (for a matrix: ``G R^-1 G^T / n``);
+- ``L_i = b2 L_i + (1 - b2) H_i`` — every factor from the old ones;
+- ``lambda_i = b2 lambda_i + (1 - b2) diag(Q_i^T H_i Q_i)`` — eigenvalues refreshed every step;
+- momentum ``M = b1 M + (1 - b1) G`` (kept in the parameter's own coordinates);
+- update ``-lr * (M_hat x_i Q_i^T) / prod_i sqrt(lambda_i + eps) x_i Q_i`` (that is
+  ``L^{-1/2} M R^{-1/2}`` applied in the eigenbasis), then decoupled weight decay;
+- every ``precondition_frequency`` steps each basis is refreshed by one QR power step (full eigh
+  at the start); on install, lambda_i is re-estimated as diag(Q_i^T L_i Q_i). No Adam second
+  moment is kept for preconditioned tiles.
+
+The first step only initializes: ``L_i = s * G_(i) G_(i)^T / N_i`` with s chosen so the Kronecker
+product of the factors has the trace of ``vec(G) vec(G)^T`` (the KL fixed point's scale), and the
+first bases come from eigh. 1-D parameters use Adam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_range
+from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
+from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
+from asteria_client.optim.updates import adam_direction, apply_update
+from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult, SolveKind
+
+
+def _scale_along(tensor: torch.Tensor, vector: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = [1] * tensor.dim()
+    shape[dim] = -1
+    return tensor * vector.reshape(shape)
+
+
+def _sum_except(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    others = [d for d in range(tensor.dim()) if d != dim]
+    return tensor.sum(dim=others) if others else tensor
+
+
+class KLShampoo(AsteriaOptimizer):
+    """KL-Shampoo with QR-refreshed eigenbases and a pluggable basis source.
+
+    Args:
+        params: ``model.named_parameters()`` or param groups of ``(name, tensor)`` pairs.
+        lr, betas, eps, weight_decay: momentum / factor EMA, and the eigenvalue regularizer.
+        precondition_frequency, max_preconditioner_dim, large_dim_policy, mode, nonfinite: as in
+            :class:`~asteria_client.optim.soap.SOAP`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        precondition_frequency: int = 10,
+        max_preconditioner_dim: int = 10000,
+        large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
+        mode: Mode | str = Mode.NATIVE,
+        nonfinite: str = "raise",
+        **kwargs: Any,
+    ) -> None:
+        check_range("lr", lr, 0.0, float("inf"))
+        check_range("betas[0]", betas[0], 0.0, 1.0)
+        check_range("betas[1]", betas[1], 0.0, 1.0)
+        check_range("eps", eps, 0.0, float("inf"))
+        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "precondition_frequency": precondition_frequency,
+            "max_preconditioner_dim": max_preconditioner_dim,
+            "large_dim_policy": large_dim_policy,
+        }
+        super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
+
+    def _step_param(
+        self,
+        name: str,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        plan: BlockingPlan,
+    ) -> None:
+        dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+        tiles = plan.split(grad.to(dtype))
+        step = state["step"]
+        beta1, beta2 = group["betas"]
+
+        if plan.diagonal:  # Adam
+            if step == 1:
+                state["tiles"] = [{"exp_avg": torch.zeros_like(tiles[0]),
+                                   "exp_avg_sq": torch.zeros_like(tiles[0])}]
+            tile_state, g = state["tiles"][0], tiles[0]
+            tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+            tile_state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            direction = adam_direction(
+                tile_state["exp_avg"], tile_state["exp_avg_sq"], step, group["betas"], group["eps"]
+            )
+            apply_update(param, plan.merge([direction]), group["lr"], group["weight_decay"])
+            return
+
+        if step == 1:  # initialization only
+            state["tiles"] = [self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles)]
+            for tile_state in state["tiles"]:
+                self._refresh(tile_state, step)
+            return
+
+        t = step - 1
+        directions = []
+        for tile_state, g in zip(state["tiles"], tiles, strict=True):
+            self._install_ready(tile_state)
+            self._update_statistics(tile_state, g, beta2, group["eps"])
+            exp_avg = tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+            m_hat = exp_avg / (1 - beta1**t)
+            rotated = project(m_hat, tile_state["bases"])
+            for dim, lam in enumerate(tile_state["eigenvalues"]):
+                rotated = _scale_along(rotated, (lam.clamp_min(0) + group["eps"]).rsqrt(), dim)
+            directions.append(project(rotated, tile_state["bases"], back=True))
+        apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
+
+        if t % group["precondition_frequency"] == 0:
+            for tile_state in state["tiles"]:
+                self._refresh(tile_state, step)
+
+    # ------------------------------------------------------------------ statistics
+    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
+        plan = self._plans[name].tiles[tile]
+        numel = grad.numel()
+        stats = [factor_statistic(grad, d) * (d_size / numel) for d, d_size in enumerate(grad.shape)]
+        traces = torch.stack([s.trace() for s in stats])
+        total = grad.square().sum()
+        if bool(total > 0) and bool((traces > 0).all()):
+            scale = float((total / traces.prod()) ** (1.0 / len(stats)))
+        else:
+            scale = 1.0
+        factors: list[torch.Tensor | None] = []
+        eigenvalues: list[torch.Tensor] = []
+        blocks: list[str | None] = []
+        for dim, stat in enumerate(stats):
+            stat = stat * scale
+            eigenvalues.append(stat.diagonal().clone())
+            if plan.preconditioned[dim]:
+                factors.append(stat)
+                blocks.append(block_name(name, tile, dim))
+            else:
+                factors.append(None)
+                blocks.append(None)
+        return {
+            "exp_avg": torch.zeros_like(grad),
+            "factors": factors,
+            "bases": [None] * len(factors),
+            "eigenvalues": eigenvalues,
+            "versions": [-1] * len(factors),
+            "blocks": blocks,
+        }
+
+    @staticmethod
+    def _update_statistics(
+        tile_state: dict[str, Any], grad: torch.Tensor, beta: float, eps: float
+    ) -> None:
+        """Factors and eigenvalue EMAs from the *old* bases and eigenvalues."""
+        bases, eigenvalues = tile_state["bases"], tile_state["eigenvalues"]
+        inv_sqrt = [(lam.clamp_min(0) + eps).rsqrt() for lam in eigenvalues]
+        rotated = project(grad, bases)
+        numel = grad.numel()
+        new_terms = []
+        for dim in range(grad.dim()):
+            whitened = rotated
+            for other in range(grad.dim()):
+                if other != dim:
+                    whitened = _scale_along(whitened, inv_sqrt[other], other)
+            norm = grad.shape[dim] / numel
+            new_terms.append(_sum_except(whitened.square(), dim) * norm)
+            factor = tile_state["factors"][dim]
+            if factor is not None:
+                basis = bases[dim]
+                unrotated = whitened if basis is None else mode_product(whitened, basis, dim)
+                factor.mul_(beta).add_(factor_statistic(unrotated, dim), alpha=(1 - beta) * norm)
+        for lam, term in zip(eigenvalues, new_terms, strict=True):
+            lam.mul_(beta).add_(term, alpha=1 - beta)
+
+    # ------------------------------------------------------------------ bases
+    def _refresh(self, tile_state: dict[str, Any], version: int) -> None:
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            self._request(
+                PreconditionerRequest(
+                    block=block,
+                    version=version,
+                    kind=SolveKind.EIGENBASIS,
+                    matrix=tile_state["factors"][dim],
+                    basis=tile_state["bases"][dim],
+                    base_version=tile_state["versions"][dim],
+                    deadline_step=version,
+                )
+            )
+        self._install_ready(tile_state)
+
+    def _install_ready(self, tile_state: dict[str, Any]) -> None:
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            result = self._take_newer(block, tile_state["versions"][dim])
+            if result is not None:
+                self._install(tile_state, dim, result)
+
+    @staticmethod
+    def _install(tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
+        factor = tile_state["factors"][dim]
+        basis = result.matrix.to(device=factor.device, dtype=factor.dtype)
+        tile_state["bases"][dim] = basis
+        tile_state["eigenvalues"][dim] = (basis * (factor @ basis)).sum(dim=0).clamp_min(0)
+        tile_state["versions"][dim] = result.version

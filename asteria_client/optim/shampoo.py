@@ -1,0 +1,173 @@
+"""Shampoo with per-tile Adam grafting (Gupta et al. 2018; Anil et al. 2020; Shi et al. 2023).
+
+Per tile with gradient G (order k = number of preconditioned dimensions) and step t:
+
+- momentum ``M = b1 M + (1 - b1) G``; Adam's second moment ``V = b2 V + (1 - b2) G^2``;
+- factors ``L_i = b2 L_i + (1 - b2) G_(i) G_(i)^T`` every step;
+- every ``precondition_frequency`` steps (starting with the first) the inverse roots
+  ``P_i = (L_i / (1 - b2^t) + eps I)^(-1/(2k))`` are recomputed (negative eigenvalues clamped);
+- direction ``D = M_hat x_i P_i``, rescaled to the norm of Adam's direction
+  ``M_hat / (sqrt(V_hat) + graft_eps)`` (grafting); until the first roots arrive, D is Adam's;
+- decoupled weight decay ``p -= lr * wd * p``, then ``p -= lr * D``.
+
+1-D parameters and tiles without preconditioned dims use Adam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_range
+from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
+from asteria_client.optim.tensor_ops import apply_on_dims, factor_statistic
+from asteria_client.optim.updates import TINY, adam_direction, apply_update
+from asteria_client.runtime.source import PreconditionerRequest, SolveKind
+
+class Shampoo(AsteriaOptimizer):
+    """Shampoo with Adam grafting and a pluggable source of inverse roots.
+
+    Args:
+        params: ``model.named_parameters()`` or param groups of ``(name, tensor)`` pairs.
+        lr: learning rate (applied to the grafted direction, so Adam-like values work).
+        betas: (momentum, second-moment/factor EMA).
+        epsilon: added to the factors' eigenvalues before the root.
+        weight_decay: decoupled weight decay.
+        graft_eps: Adam epsilon of the grafting direction.
+        root_exponent: override the root exponent (default ``1 / (2k)`` for k factors).
+        precondition_frequency, max_preconditioner_dim, large_dim_policy, mode, nonfinite: as in
+            :class:`~asteria_client.optim.soap.SOAP`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        epsilon: float = 1e-12,
+        weight_decay: float = 0.0,
+        *,
+        graft_eps: float = 1e-8,
+        root_exponent: float | None = None,
+        precondition_frequency: int = 10,
+        max_preconditioner_dim: int = 1024,
+        large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
+        mode: Mode | str = Mode.NATIVE,
+        nonfinite: str = "raise",
+        **kwargs: Any,
+    ) -> None:
+        check_range("lr", lr, 0.0, float("inf"))
+        check_range("betas[0]", betas[0], 0.0, 1.0)
+        check_range("betas[1]", betas[1], 0.0, 1.0)
+        check_range("epsilon", epsilon, 0.0, float("inf"))
+        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        check_range("graft_eps", graft_eps, 0.0, float("inf"))
+        if root_exponent is not None:
+            check_range("root_exponent", root_exponent, 0.0, float("inf"))
+            if root_exponent == 0:
+                raise ValueError("root_exponent must be > 0")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "epsilon": epsilon,
+            "weight_decay": weight_decay,
+            "graft_eps": graft_eps,
+            "root_exponent": root_exponent,
+            "precondition_frequency": precondition_frequency,
+            "max_preconditioner_dim": max_preconditioner_dim,
+            "large_dim_policy": large_dim_policy,
+        }
+        super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
+
+    def _step_param(
+        self,
+        name: str,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        plan: BlockingPlan,
+    ) -> None:
+        dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+        tiles = plan.split(grad.to(dtype))
+        step = state["step"]
+        beta1, beta2 = group["betas"]
+        if step == 1:
+            state["tiles"] = [self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles)]
+
+        due = (step - 1) % group["precondition_frequency"] == 0
+        directions = []
+        for tile_state, g in zip(state["tiles"], tiles, strict=True):
+            tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+            tile_state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            for dim, factor in enumerate(tile_state["factors"]):
+                if factor is not None:
+                    factor.mul_(beta2).add_(factor_statistic(g, dim), alpha=1 - beta2)
+            if due:
+                self._submit_roots(tile_state, step, group)
+            self._install_ready(tile_state)
+            directions.append(self._direction(tile_state, step, group))
+        apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
+
+    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
+        plan = self._plans[name].tiles[tile]
+        factors: list[torch.Tensor | None] = []
+        blocks: list[str | None] = []
+        for dim, size in enumerate(plan.shape):
+            pre = plan.preconditioned[dim]
+            factors.append(grad.new_zeros(size, size) if pre else None)
+            blocks.append(block_name(name, tile, dim) if pre else None)
+        return {
+            "exp_avg": torch.zeros_like(grad),
+            "exp_avg_sq": torch.zeros_like(grad),
+            "factors": factors,
+            "roots": [None] * len(factors),
+            "versions": [-1] * len(factors),
+            "blocks": blocks,
+        }
+
+    def _submit_roots(self, tile_state: dict[str, Any], step: int, group: dict[str, Any]) -> None:
+        num_factors = sum(f is not None for f in tile_state["factors"])
+        if num_factors == 0:
+            return
+        exponent = group["root_exponent"] or 1.0 / (2 * num_factors)
+        correction = 1 - group["betas"][1] ** step
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            self._request(
+                PreconditionerRequest(
+                    block=block,
+                    version=step,
+                    kind=SolveKind.INVERSE_ROOT,
+                    matrix=tile_state["factors"][dim] / correction,
+                    exponent=exponent,
+                    epsilon=group["epsilon"],
+                    deadline_step=step,
+                )
+            )
+
+    def _install_ready(self, tile_state: dict[str, Any]) -> None:
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            result = self._take_newer(block, tile_state["versions"][dim])
+            if result is not None:
+                factor = tile_state["factors"][dim]
+                tile_state["roots"][dim] = result.matrix.to(factor.device, factor.dtype)
+                tile_state["versions"][dim] = result.version
+
+    @staticmethod
+    def _direction(tile_state: dict[str, Any], step: int, group: dict[str, Any]) -> torch.Tensor:
+        adam = adam_direction(
+            tile_state["exp_avg"], tile_state["exp_avg_sq"], step, group["betas"], group["graft_eps"]
+        )
+        roots = tile_state["roots"]
+        if all(r is None for r in roots):
+            return adam
+        m_hat = tile_state["exp_avg"] / (1 - group["betas"][0] ** step)
+        direction = apply_on_dims(m_hat, roots)
+        scale = adam.norm() / direction.norm().clamp_min(TINY)
+        return direction.mul_(scale)

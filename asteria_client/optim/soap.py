@@ -1,0 +1,219 @@
+"""SOAP: Adam in the slowly rotating eigenbasis of Shampoo's preconditioner.
+
+Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam" (2024), reference code
+nikhilvyas/SOAP. Per tile with gradient G and factors L_i (one per preconditioned dimension):
+
+- the first step only initializes: L_i = (1 - beta) G_(i) G_(i)^T and Q_i from a full eigh
+  (columns by descending eigenvalue); the weights do not move;
+- each later step t: G' = G x_i Q_i^T; first and second Adam moments m, v of G' live in the
+  basis; the update is ``-lr * sqrt(1 - b2^t) / (1 - b1^t) * (m / (sqrt(v) + eps)) x_i Q_i``,
+  then decoupled weight decay ``p -= lr * wd * p``;
+- the factors are updated after the parameter step, with the same G;
+- every ``precondition_frequency`` steps each basis is refreshed (sort by diag(Q^T L Q),
+  permute Q and v, one power-iteration step with QR); m is re-expressed in the new basis.
+
+Where the basis comes from is pluggable (``mode``); a new basis is installed exactly once per
+version: m is rotated with ``Q_new^T Q_old``; v is permuted by the refresh's column order when the
+refresh started from the basis in use, otherwise rotated with the squared overlaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_range
+from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
+from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
+from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult, SolveKind
+
+
+def _state_dtype(param: torch.Tensor) -> torch.dtype:
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+class SOAP(AsteriaOptimizer):
+    """SOAP with Asteria's blocking and pluggable eigenbasis source.
+
+    Args:
+        params: ``model.named_parameters()`` or param groups whose ``"params"`` are
+            ``(name, tensor)`` pairs.
+        lr, betas, eps, weight_decay: as in Adam(W); defaults follow the reference code.
+        shampoo_beta: EMA factor of the Kronecker factors; ``None`` uses ``betas[1]``.
+        precondition_frequency: steps between basis refreshes.
+        max_preconditioner_dim: largest factor dimension; see :mod:`blocking`.
+        large_dim_policy: ``"tile"`` (default) or ``"identity"`` for dims above the limit.
+        correct_bias: Adam bias correction of the step size.
+        mode: ``"native"`` (bases computed in step on the parameter's device).
+        nonfinite: ``"raise"`` (default) or ``"skip"`` steps whose gradients hold NaN/Inf.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        shampoo_beta: float | None = None,
+        precondition_frequency: int = 10,
+        max_preconditioner_dim: int = 10000,
+        large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
+        correct_bias: bool = True,
+        mode: Mode | str = Mode.NATIVE,
+        nonfinite: str = "raise",
+        **kwargs: Any,
+    ) -> None:
+        check_range("lr", lr, 0.0, float("inf"))
+        check_range("betas[0]", betas[0], 0.0, 1.0)
+        check_range("betas[1]", betas[1], 0.0, 1.0)
+        check_range("eps", eps, 0.0, float("inf"))
+        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        if shampoo_beta is not None:
+            check_range("shampoo_beta", shampoo_beta, 0.0, 1.0)
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "shampoo_beta": shampoo_beta,
+            "precondition_frequency": precondition_frequency,
+            "max_preconditioner_dim": max_preconditioner_dim,
+            "large_dim_policy": large_dim_policy,
+            "correct_bias": correct_bias,
+        }
+        super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
+
+    # ------------------------------------------------------------------ per parameter
+    def _step_param(
+        self,
+        name: str,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        plan: BlockingPlan,
+    ) -> None:
+        dtype = _state_dtype(param)
+        tiles = plan.split(grad.to(dtype))
+        shampoo_beta = group["shampoo_beta"]
+        if shampoo_beta is None:
+            shampoo_beta = group["betas"][1]
+        step = state["step"]
+
+        if step == 1:  # initialization only: factors and first bases, no parameter update
+            state["tiles"] = [self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles)]
+            for tile_state, g in zip(state["tiles"], tiles, strict=True):
+                self._update_factors(tile_state, g, shampoo_beta)
+                self._refresh(tile_state, step)
+            return
+
+        for tile_state in state["tiles"]:
+            self._install_ready(tile_state)  # results that arrived since the last step
+
+        t = step - 1  # the reference counts steps after the initialization
+        beta1, beta2 = group["betas"]
+        updates = []
+        for tile_state, g in zip(state["tiles"], tiles, strict=True):
+            bases = tile_state["bases"]
+            g_rot = project(g, bases)
+            exp_avg, exp_avg_sq = tile_state["exp_avg"], tile_state["exp_avg_sq"]
+            exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
+            denom = exp_avg_sq.sqrt().add_(group["eps"])
+            updates.append(project(exp_avg / denom, bases, back=True))
+
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
+        update = plan.merge(updates)
+        if param.dtype == dtype:
+            param.add_(update, alpha=-step_size)
+            if group["weight_decay"] > 0:
+                param.add_(param, alpha=-group["lr"] * group["weight_decay"])
+        else:  # half-precision parameters: do the arithmetic in float32, then round once
+            work = param.to(dtype).add_(update, alpha=-step_size)
+            if group["weight_decay"] > 0:
+                work.add_(work, alpha=-group["lr"] * group["weight_decay"])
+            param.copy_(work)
+
+        for tile_state, g in zip(state["tiles"], tiles, strict=True):
+            self._update_factors(tile_state, g, shampoo_beta)
+            if t % group["precondition_frequency"] == 0:
+                self._refresh(tile_state, step)
+
+    # ------------------------------------------------------------------ tiles and blocks
+    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
+        plan = self._plans[name].tiles[tile]
+        factors: list[torch.Tensor | None] = []
+        blocks: list[str | None] = []
+        for dim, size in enumerate(plan.shape):
+            if plan.preconditioned[dim]:
+                factors.append(grad.new_zeros(size, size))
+                blocks.append(block_name(name, tile, dim))
+            else:
+                factors.append(None)
+                blocks.append(None)
+        return {
+            "exp_avg": torch.zeros_like(grad),
+            "exp_avg_sq": torch.zeros_like(grad),
+            "factors": factors,
+            "bases": [None] * len(factors),
+            "versions": [-1] * len(factors),
+            "blocks": blocks,
+        }
+
+    @staticmethod
+    def _update_factors(tile_state: dict[str, Any], grad: torch.Tensor, beta: float) -> None:
+        for dim, factor in enumerate(tile_state["factors"]):
+            if factor is not None:
+                factor.lerp_(factor_statistic(grad, dim), 1 - beta)
+
+    def _refresh(self, tile_state: dict[str, Any], version: int) -> None:
+        """Submit every factor of the tile for a new basis, then install what is ready."""
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            self._request(
+                PreconditionerRequest(
+                    block=block,
+                    version=version,
+                    kind=SolveKind.EIGENBASIS,
+                    matrix=tile_state["factors"][dim],
+                    basis=tile_state["bases"][dim],
+                    base_version=tile_state["versions"][dim],
+                    deadline_step=version,
+                )
+            )
+        self._install_ready(tile_state)
+
+    def _install_ready(self, tile_state: dict[str, Any]) -> None:
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            result = self._take_newer(block, tile_state["versions"][dim])
+            if result is not None:
+                self._install(tile_state, dim, result)
+
+    @staticmethod
+    def _install(tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
+        """Move the moments into the new basis along ``dim`` — once per installed version."""
+        exp_avg, exp_avg_sq = tile_state["exp_avg"], tile_state["exp_avg_sq"]
+        new = result.matrix.to(device=exp_avg.device, dtype=exp_avg.dtype)
+        old = tile_state["bases"][dim]
+        if old is None:
+            overlap = new.T
+        else:
+            overlap = new.T @ old
+        tile_state["exp_avg"] = mode_product(exp_avg, overlap, dim)
+        same_base = result.base_version == tile_state["versions"][dim] and old is not None
+        if same_base and result.permutation is not None:
+            perm = result.permutation.to(exp_avg.device)
+            tile_state["exp_avg_sq"] = exp_avg_sq.index_select(dim, perm)
+        else:
+            tile_state["exp_avg_sq"] = mode_product(exp_avg_sq, overlap.square(), dim)
+        tile_state["bases"][dim] = new
+        tile_state["versions"][dim] = result.version

@@ -1,0 +1,1 @@
+"""The client runtime: where preconditioner results come from, their versions and staleness."""

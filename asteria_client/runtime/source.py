@@ -1,0 +1,171 @@
+"""Where an optimizer's inverse roots and eigenbases come from.
+
+An optimizer never calls an eigensolver directly. It *submits* a snapshot of a block's factor
+matrix, tagged with the optimizer step as its version, to a :class:`PreconditionerSource`, and
+later *takes* whatever result is ready. The source decides where and when the work runs:
+
+- :class:`NativeSource` computes synchronously inside ``submit`` with torch.linalg on the
+  factor's own device. It is the baseline every benchmark compares against.
+- the embedded engine and the daemon (later modules) compute asynchronously in other processes.
+
+Because every result carries the version of the snapshot it came from, the optimizer can install
+results from any source with the same rule: only a newer version replaces the one in use.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from asteria_client.optim import linalg
+from asteria_server.errors import SolverError
+
+
+class SolveKind(enum.Enum):
+    """What a block needs computed from its factor snapshot."""
+
+    INVERSE_ROOT = "inverse_root"
+    EIGENBASIS = "eigenbasis"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreconditionerRequest:
+    """A factor snapshot of one block and what to compute from it.
+
+    For ``EIGENBASIS``, ``basis`` is the basis the optimizer currently uses (``base_version``):
+    the result is one QR power-iteration step from it, or a full eigendecomposition when None.
+    ``deadline_step`` is the step at which the block would exceed its staleness budget; an
+    asynchronous source schedules the earliest deadline first.
+    """
+
+    block: str
+    version: int
+    kind: SolveKind
+    matrix: torch.Tensor
+    exponent: float = 0.25
+    epsilon: float = 1e-12
+    basis: torch.Tensor | None = None
+    base_version: int = -1
+    deadline_step: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreconditionerResult:
+    """A computed root (``INVERSE_ROOT``) or basis with eigenvalue estimates (``EIGENBASIS``)."""
+
+    block: str
+    version: int
+    kind: SolveKind
+    matrix: torch.Tensor
+    eigenvalues: torch.Tensor | None = None
+    permutation: torch.Tensor | None = None
+    base_version: int = -1
+    solve_time_s: float = 0.0
+
+
+@dataclass
+class SourceRecord:
+    """What a source knows about one block, for ``preconditioner_status()``."""
+
+    submitted_version: int = -1
+    computed_version: int = -1
+    failures: int = 0
+    consecutive_failures: int = 0
+    last_solve_s: float = 0.0
+    last_error: str = ""
+    computed_at: float = field(default=0.0)
+
+
+class PreconditionerSource(abc.ABC):
+    """The interface every source of roots and bases implements."""
+
+    #: True when ``submit`` returns only after the result is ready (native, S = 0).
+    synchronous: bool = False
+
+    @abc.abstractmethod
+    def submit(self, request: PreconditionerRequest) -> None:
+        """Hand over a snapshot. Never raises for numerical failures: those are recorded."""
+
+    @abc.abstractmethod
+    def take(self, block: str) -> PreconditionerResult | None:
+        """The newest ready result for ``block`` not yet taken, or None."""
+
+    def wait(self, block: str, min_version: int, timeout_s: float) -> PreconditionerResult | None:
+        """Wait up to ``timeout_s`` for a result with version >= ``min_version``."""
+        result = self.take(block)
+        return result if result is not None and result.version >= min_version else None
+
+    def in_flight_version(self, block: str) -> int | None:
+        """The version being computed (or queued) for ``block``, if any."""
+        return None
+
+    @abc.abstractmethod
+    def record(self, block: str) -> SourceRecord:
+        """Per-block bookkeeping for status reports."""
+
+    def close(self) -> None:
+        """Release workers, connections and memory. Idempotent."""
+
+
+def compute_locally(request: PreconditionerRequest) -> PreconditionerResult:
+    """Run one request with torch.linalg on the matrix's device (raises SolverError)."""
+    start = time.perf_counter()
+    eigenvalues = permutation = None
+    if request.kind is SolveKind.INVERSE_ROOT:
+        matrix = linalg.inverse_root(
+            request.matrix, request.exponent, request.epsilon, block=request.block
+        )
+    elif request.basis is None:
+        result = linalg.eigenbasis(request.matrix, block=request.block)
+        matrix, eigenvalues = result.basis, result.eigenvalues
+    else:
+        result = linalg.refresh_eigenbasis(request.matrix, request.basis, block=request.block)
+        matrix, eigenvalues, permutation = result.basis, result.eigenvalues, result.permutation
+    return PreconditionerResult(
+        block=request.block,
+        version=request.version,
+        kind=request.kind,
+        matrix=matrix,
+        eigenvalues=eigenvalues,
+        permutation=permutation,
+        base_version=request.base_version,
+        solve_time_s=time.perf_counter() - start,
+    )
+
+
+class NativeSource(PreconditionerSource):
+    """Synchronous torch.linalg on the parameter's device: results are ready when submit returns."""
+
+    synchronous = True
+
+    def __init__(self) -> None:
+        self._ready: dict[str, PreconditionerResult] = {}
+        self._records: dict[str, SourceRecord] = {}
+
+    def submit(self, request: PreconditionerRequest) -> None:
+        rec = self._records.setdefault(request.block, SourceRecord())
+        rec.submitted_version = max(rec.submitted_version, request.version)
+        try:
+            result = compute_locally(request)
+        except SolverError as exc:
+            rec.failures += 1
+            rec.consecutive_failures += 1
+            rec.last_error = str(exc)
+            return
+        rec.consecutive_failures = 0
+        rec.last_solve_s = result.solve_time_s
+        rec.computed_version = max(rec.computed_version, result.version)
+        rec.computed_at = time.monotonic()
+        current = self._ready.get(request.block)
+        if current is None or result.version > current.version:
+            self._ready[request.block] = result
+
+    def take(self, block: str) -> PreconditionerResult | None:
+        return self._ready.pop(block, None)
+
+    def record(self, block: str) -> SourceRecord:
+        return self._records.setdefault(block, SourceRecord())
