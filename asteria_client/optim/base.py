@@ -102,6 +102,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         source: PreconditionerSource | None = None,
     ) -> None:
         self._unnamed = 0
+        self._warned: set[str] = set()
         self.mode: Mode = parse_enum(Mode, mode, "mode")
         self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
         check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
@@ -113,7 +114,6 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._source = source if source is not None else make_source(self.mode)
         self._plans: dict[str, BlockingPlan] = {}
         self.skipped_steps = 0
-        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ parameters and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -3,14 +3,14 @@ arXiv 2509.03378), run in an eigenbasis refreshed by QR as in SOAP.
 
 Per tile W in R^{d_1 x ... x d_k} with gradient G, each preconditioned dimension i keeps a factor
 L_i, a basis Q_i and eigenvalue estimates lambda_i; an unpreconditioned dimension keeps only a
-diagonal lambda_i (Q_i = I). With ``P_j^{-1} = Q_j diag(lambda_j + eps)^{-1} Q_j^T`` from the
+diagonal lambda_i (Q_i = I). With ``P_j^{-1} = Q_j diag(reg(lambda_j))^{-1} Q_j^T`` from the
 *stored* (possibly stale) bases and eigenvalues, and N_i = numel / d_i:
 
 - ``H_i = G_(i) (kron_{j != i} P_j^{-1}) G_(i)^T / N_i`` (for a matrix: ``G R^-1 G^T / n``);
 - ``L_i = b2 L_i + (1 - b2) H_i`` — every factor from the old ones;
 - ``lambda_i = b2 lambda_i + (1 - b2) diag(Q_i^T H_i Q_i)`` — eigenvalues refreshed every step;
 - momentum ``M = b1 M + (1 - b1) G`` (kept in the parameter's own coordinates);
-- update ``-lr * (M_hat x_i Q_i^T) / prod_i sqrt(lambda_i + eps) x_i Q_i`` (that is
+- update ``-lr * (M_hat x_i Q_i^T) / prod_i sqrt(reg(lambda_i)) x_i Q_i`` (that is
   ``L^{-1/2} M R^{-1/2}`` applied in the eigenbasis), then decoupled weight decay;
 - every ``precondition_frequency`` steps each basis is refreshed by one QR power step (full eigh
   at the start); on install, lambda_i is re-estimated as diag(Q_i^T L_i Q_i). No Adam second
@@ -18,7 +18,8 @@ diagonal lambda_i (Q_i = I). With ``P_j^{-1} = Q_j diag(lambda_j + eps)^{-1} Q_j
 
 The first step only initializes: ``L_i = s * G_(i) G_(i)^T / N_i`` with s chosen so the Kronecker
 product of the factors has the trace of ``vec(G) vec(G)^T`` (the KL fixed point's scale), and the
-first bases come from eigh. 1-D parameters use Adam.
+first bases come from eigh. 1-D parameters use Adam. ``reg(lam) = max(lam, 0) + eps +
+damping * max(lam)`` (see :func:`regularized`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def _scale_along(tensor: torch.Tensor, vector: torch.Tensor, dim: int) -> torch.
     return tensor * vector.reshape(shape)
 
 
+def regularized(eigenvalues: torch.Tensor, eps: float, damping: float) -> torch.Tensor:
+    """``max(lam, 0) + eps + damping * max(lam)``: bounds each factor's condition number by about
+    1 / damping, so directions a gradient never visited (rank-deficient factors, unused embedding
+    rows) are not amplified by 1 / eps when rounding noise reaches them."""
+    lam = eigenvalues.clamp_min(0)
+    top = lam.max() if lam.numel() else lam.new_zeros(())
+    return lam + (eps + damping * top)
+
+
 def _sum_except(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     others = [d for d in range(tensor.dim()) if d != dim]
     return tensor.sum(dim=others) if others else tensor
@@ -51,7 +61,9 @@ class KLShampoo(AsteriaOptimizer):
 
     Args:
         params: ``model.named_parameters()`` or param groups of ``(name, tensor)`` pairs.
-        lr, betas, eps, weight_decay: momentum / factor EMA, and the eigenvalue regularizer.
+        lr, betas, weight_decay: step size, (momentum, factor/eigenvalue EMA), decoupled decay.
+        eps, damping: eigenvalues are regularized as ``max(lam, 0) + eps + damping * max(lam)``
+            before the inverse (square) roots.
         precondition_frequency, max_preconditioner_dim, large_dim_policy, mode, nonfinite: as in
             :class:`~asteria_client.optim.soap.SOAP`.
     """
@@ -64,6 +76,7 @@ class KLShampoo(AsteriaOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         *,
+        damping: float = 1e-4,
         precondition_frequency: int = 10,
         max_preconditioner_dim: int = 10000,
         large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
@@ -76,10 +89,12 @@ class KLShampoo(AsteriaOptimizer):
         check_range("betas[1]", betas[1], 0.0, 1.0)
         check_range("eps", eps, 0.0, float("inf"))
         check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        check_range("damping", damping, 0.0, 1.0)
         defaults = {
             "lr": lr,
             "betas": betas,
             "eps": eps,
+            "damping": damping,
             "weight_decay": weight_decay,
             "precondition_frequency": precondition_frequency,
             "max_preconditioner_dim": max_preconditioner_dim,
@@ -124,12 +139,13 @@ class KLShampoo(AsteriaOptimizer):
         directions = []
         for tile_state, g in zip(state["tiles"], tiles, strict=True):
             self._install_ready(tile_state)
-            self._update_statistics(tile_state, g, beta2, group["eps"])
+            self._update_statistics(tile_state, g, beta2, group["eps"], group["damping"])
             exp_avg = tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
             m_hat = exp_avg / (1 - beta1**t)
             rotated = project(m_hat, tile_state["bases"])
             for dim, lam in enumerate(tile_state["eigenvalues"]):
-                rotated = _scale_along(rotated, (lam.clamp_min(0) + group["eps"]).rsqrt(), dim)
+                scale = regularized(lam, group["eps"], group["damping"]).rsqrt()
+                rotated = _scale_along(rotated, scale, dim)
             directions.append(project(rotated, tile_state["bases"], back=True))
         apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
 
@@ -141,7 +157,7 @@ class KLShampoo(AsteriaOptimizer):
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
         plan = self._plans[name].tiles[tile]
         numel = grad.numel()
-        stats = [factor_statistic(grad, d) * (d_size / numel) for d, d_size in enumerate(grad.shape)]
+        stats = [factor_statistic(grad, d) / (numel // size) for d, size in enumerate(grad.shape)]
         traces = torch.stack([s.trace() for s in stats])
         total = grad.square().sum()
         if bool(total > 0) and bool((traces > 0).all()):
@@ -171,11 +187,11 @@ class KLShampoo(AsteriaOptimizer):
 
     @staticmethod
     def _update_statistics(
-        tile_state: dict[str, Any], grad: torch.Tensor, beta: float, eps: float
+        tile_state: dict[str, Any], grad: torch.Tensor, beta: float, eps: float, damping: float
     ) -> None:
         """Factors and eigenvalue EMAs from the *old* bases and eigenvalues."""
         bases, eigenvalues = tile_state["bases"], tile_state["eigenvalues"]
-        inv_sqrt = [(lam.clamp_min(0) + eps).rsqrt() for lam in eigenvalues]
+        inv_sqrt = [regularized(lam, eps, damping).rsqrt() for lam in eigenvalues]
         rotated = project(grad, bases)
         numel = grad.numel()
         new_terms = []

