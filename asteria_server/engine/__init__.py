@@ -1,0 +1,32 @@
+"""The preconditioner engine: pure Python + NumPy/SciPy, no transport.
+
+It runs embedded in a training process and, unchanged, inside the node daemon. Modules:
+``tasks`` (value types), ``solvers`` (the math), ``registry`` (versions per block),
+``scheduler`` (what runs next), ``coordinator`` (registry + scheduler in step), ``shm``,
+``workers`` and ``worker_process`` (the process pool, both sides), ``faults`` (test-only fault
+injection), ``engine`` (the thread-safe facade).
+"""
+
+from asteria_server.engine.engine import EngineConfig, EngineStats, PreconditionerEngine
+from asteria_server.engine.registry import BlockState, BlockStatus, CoherenceRegistry
+from asteria_server.engine.scheduler import CostModel, Scheduler
+from asteria_server.engine.solvers import EighSolver, SolverConfig, solve
+from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
+
+__all__ = [
+    "BlockState",
+    "BlockStatus",
+    "CoherenceRegistry",
+    "CostModel",
+    "EighSolver",
+    "EngineConfig",
+    "EngineStats",
+    "PreconditionerEngine",
+    "Scheduler",
+    "SolveKind",
+    "SolveResult",
+    "SolveTask",
+    "SolverConfig",
+    "SubmitOutcome",
+    "solve",
+]

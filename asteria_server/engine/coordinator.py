@@ -1,0 +1,121 @@
+"""The engine's bookkeeping without threads: registry and scheduler kept in step.
+
+:class:`Coordinator` is what :class:`~asteria_server.engine.engine.PreconditionerEngine` calls
+under its lock. It has no locks, threads or processes of its own, so every rule of the runtime
+(latest wins, dedupe, no version regression, failures counted, garbage never delivered) can be
+tested with plain calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from asteria_server.engine.registry import BlockStatus, CoherenceRegistry
+from asteria_server.engine.scheduler import CostModel, ScheduledTask, Scheduler
+from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
+
+logger = logging.getLogger(__name__)
+
+
+def result_problem(task: SolveTask, result: SolveResult) -> str | None:
+    """Why ``result`` cannot be delivered for ``task`` (None when it can).
+
+    The last line of defence: whatever a worker sends back, a result of the wrong identity,
+    shape or dtype, or holding NaN/Inf, never reaches a client.
+    """
+    n = task.n
+    if result.key != task.key or result.version != task.version or result.kind is not task.kind:
+        return "result does not match its task"
+    if result.matrix.shape != (n, n) or result.matrix.dtype != np.float32:
+        return f"result matrix has shape {result.matrix.shape} and dtype {result.matrix.dtype}"
+    if task.kind is SolveKind.EIGENBASIS:
+        if result.eigenvalues is None or result.eigenvalues.shape != (n,):
+            return "eigenbasis result lacks its n eigenvalue estimates"
+        if task.is_refresh and (result.permutation is None or result.permutation.shape != (n,)):
+            return "QR refresh result lacks its permutation"
+    if not result.is_finite():
+        return "result holds NaN or Inf"
+    return None
+
+
+class Coordinator:
+    """Registry + scheduler: one call per event of a snapshot's life."""
+
+    def __init__(
+        self,
+        *,
+        cost_model: CostModel | None = None,
+        max_consecutive_failures: int = 3,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = CoherenceRegistry(
+            max_consecutive_failures=max_consecutive_failures, clock=clock
+        )
+        self.scheduler = Scheduler(cost_model)
+        self.solves_done = 0
+        self.solves_failed = 0
+        self.results_discarded = 0
+
+    def submit(self, task: SolveTask) -> SubmitOutcome:
+        """Classify and (if accepted) queue a snapshot."""
+        outcome = self.registry.on_submit(task.tenant, task.block, task.version)
+        if outcome.accepted:
+            queued = self.scheduler.push(task)
+            assert queued is outcome, (queued, outcome)
+        return outcome
+
+    def next_task(self) -> ScheduledTask | None:
+        """Pop the next task to run and mark its block running."""
+        entry = self.scheduler.pop()
+        if entry is not None:
+            self.registry.on_dispatch(entry.task.tenant, entry.task.block, entry.task.version)
+        return entry
+
+    def complete(self, task: SolveTask, result: SolveResult) -> bool:
+        """A worker returned ``result`` for ``task``. Returns True when it became the block's
+        newest result; a malformed or non-finite result is recorded as a failure instead."""
+        problem = result_problem(task, result)
+        if problem is not None:
+            self.fail(task, f"block {task.block!r} version {task.version}: {problem}")
+            return False
+        self.scheduler.finish(task.tenant, task.block, result.solve_time_s)
+        self.solves_done += 1
+        accepted = self.registry.on_result(result)
+        if not accepted:
+            self.results_discarded += 1
+        return accepted
+
+    def fail(self, task: SolveTask, message: str, *, measured_s: float | None = None) -> None:
+        """A task failed for good (solver error, crash or timeout after its retries)."""
+        self.scheduler.finish(task.tenant, task.block, measured_s)
+        self.solves_failed += 1
+        marked = self.registry.on_failure(task.tenant, task.block, task.version, message)
+        if marked:
+            logger.warning(
+                "block %r (tenant %r) marked FAILED after %d consecutive failed solves; "
+                "its last good result stays in use. Last error: %s",
+                task.block,
+                task.tenant,
+                self.registry.max_consecutive_failures,
+                message,
+            )
+        elif self.registry.consecutive_failures(task.tenant, task.block) == 1:
+            logger.info("solve failed: %s", message)  # repeats of a streak are logged at debug
+        else:
+            logger.debug("solve failed: %s", message)
+
+    def take(self, tenant: str, block: str) -> SolveResult | None:
+        return self.registry.take(tenant, block)
+
+    def in_flight_version(self, tenant: str, block: str) -> int | None:
+        return self.registry.in_flight_version(tenant, block)
+
+    def queue_depth(self) -> int:
+        return len(self.scheduler)
+
+    def status(self, tenant: str | None = None) -> list[BlockStatus]:
+        return self.registry.status(tenant, self.scheduler.positions())

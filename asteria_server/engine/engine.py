@@ -1,0 +1,367 @@
+"""The preconditioner engine: the one object a training process (or the daemon) talks to.
+
+:class:`PreconditionerEngine` owns the bookkeeping (:class:`Coordinator`: registry + scheduler),
+the :class:`WorkerPool`, and one *dispatcher* thread that feeds idle workers from the scheduler
+and records what they return. Its API is transport-free and thread-safe: plain Python values in
+and out, so the embedded mode calls it directly and the gRPC service wraps it thinly.
+
+Guarantees:
+
+- ``submit`` never blocks on a solve and never raises for numerical problems (those are solve
+  failures, counted in ``status()``); it raises only when the engine is closed or broken.
+- A result is delivered at most once per version, only if newer than what was computed before,
+  and only if finite and well-formed. A failed solve keeps the last good result.
+- ``wait_result`` is bounded by its timeout and returns early when waiting cannot succeed.
+- ``close`` stops the thread, the workers and removes every shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+
+from asteria_server.engine.coordinator import Coordinator
+from asteria_server.engine.registry import BlockStatus
+from asteria_server.engine.scheduler import CostModel
+from asteria_server.engine.solvers import SolverConfig
+from asteria_server.engine.tasks import DEFAULT_TENANT, SolveResult, SolveTask, SubmitOutcome
+from asteria_server.engine.workers import (
+    START_METHODS,
+    PoolConfig,
+    PoolEvent,
+    WorkerPool,
+    default_num_workers,
+)
+from asteria_server.errors import EngineUnavailableError
+
+logger = logging.getLogger(__name__)
+
+#: how long the dispatcher sleeps when nothing happens (it is woken on every submit).
+_IDLE_POLL_S = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Configuration of :class:`PreconditionerEngine`.
+
+    Attributes:
+        num_workers: solver worker processes (default: usable CPUs - 1, at least 1).
+        blas_threads: BLAS threads per worker.
+        solve_timeout_s: a solve running longer is killed and run again (``math.inf``: never).
+        max_attempts: numeric attempts per solve, escalating epsilon (inside the worker).
+        max_worker_attempts: worker runs of one task lost to a crash/timeout before it fails.
+        max_consecutive_failures: failed solves in a row after which a block is FAILED.
+        calibrate: time a small eigh at start to calibrate the cost model (a few ms).
+        seconds_per_n3: a known cost-model constant; set, it skips calibration (tests).
+        start_method: ``"subprocess"`` (default), ``"spawn"`` or ``"forkserver"``.
+        worker_start_timeout_s: a worker not ready this long after its start is replaced.
+        test_fault_prefix: TEST-ONLY fault injection by block name (see ``engine.faults``);
+            None, the default, disables it.
+    """
+
+    num_workers: int = field(default_factory=default_num_workers)
+    blas_threads: int = 1
+    solve_timeout_s: float = 600.0
+    max_attempts: int = 3
+    max_worker_attempts: int = 2
+    max_consecutive_failures: int = 3
+    calibrate: bool = True
+    seconds_per_n3: float | None = None
+    start_method: str = "subprocess"
+    worker_start_timeout_s: float = 60.0
+    test_fault_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_workers",
+            "blas_threads",
+            "max_attempts",
+            "max_worker_attempts",
+            "max_consecutive_failures",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("solve_timeout_s", "worker_start_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or math.isnan(value) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a number > 0, got {value!r}")
+        if not isinstance(self.calibrate, bool):
+            raise ValueError(f"EngineConfig.calibrate must be a bool, got {self.calibrate!r}")
+        if self.seconds_per_n3 is not None and not (
+            isinstance(self.seconds_per_n3, int | float) and 0 < self.seconds_per_n3 < math.inf
+        ):
+            raise ValueError(
+                f"EngineConfig.seconds_per_n3 must be None or a finite number > 0, "
+                f"got {self.seconds_per_n3!r}"
+            )
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"EngineConfig.start_method must be one of {START_METHODS}, "
+                f"got {self.start_method!r}"
+            )
+        if self.test_fault_prefix is not None and not (
+            isinstance(self.test_fault_prefix, str) and self.test_fault_prefix
+        ):
+            raise ValueError(
+                "EngineConfig.test_fault_prefix must be None or a non-empty string, "
+                f"got {self.test_fault_prefix!r}"
+            )
+
+    def pool_config(self) -> PoolConfig:
+        """The worker pool's share of this config."""
+        return PoolConfig(
+            num_workers=self.num_workers,
+            blas_threads=self.blas_threads,
+            solve_timeout_s=self.solve_timeout_s,
+            max_worker_attempts=self.max_worker_attempts,
+            start_timeout_s=self.worker_start_timeout_s,
+            start_method=self.start_method,
+            solver=SolverConfig(max_attempts=self.max_attempts, blas_threads=None),
+            test_fault_prefix=self.test_fault_prefix,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    """Engine-wide health numbers for ``asteria status``."""
+
+    incarnation_id: str
+    uptime_s: float
+    num_workers: int
+    workers_busy: int
+    workers_idle: int
+    worker_restarts: int
+    queue_depth: int
+    blocks: int
+    solves_done: int
+    solves_failed: int
+    results_discarded: int
+    seconds_per_n3: float
+    closed: bool
+    broken_reason: str | None
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class PreconditionerEngine:
+    """Asynchronous inverse roots and eigenbases for many blocks; see the module docstring."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config if config is not None else EngineConfig()
+        self.incarnation_id = uuid.uuid4().hex
+        self._started = time.monotonic()
+        if self.config.seconds_per_n3 is not None:
+            cost = CostModel(seconds_per_n3=self.config.seconds_per_n3)
+        elif self.config.calibrate:
+            cost = CostModel.calibrate(blas_threads=self.config.blas_threads)
+        else:
+            cost = CostModel()
+        self._coord = Coordinator(
+            cost_model=cost, max_consecutive_failures=self.config.max_consecutive_failures
+        )
+        self._cond = threading.Condition(threading.Lock())
+        self._jobs: dict[int, SolveTask] = {}
+        self._next_job = 0
+        self._closing = False
+        self._closed = False
+        self._broken: str | None = None
+        self._pool = WorkerPool(self.config.pool_config())
+        self._thread = threading.Thread(
+            target=self._dispatch_loop, name="asteria-engine-dispatch", daemon=True
+        )
+        self._thread.start()
+        atexit.register(self.close)
+        logger.info(
+            "preconditioner engine %s started: %d workers, %d BLAS thread(s) each",
+            self.incarnation_id,
+            self.config.num_workers,
+            self.config.blas_threads,
+        )
+
+    # ------------------------------------------------------------------ client API
+
+    def submit(self, task: SolveTask) -> SubmitOutcome:
+        """Hand over a snapshot (non-blocking). Raises EngineUnavailableError when closed."""
+        if not isinstance(task, SolveTask):
+            raise TypeError(f"submit() takes a SolveTask, got {type(task).__name__}")
+        with self._cond:
+            self._check_usable()
+            outcome = self._coord.submit(task)
+            if outcome.accepted:
+                self._pool.wakeup()
+            return outcome
+
+    def take_result(self, block: str, tenant: str = DEFAULT_TENANT) -> SolveResult | None:
+        """The newest computed result of ``block`` not yet delivered (now delivered), or None."""
+        with self._cond:
+            return self._coord.take(tenant, block)
+
+    def wait_result(
+        self, block: str, min_version: int, timeout_s: float, tenant: str = DEFAULT_TENANT
+    ) -> SolveResult | None:
+        """Wait up to ``timeout_s`` for an undelivered result with version >= ``min_version``
+        and take it.
+
+        Returns None at once when waiting cannot help: the newest result, >= ``min_version``, was
+        already delivered; nothing >= ``min_version`` is queued or running (never submitted,
+        ignored as stale, or its solve failed); or the engine is closed. A version that was
+        superseded in the queue by a newer one still satisfies the wait through the newer one.
+        """
+        registry = self._coord.registry
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            while True:
+                computed = registry.computed_version(tenant, block)
+                delivered = registry.delivered_version(tenant, block)
+                if computed >= min_version and computed > delivered:
+                    return self._coord.take(tenant, block)
+                if delivered >= min_version:
+                    return None
+                in_flight = self._coord.in_flight_version(tenant, block)
+                if self._closing or self._broken or in_flight is None or in_flight < min_version:
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def in_flight_version(self, block: str, tenant: str = DEFAULT_TENANT) -> int | None:
+        """The queued (else running) version of ``block``, or None."""
+        with self._cond:
+            return self._coord.in_flight_version(tenant, block)
+
+    def status(self, tenant: str | None = None) -> list[BlockStatus]:
+        """Per-block status, of one tenant or all."""
+        with self._cond:
+            return self._coord.status(tenant)
+
+    def stats(self) -> EngineStats:
+        """Engine-wide numbers."""
+        with self._cond:
+            busy = self._coord.scheduler.num_running()
+            return EngineStats(
+                incarnation_id=self.incarnation_id,
+                uptime_s=time.monotonic() - self._started,
+                num_workers=self._pool.num_workers,
+                workers_busy=busy,
+                workers_idle=max(0, self._pool.num_workers - busy) if not self._closed else 0,
+                worker_restarts=self._pool.restarts,
+                queue_depth=self._coord.queue_depth(),
+                blocks=len(self._coord.registry),
+                solves_done=self._coord.solves_done,
+                solves_failed=self._coord.solves_failed,
+                results_discarded=self._coord.results_discarded,
+                seconds_per_n3=self._coord.scheduler.cost_model.seconds_per_n3,
+                closed=self._closing,
+                broken_reason=self._broken,
+            )
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the solver processes (for tests and diagnostics)."""
+        return self._pool.worker_pids()
+
+    def close(self) -> None:
+        """Stop the dispatcher and the workers, unlink shared memory. Idempotent."""
+        with self._cond:
+            if self._closing:
+                already = True
+            else:
+                already = False
+                self._closing = True
+                self._pool.wakeup()
+                self._cond.notify_all()
+        if already:
+            self._thread.join()
+            return
+        self._thread.join()
+        self._pool.close()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        atexit.unregister(self.close)
+        logger.info("preconditioner engine %s closed", self.incarnation_id)
+
+    def __enter__(self) -> PreconditionerEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ dispatcher thread
+
+    def _check_usable(self) -> None:
+        if self._closing:
+            raise EngineUnavailableError("the preconditioner engine is closed")
+        if self._broken is not None:
+            raise EngineUnavailableError(
+                f"the preconditioner engine stopped working: {self._broken}; "
+                "create a new engine (the optimizer keeps its last good results meanwhile)"
+            )
+
+    def _dispatch_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if self._closing:
+                        return
+                    batch = []
+                    for _ in range(self._pool.num_idle()):
+                        entry = self._coord.next_task()
+                        if entry is None:
+                            break
+                        self._next_job += 1
+                        self._jobs[self._next_job] = entry.task
+                        batch.append((self._next_job, entry.task))
+                failed = []
+                for job_id, task in batch:  # copies into shared memory: outside the lock
+                    try:
+                        self._pool.submit(job_id, task)
+                    except EngineUnavailableError as exc:
+                        failed.append((job_id, task, str(exc)))
+                events = self._pool.poll(_IDLE_POLL_S)
+                with self._cond:
+                    for job_id, task, why in failed:
+                        self._jobs.pop(job_id, None)
+                        self._coord.fail(task, f"block {task.block!r}: {why}")
+                    for event in events:
+                        self._record(event)
+                    if self._pool.broken_reason is not None and self._broken is None:
+                        self._broken = self._pool.broken_reason
+                    if failed or events or self._broken:
+                        self._cond.notify_all()
+                    if self._broken is not None:
+                        self._fail_all_queued(self._broken)
+                        return
+        except Exception as exc:
+            logger.exception("preconditioner engine dispatcher crashed")
+            with self._cond:
+                self._broken = f"dispatcher crashed: {type(exc).__name__}: {exc}"
+                self._fail_all_queued(self._broken)
+                self._cond.notify_all()
+
+    def _record(self, event: PoolEvent) -> None:
+        task = self._jobs.pop(event.job_id, event.task)
+        if event.result is not None:
+            self._coord.complete(task, event.result)
+        else:
+            self._coord.fail(task, event.error or "unknown worker failure")
+
+    def _fail_all_queued(self, why: str) -> None:
+        for job_id in list(self._jobs):  # first the running ones: that unblocks their successors
+            task = self._jobs.pop(job_id)
+            self._coord.fail(task, f"block {task.block!r}: engine stopped: {why}")
+        while (entry := self._coord.next_task()) is not None:
+            self._coord.fail(entry.task, f"block {entry.task.block!r}: engine stopped: {why}")

@@ -1,0 +1,71 @@
+"""TEST-ONLY fault injection for the worker pool. Off unless a prefix is configured.
+
+Fault tests must inject *real* faults (a worker killed by a signal, a solve that never returns,
+a worker that sends back NaN) into real worker processes. The pool enables this only when its
+config sets ``test_fault_prefix`` (default None, i.e. never in production). Then a task whose
+block name is ``<prefix><fault>[-once][:anything]`` makes the worker misbehave:
+
+- ``crash``: the worker SIGKILLs itself before solving;
+- ``exit``:  the worker calls ``os._exit(3)`` before solving;
+- ``hang``:  the worker sleeps "forever" instead of solving (the pool's timeout must kill it);
+- ``nan``:   the worker solves, then overwrites its output with NaN and reports success (the
+  parent's result check must catch it);
+- ``error``: the worker raises an unexpected exception.
+
+With ``-once`` the fault fires on the task's first worker run only, so a retry can succeed.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import time
+
+import numpy as np
+
+
+class Fault(enum.Enum):
+    """A misbehaviour a worker can be told to show (tests only)."""
+
+    CRASH = "crash"
+    EXIT = "exit"
+    HANG = "hang"
+    NAN = "nan"
+    ERROR = "error"
+
+
+def fault_for(block: str, prefix: str | None, attempt: int) -> Fault | None:
+    """The fault to inject into worker run ``attempt`` (1-based) of ``block``, if any."""
+    if not prefix or not block.startswith(prefix):
+        return None
+    spec = block[len(prefix) :].split(":", 1)[0]
+    once = spec.endswith("-once")
+    if once:
+        spec = spec[: -len("-once")]
+    try:
+        fault = Fault(spec)
+    except ValueError:
+        return None
+    if once and attempt > 1:
+        return None
+    return fault
+
+
+def inject_before_solve(fault: Fault | None) -> None:
+    """Misbehave in the worker before the solve (crash, exit, hang, error)."""
+    if fault is Fault.CRASH:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault is Fault.EXIT:
+        os._exit(3)
+    elif fault is Fault.HANG:
+        time.sleep(3600.0)
+    elif fault is Fault.ERROR:
+        raise RuntimeError("injected worker error (test-only fault)")
+
+
+def corrupt_output(fault: Fault | None, *arrays: np.ndarray) -> None:
+    """Overwrite the worker's output with NaN (the ``nan`` fault)."""
+    if fault is Fault.NAN:
+        for array in arrays:
+            array[...] = np.nan

@@ -1,0 +1,284 @@
+"""The coherence registry: per block, which version was submitted, computed and delivered.
+
+One record per ``(tenant, block)``. The rules it enforces are the runtime's version rules:
+
+- **versions never go backwards**: a submitted version older than the latest submitted one is
+  ``STALE_IGNORED`` and the same one is a ``DUPLICATE`` (both counted, neither an error);
+- **latest wins**: a newer submission replaces a queued older one (``SUPERSEDED_QUEUED``);
+- **a result never replaces a newer one**: it is accepted only if its version is newer than the
+  computed version;
+- **failures are counted, never delivered**: the last good result stays; after
+  ``max_consecutive_failures`` failed solves in a row the block is FAILED until a solve succeeds.
+
+Staleness here is measured against what the client has *submitted*:
+``staleness_steps = submitted_version - version`` where ``version`` is the newest computed one and
+-1 when none exists, so a block never computed has staleness ``submitted_version + 1`` and a block
+never submitted has 0. (The client adds its own current step to this picture.)
+
+The registry is not thread-safe; the engine serializes access with its lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+from asteria_server.engine.tasks import SolveResult, SubmitOutcome
+
+Key = tuple[str, str]
+
+
+class BlockState(enum.Enum):
+    """Where a block is. FAILED wins over the others until a solve of the block succeeds."""
+
+    IDLE = "idle"
+    QUEUED = "queued"
+    RUNNING = "running"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockStatus:
+    """A snapshot of one block's record, for ``status()`` and ``asteria status``.
+
+    Versions are -1 when there is none; times are None when the event never happened.
+    ``in_flight_version`` is the queued version if any, else the running one.
+    """
+
+    tenant: str
+    block: str
+    version: int
+    submitted_version: int
+    in_flight_version: int
+    queued_version: int
+    running_version: int
+    delivered_version: int
+    staleness_steps: int
+    age_s: float | None
+    submitted_age_s: float | None
+    delivered_age_s: float | None
+    last_solve_s: float | None
+    failures: int
+    consecutive_failures: int
+    duplicates: int
+    stale_ignored: int
+    superseded: int
+    state: BlockState
+    last_error: str | None
+    queue_position: int | None
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready mapping (``state`` as its string value)."""
+        out = asdict(self)
+        out["state"] = self.state.value
+        return out
+
+
+@dataclass
+class _Record:
+    tenant: str
+    block: str
+    submitted_version: int = -1
+    queued_version: int = -1
+    running_version: int = -1
+    computed_version: int = -1
+    delivered_version: int = -1
+    submitted_at: float | None = None
+    computed_at: float | None = None
+    delivered_at: float | None = None
+    last_solve_s: float | None = None
+    failures: int = 0
+    consecutive_failures: int = 0
+    duplicates: int = 0
+    stale_ignored: int = 0
+    superseded: int = 0
+    failed: bool = False
+    last_error: str | None = None
+    result: SolveResult | None = None
+
+    @property
+    def in_flight_version(self) -> int:
+        return self.queued_version if self.queued_version >= 0 else self.running_version
+
+    @property
+    def state(self) -> BlockState:
+        if self.failed:
+            return BlockState.FAILED
+        if self.running_version >= 0:
+            return BlockState.RUNNING
+        if self.queued_version >= 0:
+            return BlockState.QUEUED
+        return BlockState.IDLE
+
+
+class CoherenceRegistry:
+    """Per-block versions, times and failures; holds the newest good result of every block."""
+
+    def __init__(
+        self, *, max_consecutive_failures: int = 3, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not isinstance(max_consecutive_failures, int) or max_consecutive_failures < 1:
+            raise ValueError(
+                "CoherenceRegistry.max_consecutive_failures must be an int >= 1, "
+                f"got {max_consecutive_failures!r}"
+            )
+        self.max_consecutive_failures = max_consecutive_failures
+        self._clock = clock
+        self._records: dict[Key, _Record] = {}
+
+    def _record(self, tenant: str, block: str) -> _Record:
+        rec = self._records.get((tenant, block))
+        if rec is None:
+            rec = self._records[(tenant, block)] = _Record(tenant, block)
+        return rec
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._records
+
+    # ------------------------------------------------------------------ events
+
+    def on_submit(self, tenant: str, block: str, version: int) -> SubmitOutcome:
+        """Record a submission and classify it (see the module docstring)."""
+        rec = self._record(tenant, block)
+        if version < rec.submitted_version:
+            rec.stale_ignored += 1
+            return SubmitOutcome.STALE_IGNORED
+        if version == rec.submitted_version:
+            rec.duplicates += 1
+            return SubmitOutcome.DUPLICATE
+        outcome = SubmitOutcome.QUEUED
+        if rec.queued_version >= 0:
+            rec.superseded += 1
+            outcome = SubmitOutcome.SUPERSEDED_QUEUED
+        rec.submitted_version = rec.queued_version = version
+        rec.submitted_at = self._clock()
+        return outcome
+
+    def on_dispatch(self, tenant: str, block: str, version: int) -> None:
+        """The queued version of a block was handed to a worker."""
+        rec = self._record(tenant, block)
+        assert rec.queued_version == version, (rec.queued_version, version)
+        assert rec.running_version < 0, rec.running_version
+        rec.queued_version = -1
+        rec.running_version = version
+
+    def on_result(self, result: SolveResult) -> bool:
+        """A solve succeeded; store it if it is newer than the computed one. Returns accepted."""
+        rec = self._record(result.tenant, result.block)
+        if rec.running_version == result.version:
+            rec.running_version = -1
+        rec.consecutive_failures = 0
+        rec.failed = False
+        if result.version <= rec.computed_version:
+            return False
+        rec.computed_version = result.version
+        rec.computed_at = self._clock()
+        rec.last_solve_s = result.solve_time_s
+        rec.result = result
+        return True
+
+    def on_failure(self, tenant: str, block: str, version: int, message: str) -> bool:
+        """A solve failed for good. Returns True when this failure marked the block FAILED."""
+        rec = self._record(tenant, block)
+        if rec.running_version == version:
+            rec.running_version = -1
+        rec.failures += 1
+        rec.consecutive_failures += 1
+        rec.last_error = message
+        if rec.failed or rec.consecutive_failures < self.max_consecutive_failures:
+            return False
+        rec.failed = True
+        return True
+
+    def take(self, tenant: str, block: str) -> SolveResult | None:
+        """The newest computed result if not delivered yet (it becomes delivered), else None."""
+        rec = self._records.get((tenant, block))
+        if rec is None or rec.result is None or rec.computed_version <= rec.delivered_version:
+            return None
+        rec.delivered_version = rec.computed_version
+        rec.delivered_at = self._clock()
+        return rec.result
+
+    # ------------------------------------------------------------------ queries
+
+    def latest_result(self, tenant: str, block: str) -> SolveResult | None:
+        """The newest good result, delivered or not (None if there is none)."""
+        rec = self._records.get((tenant, block))
+        return None if rec is None else rec.result
+
+    def computed_version(self, tenant: str, block: str) -> int:
+        rec = self._records.get((tenant, block))
+        return -1 if rec is None else rec.computed_version
+
+    def delivered_version(self, tenant: str, block: str) -> int:
+        rec = self._records.get((tenant, block))
+        return -1 if rec is None else rec.delivered_version
+
+    def submitted_version(self, tenant: str, block: str) -> int:
+        rec = self._records.get((tenant, block))
+        return -1 if rec is None else rec.submitted_version
+
+    def consecutive_failures(self, tenant: str, block: str) -> int:
+        rec = self._records.get((tenant, block))
+        return 0 if rec is None else rec.consecutive_failures
+
+    def in_flight_version(self, tenant: str, block: str) -> int | None:
+        """The queued version if any, else the running one, else None."""
+        rec = self._records.get((tenant, block))
+        if rec is None or rec.in_flight_version < 0:
+            return None
+        return rec.in_flight_version
+
+    def state(self, tenant: str, block: str) -> BlockState | None:
+        rec = self._records.get((tenant, block))
+        return None if rec is None else rec.state
+
+    def keys(self) -> Iterable[Key]:
+        return self._records.keys()
+
+    def status(
+        self, tenant: str | None = None, queue_positions: Mapping[Key, int] | None = None
+    ) -> list[BlockStatus]:
+        """Every block's status (of one tenant if given), sorted by (tenant, block)."""
+        now = self._clock()
+        positions = queue_positions or {}
+
+        def age(t: float | None) -> float | None:
+            return None if t is None else max(0.0, now - t)
+
+        out = []
+        for key in sorted(self._records):
+            rec = self._records[key]
+            if tenant is not None and rec.tenant != tenant:
+                continue
+            out.append(
+                BlockStatus(
+                    tenant=rec.tenant,
+                    block=rec.block,
+                    version=rec.computed_version,
+                    submitted_version=rec.submitted_version,
+                    in_flight_version=rec.in_flight_version,
+                    queued_version=rec.queued_version,
+                    running_version=rec.running_version,
+                    delivered_version=rec.delivered_version,
+                    staleness_steps=rec.submitted_version - rec.computed_version,
+                    age_s=age(rec.computed_at),
+                    submitted_age_s=age(rec.submitted_at),
+                    delivered_age_s=age(rec.delivered_at),
+                    last_solve_s=rec.last_solve_s,
+                    failures=rec.failures,
+                    consecutive_failures=rec.consecutive_failures,
+                    duplicates=rec.duplicates,
+                    stale_ignored=rec.stale_ignored,
+                    superseded=rec.superseded,
+                    state=rec.state,
+                    last_error=rec.last_error,
+                    queue_position=positions.get(key),
+                )
+            )
+        return out

@@ -1,0 +1,339 @@
+"""Inverse roots and eigenbases of Kronecker factors with LAPACK: the engine's numerics.
+
+Everything is computed in float64 and shipped in float32 (float32 eigh is ~1000x less accurate on
+ill-conditioned factors). The conventions match the client's native path
+(``asteria_client.optim.linalg``) so results from either are interchangeable:
+
+- inputs must be finite and symmetric within ``symmetry_rtol`` (SciPy's eigh silently reads one
+  triangle, so an asymmetric factor is rejected, never silently symmetrized); they are then
+  symmetrized exactly as ``(A + A^T) / 2``;
+- inverse root: eigenvalues clamped at zero, ``epsilon`` added, ``U diag(lam^-p) U^T``;
+- full eigenbasis: columns in descending eigenvalue order (stable sort);
+- QR refresh (SOAP, Vyas et al. 2024): order the old basis by descending ``diag(Q^T A Q)``, then one
+  power step ``Q <- qr(A Q)``; the order is returned so the client can permute its moments;
+- every basis column's sign is fixed so that its largest-magnitude entry (the first on ties) is
+  positive.
+
+:class:`EighSolver` wraps these with validation and retries: a failed attempt (LAPACK did not
+converge, a non-finite or non-orthogonal output) is retried with a larger epsilon; a bad *input*
+(NaN/Inf, asymmetric, clearly indefinite) fails at once, because no retry can fix it. Garbage is
+never returned: the caller gets a :class:`SolveResult` or a :class:`SolverError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import scipy.linalg
+from threadpoolctl import ThreadpoolController
+
+from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask
+from asteria_server.errors import SolverError
+
+_PROBE_SEED = 0x5EED
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverConfig:
+    """Tolerances and retry policy of :class:`EighSolver`.
+
+    Attributes:
+        max_attempts: solver attempts per task; attempt k > 1 uses epsilon ``10^(k-1) * base``
+            with ``base = max(epsilon, 1e-12 * trace(A) / n)`` (1e-12 if that is zero).
+        blas_threads: BLAS threads while solving; None leaves the process setting alone (worker
+            processes set it once for the whole process).
+        symmetry_rtol: reject A when ``max|A - A^T| > symmetry_rtol * max(1, max|A|)``.
+        psd_rtol: reject A when its smallest eigenvalue (estimate) is below
+            ``-psd_rtol * max|lambda|``.
+        orthogonality_atol: a basis passes when ``max|Q^T Q - I| <= orthogonality_atol``.
+        residual_rtol: a decomposition passes a random-probe check
+            ``|A U y - U (lam * y)| <= residual_rtol * max|lambda| * |y|``.
+    """
+
+    max_attempts: int = 3
+    blas_threads: int | None = 1
+    symmetry_rtol: float = 1e-4
+    psd_rtol: float = 1e-3
+    orthogonality_atol: float = 1e-3
+    residual_rtol: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ValueError(
+                f"SolverConfig.max_attempts must be an int >= 1, got {self.max_attempts!r}"
+            )
+        if self.blas_threads is not None and (
+            not isinstance(self.blas_threads, int) or self.blas_threads < 1
+        ):
+            raise ValueError(
+                f"SolverConfig.blas_threads must be None or an int >= 1, got {self.blas_threads!r}"
+            )
+        for name in ("symmetry_rtol", "psd_rtol", "orthogonality_atol", "residual_rtol"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not (0.0 < value < math.inf):
+                raise ValueError(f"SolverConfig.{name} must be a finite number > 0, got {value!r}")
+
+
+class InputRejected(Exception):
+    """The snapshot itself is unusable (retrying cannot help)."""
+
+
+class AttemptFailed(Exception):
+    """One solve attempt produced something unusable (a larger epsilon may help)."""
+
+
+# --------------------------------------------------------------------------- pure numerics
+
+
+def canonicalize_signs(q: np.ndarray) -> np.ndarray:
+    """Flip columns of ``q`` in place so each column's largest-|.| entry is positive; return q.
+
+    On ties the first such entry decides (``np.argmax`` semantics); an all-zero column is kept.
+    """
+    rows = np.argmax(np.abs(q), axis=0)
+    signs = np.sign(q[rows, np.arange(q.shape[1])])
+    signs[signs == 0] = 1.0
+    q *= signs
+    return q
+
+
+def checked_symmetric(matrix: np.ndarray, *, symmetry_rtol: float = 1e-4) -> np.ndarray:
+    """Float64 ``(A + A^T) / 2`` of a finite, nearly symmetric square matrix, else InputRejected."""
+    a = np.asarray(matrix, dtype=np.float64)
+    if not np.isfinite(a).all():
+        raise InputRejected("factor matrix holds NaN or Inf")
+    scale = max(1.0, float(np.abs(a).max()))
+    asym = float(np.abs(a - a.T).max())
+    if asym > symmetry_rtol * scale:
+        raise InputRejected(
+            f"factor matrix is not symmetric (max |A - A^T| = {asym:.3g}, "
+            f"allowed {symmetry_rtol * scale:.3g})"
+        )
+    return (a + a.T) * 0.5
+
+
+def eigh_fp64(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
+    """Ascending eigenvalues and eigenvectors of symmetric float64 ``a`` (``a`` is left intact)."""
+    work = np.array(a, dtype=np.float64, order="F", copy=True)
+    w, v = scipy.linalg.eigh(work, driver=driver, overwrite_a=True, check_finite=False)
+    return np.asarray(w), np.asarray(v)
+
+
+def inverse_root_from_eigh(
+    w: np.ndarray, v: np.ndarray, exponent: float, epsilon: float
+) -> np.ndarray:
+    """``U diag((max(lam, 0) + epsilon)^-exponent) U^T`` in float64, exactly symmetric."""
+    lam = np.maximum(w, 0.0) + epsilon
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # caught by the checks
+        root = (v * np.power(lam, -exponent)) @ v.T
+    return (root + root.T) * 0.5
+
+
+def sorted_eigenbasis(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Columns and eigenvalues in descending eigenvalue order (stable), signs canonicalized."""
+    order = np.argsort(-w, kind="stable")
+    q = canonicalize_signs(np.array(v[:, order], copy=True))
+    return q, w[order]
+
+
+def qr_refresh(
+    a: np.ndarray, basis: np.ndarray, epsilon: float = 0.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One SOAP basis refresh of symmetric float64 ``a`` from ``basis``.
+
+    Returns ``(q_new, estimates, permutation)``: ``permutation`` orders the old columns by
+    descending ``diag(Q^T A Q)`` (stable); ``q_new = qr((A + epsilon I) Q[:, permutation])`` with
+    canonical signs; ``estimates = diag(q_new^T A q_new)`` in ``q_new``'s column order.
+    """
+    q = np.asarray(basis, dtype=np.float64)
+    aq = a @ q
+    estimates = np.einsum("ij,ij->j", q, aq)
+    permutation = np.argsort(-estimates, kind="stable").astype(np.int64)
+    power = aq[:, permutation]
+    if epsilon:
+        power += epsilon * q[:, permutation]
+    q_new, _ = scipy.linalg.qr(power, mode="economic", overwrite_a=True, check_finite=False)
+    q_new = canonicalize_signs(np.asarray(q_new))
+    new_estimates = np.einsum("ij,ij->j", q_new, a @ q_new)
+    return q_new, new_estimates, permutation
+
+
+def escalated_epsilons(epsilon: float, trace_over_n: float, max_attempts: int) -> list[float]:
+    """The epsilon of each attempt: as given, then 10x, 100x, ... a floor-raised base."""
+    base = max(epsilon, 1e-12 * abs(trace_over_n))
+    if base == 0.0:
+        base = 1e-12
+    return [epsilon] + [base * 10.0**k for k in range(1, max_attempts)]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_psd(eigenvalues: np.ndarray, psd_rtol: float) -> None:
+    top = float(np.abs(eigenvalues).max()) if eigenvalues.size else 0.0
+    low = float(eigenvalues.min()) if eigenvalues.size else 0.0
+    if low < -psd_rtol * top:
+        raise InputRejected(
+            f"factor is not positive semi-definite (smallest eigenvalue {low:.3g}, "
+            f"largest magnitude {top:.3g})"
+        )
+
+
+def _check_decomposition(a: np.ndarray, w: np.ndarray, v: np.ndarray, cfg: SolverConfig) -> None:
+    """O(n^2) random-probe check that ``A V = V diag(w)`` and ``V^T V = I``."""
+    if not (np.isfinite(w).all() and np.isfinite(v).all()):
+        raise AttemptFailed("eigendecomposition returned non-finite values")
+    y = np.random.default_rng(_PROBE_SEED).standard_normal(a.shape[0])
+    y_norm = float(np.linalg.norm(y))
+    vy = v @ y
+    scale = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
+    residual = float(np.linalg.norm(a @ vy - v @ (w * y)))
+    if not residual <= cfg.residual_rtol * scale * y_norm:
+        raise AttemptFailed(f"eigendecomposition residual too large ({residual / y_norm:.3g})")
+    drift = float(np.linalg.norm(v.T @ vy - y))
+    if not drift <= cfg.residual_rtol * y_norm:
+        raise AttemptFailed(f"eigenvectors are not orthonormal (probe error {drift / y_norm:.3g})")
+
+
+def _check_orthonormal(q32: np.ndarray, atol: float) -> None:
+    if not np.isfinite(q32).all():
+        raise AttemptFailed("basis is not finite")
+    gram = q32.T @ q32
+    gram[np.diag_indices_from(gram)] -= 1.0
+    err = float(np.abs(gram).max())
+    if not err <= atol:
+        raise AttemptFailed(f"basis is not orthonormal (max |Q^T Q - I| = {err:.3g})")
+
+
+def _finite32(array: np.ndarray, what: str) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = array.astype(np.float32)
+    if not np.isfinite(out).all():
+        raise AttemptFailed(f"{what} is not finite in float32")
+    return out
+
+
+# --------------------------------------------------------------------------- the solver
+
+
+@dataclass(frozen=True)
+class _Output:
+    matrix: np.ndarray
+    eigenvalues: np.ndarray | None = None
+    permutation: np.ndarray | None = None
+
+
+class EighSolver:
+    """Validated, retried float64 solves of :class:`SolveTask` s.
+
+    Thread-compatible (no shared mutable state besides the BLAS controller); the engine runs it
+    in worker processes because SciPy's eigh holds the GIL.
+    """
+
+    def __init__(self, config: SolverConfig | None = None) -> None:
+        self.config = config if config is not None else SolverConfig()
+        self._controller: ThreadpoolController | None = None
+
+    @contextlib.contextmanager
+    def _blas_limit(self) -> Iterator[None]:
+        if self.config.blas_threads is None:
+            yield
+            return
+        if self._controller is None:
+            self._controller = ThreadpoolController()
+        with self._controller.limit(limits=self.config.blas_threads, user_api="blas"):
+            yield
+
+    def solve(self, task: SolveTask) -> SolveResult:
+        """Compute ``task``; raise :class:`SolverError` naming the block if every attempt fails."""
+        start = time.perf_counter()
+        what = f"block {task.block!r} (tenant {task.tenant!r}) version {task.version}"
+        cfg = self.config
+        with self._blas_limit():
+            try:
+                a = checked_symmetric(task.matrix, symmetry_rtol=cfg.symmetry_rtol)
+                basis = None
+                if task.basis is not None:
+                    basis = np.asarray(task.basis, dtype=np.float64)
+                    if not np.isfinite(basis).all():
+                        raise InputRejected("the basis to refresh holds NaN or Inf")
+            except InputRejected as exc:
+                raise SolverError(f"{what}: {exc}; the last good result stays in use") from exc
+            epsilons = escalated_epsilons(
+                float(task.epsilon), float(np.trace(a)) / a.shape[0], cfg.max_attempts
+            )
+            driver = "evd"
+            problems: list[str] = []
+            for attempt, eps in enumerate(epsilons, start=1):
+                try:
+                    out = self._attempt(task, a, basis, eps, driver)
+                except InputRejected as exc:
+                    raise SolverError(f"{what}: {exc}; the last good result stays in use") from exc
+                except np.linalg.LinAlgError as exc:
+                    problems.append(f"attempt {attempt} (epsilon {eps:.3g}): LAPACK: {exc}")
+                    driver = "ev"  # the QR-iteration driver: slower, more robust than evd
+                    continue
+                except (AttemptFailed, ValueError, FloatingPointError) as exc:
+                    problems.append(f"attempt {attempt} (epsilon {eps:.3g}): {exc}")
+                    continue
+                return SolveResult(
+                    block=task.block,
+                    version=task.version,
+                    kind=task.kind,
+                    matrix=out.matrix,
+                    eigenvalues=out.eigenvalues,
+                    permutation=out.permutation,
+                    base_version=task.base_version,
+                    epsilon_used=eps,
+                    solve_time_s=time.perf_counter() - start,
+                    attempts=attempt,
+                    tenant=task.tenant,
+                )
+        raise SolverError(
+            f"{what}: {task.kind.value} failed after {len(epsilons)} attempts "
+            f"({'; '.join(problems)}); the last good result stays in use"
+        )
+
+    def _attempt(
+        self, task: SolveTask, a: np.ndarray, basis: np.ndarray | None, eps: float, driver: str
+    ) -> _Output:
+        cfg = self.config
+        if task.kind is SolveKind.INVERSE_ROOT:
+            w, v = eigh_fp64(a, driver=driver)
+            _check_decomposition(a, w, v, cfg)
+            _check_psd(w, cfg.psd_rtol)
+            root = inverse_root_from_eigh(w, v, float(task.exponent), eps)
+            return _Output(matrix=_finite32(root, "inverse root"))
+        if basis is None:
+            shifted = a + eps * np.eye(a.shape[0]) if eps else a
+            w, v = eigh_fp64(shifted, driver=driver)
+            _check_decomposition(shifted, w, v, cfg)
+            w = w - eps
+            _check_psd(w, cfg.psd_rtol)
+            q, w_sorted = sorted_eigenbasis(w, v)
+            q32 = _finite32(q, "basis")
+            _check_orthonormal(q32, cfg.orthogonality_atol)
+            return _Output(matrix=q32, eigenvalues=_finite32(w_sorted, "eigenvalues"))
+        q_new, estimates, permutation = qr_refresh(a, basis, eps)
+        _check_psd(estimates, cfg.psd_rtol)
+        q32 = _finite32(q_new, "basis")
+        _check_orthonormal(q32, cfg.orthogonality_atol)
+        return _Output(
+            matrix=q32,
+            eigenvalues=_finite32(estimates, "eigenvalue estimates"),
+            permutation=permutation,
+        )
+
+
+def solve(task: SolveTask, config: SolverConfig | None = None, **overrides: Any) -> SolveResult:
+    """One-shot :meth:`EighSolver.solve` (``overrides`` are SolverConfig fields)."""
+    if overrides:
+        config = dataclasses.replace(config if config is not None else SolverConfig(), **overrides)
+    return EighSolver(config).solve(task)

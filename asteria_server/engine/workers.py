@@ -1,0 +1,466 @@
+"""A pool of solver worker processes fed through shared memory; crashes and hangs are survived.
+
+Why processes: SciPy's eigh holds the GIL, so solving in a thread of a training process would
+stall it. Why a fresh interpreter (``subprocess``, the default; ``spawn``/``forkserver`` on
+request), never ``fork``: the parent may be a torch training process with threads, CUDA state and
+locks that a forked child would inherit broken; and unlike spawn, a fresh ``python -m`` child
+does not re-import the training script (see :mod:`asteria_server.engine.launch`).
+
+Data path: each worker slot owns one input and one output shared-memory segment, created by the
+pool (see :mod:`asteria_server.engine.shm` for ownership), sized for the largest n seen and
+replaced by a larger one when needed. The pipe to the worker carries only small metadata; the
+factor (and basis) go in through the input segment, the result comes back through the output one.
+
+Fault handling: a worker that dies (signal, ``os._exit``), stops answering within
+``solve_timeout_s``, or breaks its pipe is killed and replaced in the same slot; its task is run
+again up to ``max_worker_attempts`` runs, then reported failed. A solver error (bad input,
+numerics that no retry fixed) is reported at once. The pool keeps serving throughout.
+
+Threading: the pool belongs to one thread (the engine's dispatcher). Only :meth:`WorkerPool.wakeup`
+may be called from others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import multiprocessing.connection as mpc
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asteria_server.engine import faults
+from asteria_server.engine.launch import START_METHODS, WorkerHandle, start_worker
+from asteria_server.engine.shm import (
+    SEGMENT_PREFIX,
+    OwnedSegment,
+    eigenvalues_offset,
+    input_capacity_bytes,
+    output_capacity_bytes,
+    permutation_offset,
+)
+from asteria_server.engine.solvers import SolverConfig
+from asteria_server.engine.tasks import SolveResult, SolveTask
+from asteria_server.errors import EngineUnavailableError
+
+logger = logging.getLogger(__name__)
+
+#: consecutive worker deaths before ever becoming ready, after which the pool gives up.
+MAX_START_FAILURES = 3
+
+
+def default_num_workers() -> int:
+    """The host's spare cores: usable CPUs minus one for the training process, at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """Configuration of :class:`WorkerPool`.
+
+    Attributes:
+        num_workers: worker processes (default: usable CPUs - 1, at least 1).
+        blas_threads: BLAS threads per worker (oversubscribed BLAS runs many times slower).
+        solve_timeout_s: a solve running longer is killed and retried (``math.inf``: never).
+        max_worker_attempts: runs of one task lost to a crash or timeout before it fails.
+        start_timeout_s: a worker not ready this long after its start is replaced.
+        start_method: ``"subprocess"`` (default), ``"spawn"`` or ``"forkserver"``; never fork
+            (see the module docstring and :mod:`asteria_server.engine.launch`).
+        solver: tolerances and numeric retries of the solver inside each worker.
+        segment_prefix: name prefix of the pool's shared-memory segments.
+        test_fault_prefix: TEST-ONLY fault injection (see :mod:`asteria_server.engine.faults`);
+            None, the default, disables it.
+    """
+
+    num_workers: int = field(default_factory=default_num_workers)
+    blas_threads: int = 1
+    solve_timeout_s: float = 600.0
+    max_worker_attempts: int = 2
+    start_timeout_s: float = 60.0
+    start_method: str = "subprocess"
+    solver: SolverConfig = field(default_factory=SolverConfig)
+    segment_prefix: str = SEGMENT_PREFIX
+    test_fault_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "blas_threads", "max_worker_attempts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PoolConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("solve_timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or math.isnan(value) or value <= 0:
+                raise ValueError(f"PoolConfig.{name} must be a number > 0, got {value!r}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"PoolConfig.start_method must be one of {START_METHODS}, got {self.start_method!r}"
+            )
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    """A task's end: ``result`` on success, else ``error`` says why (after all retries)."""
+
+    job_id: int
+    task: SolveTask
+    result: SolveResult | None
+    error: str | None
+    worker_runs: int
+
+
+@dataclass
+class _Job:
+    job_id: int
+    task: SolveTask
+    runs: int = 1  # worker runs, counting the current one
+
+
+@dataclass
+class _Slot:
+    index: int
+    process: WorkerHandle | None = None
+    conn: mpc.Connection | None = None
+    ready: bool = False
+    started_at: float = 0.0
+    job: _Job | None = None
+    sent_at: float | None = None  # when the current job reached a ready worker
+    inp: OwnedSegment | None = None
+    out: OwnedSegment | None = None
+
+
+class WorkerPool:
+    """Worker processes solving :class:`SolveTask` s; see the module docstring."""
+
+    def __init__(self, config: PoolConfig | None = None) -> None:
+        self.config = config if config is not None else PoolConfig()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._slots = [_Slot(i) for i in range(self.config.num_workers)]
+        self._events: list[PoolEvent] = []
+        self._closed = False
+        self._start_failures = 0
+        self.broken_reason: str | None = None
+        self.restarts = 0
+        self.segment_names_created: list[str] = []
+        try:
+            for slot in self._slots:
+                self._spawn(slot)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._slots)
+
+    def num_idle(self) -> int:
+        """Slots free for a new task (0 once the pool is broken or closed)."""
+        if self._closed or self.broken_reason is not None:
+            return 0
+        return sum(1 for s in self._slots if s.job is None)
+
+    def num_busy(self) -> int:
+        return sum(1 for s in self._slots if s.job is not None)
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the current worker processes (tests check they are gone after close)."""
+        return [s.process.pid for s in self._slots if s.process is not None and s.process.pid]
+
+    def segment_names(self) -> list[str]:
+        """Names of the live shared-memory segments."""
+        return [seg.name for s in self._slots for seg in (s.inp, s.out) if seg is not None]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _spawn(self, slot: _Slot) -> None:
+        process, parent_conn = start_worker(
+            self.config.start_method,
+            self.config.blas_threads,
+            self.config.solver,
+            f"asteria-solver-{slot.index}",
+        )
+        slot.process, slot.conn, slot.ready = process, parent_conn, False
+        slot.started_at, slot.sent_at = time.monotonic(), None
+
+    def _kill(self, slot: _Slot) -> int | None:
+        process, conn = slot.process, slot.conn
+        slot.process = slot.conn = None
+        slot.ready = False
+        if conn is not None:
+            conn.close()
+        if process is None:
+            return None
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=5.0)
+        code = process.exitcode
+        if code is not None:
+            process.close()
+        return code
+
+    def close(self) -> None:
+        """Stop every worker, unlink every segment (idempotent). Running solves are killed."""
+        if self._closed:
+            return
+        self._closed = True
+        for slot in self._slots:  # ask idle workers to leave politely
+            if slot.conn is not None and slot.ready and slot.job is None:
+                with contextlib.suppress(OSError):
+                    slot.conn.send(None)
+        deadline = time.monotonic() + 2.0
+        for slot in self._slots:
+            if slot.process is not None and slot.job is None and slot.ready:
+                slot.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._kill(slot)
+            for seg in (slot.inp, slot.out):
+                if seg is not None:
+                    seg.destroy()
+            slot.inp = slot.out = None
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def wakeup(self) -> None:
+        """Interrupt a :meth:`poll` in progress (thread-safe, never blocks)."""
+        if self._closed:
+            return
+        with contextlib.suppress(OSError):  # BlockingIOError: a wakeup is already pending
+            os.write(self._wake_w, b"!")
+
+    # ------------------------------------------------------------------ submitting
+
+    def submit(self, job_id: int, task: SolveTask) -> None:
+        """Start ``task`` on an idle worker (it waits in the slot if the worker is starting)."""
+        if self._closed:
+            raise EngineUnavailableError("the worker pool is closed")
+        if self.broken_reason is not None:
+            raise EngineUnavailableError(f"the worker pool is broken: {self.broken_reason}")
+        slot = min(
+            (s for s in self._slots if s.job is None),
+            key=lambda s: (not s.ready, s.index),
+            default=None,
+        )
+        if slot is None:
+            raise EngineUnavailableError("no idle worker (the caller must check num_idle())")
+        self._ensure_segments(slot, task.n)
+        slot.job = _Job(job_id, task)
+        if slot.ready:
+            self._send(slot)
+
+    def _ensure_segments(self, slot: _Slot, n: int) -> None:
+        need_in, need_out = input_capacity_bytes(n), output_capacity_bytes(n)
+        if slot.inp is None or slot.inp.size < need_in:
+            new = OwnedSegment(need_in, prefix=self.config.segment_prefix)
+            self.segment_names_created.append(new.name)
+            if slot.inp is not None:
+                slot.inp.destroy()
+            slot.inp = new
+        if slot.out is None or slot.out.size < need_out:
+            new = OwnedSegment(need_out, prefix=self.config.segment_prefix)
+            self.segment_names_created.append(new.name)
+            if slot.out is not None:
+                slot.out.destroy()
+            slot.out = new
+
+    def _send(self, slot: _Slot) -> None:
+        job, conn = slot.job, slot.conn
+        assert (
+            job is not None and conn is not None and slot.inp is not None and slot.out is not None
+        )
+        task, n = job.task, job.task.n
+        view = slot.inp.view((n, n), task.matrix.dtype)
+        np.copyto(view, task.matrix)
+        basis_dtype = None
+        if task.basis is not None:
+            basis_dtype = task.basis.dtype.str
+            bview = slot.inp.view((n, n), task.basis.dtype, offset=view.nbytes)
+            np.copyto(bview, task.basis)
+            del bview
+        del view
+        fault = faults.fault_for(task.block, self.config.test_fault_prefix, job.runs)
+        msg = {
+            "job": job.job_id,
+            "block": task.block,
+            "tenant": task.tenant,
+            "version": task.version,
+            "kind": task.kind.value,
+            "n": n,
+            "matrix_dtype": task.matrix.dtype.str,
+            "basis_dtype": basis_dtype,
+            "exponent": float(task.exponent),
+            "epsilon": float(task.epsilon),
+            "base_version": task.base_version,
+            "in": slot.inp.name,
+            "out": slot.out.name,
+            "fault": None if fault is None else fault.value,
+        }
+        slot.sent_at = time.monotonic()
+        try:
+            conn.send(msg)
+        except OSError:
+            self._lost_worker(slot, "its pipe broke while sending the task")
+
+    # ------------------------------------------------------------------ polling
+
+    def poll(self, timeout_s: float) -> list[PoolEvent]:
+        """Wait up to ``timeout_s`` (less if a deadline or :meth:`wakeup` comes first) and
+        return the tasks that ended."""
+        if self._closed:
+            return []
+        now = time.monotonic()
+        wait_s = max(0.0, timeout_s)
+        for slot in self._slots:
+            limit = self._deadline(slot)
+            if limit is not None:
+                wait_s = min(wait_s, max(0.0, limit - now))
+        handles: list[Any] = [self._wake_r]
+        for slot in self._slots:
+            if slot.conn is not None and slot.process is not None:
+                handles += [slot.conn, slot.process.sentinel]
+        ready = mpc.wait(handles, timeout=wait_s) if not self._events else []
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        for slot in self._slots:
+            self._service(slot)
+        self._enforce_deadlines()
+        events, self._events = self._events, []
+        return events
+
+    def _deadline(self, slot: _Slot) -> float | None:
+        if slot.process is None:
+            return None
+        if not slot.ready:
+            return slot.started_at + self.config.start_timeout_s
+        if slot.job is not None and slot.sent_at is not None:
+            return slot.sent_at + self.config.solve_timeout_s
+        return None
+
+    def _service(self, slot: _Slot) -> None:
+        """Read everything a worker said; notice if it died."""
+        conn = slot.conn
+        if conn is None:
+            return
+        try:
+            while conn.poll():
+                self._handle(slot, conn.recv())
+                if slot.conn is not conn:
+                    return
+        except (EOFError, OSError):
+            self._lost_worker(slot, "it closed its pipe")
+            return
+        if slot.process is not None and not slot.process.is_alive():
+            self._lost_worker(slot, "it exited")
+
+    def _handle(self, slot: _Slot, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            slot.ready = True
+            self._start_failures = 0
+            if slot.job is not None:
+                self._send(slot)
+            return
+        job = slot.job
+        if job is None or msg[1] != job.job_id:
+            logger.warning("worker %d sent an unexpected message %r; ignored", slot.index, kind)
+            return
+        slot.job, slot.sent_at = None, None
+        if kind == "done":
+            self._events.append(self._collect(slot, job, msg[2]))
+        else:
+            self._events.append(PoolEvent(job.job_id, job.task, None, str(msg[2]), job.runs))
+
+    def _collect(self, slot: _Slot, job: _Job, meta: dict[str, Any]) -> PoolEvent:
+        assert slot.out is not None
+        task, n = job.task, job.task.n
+        matrix = slot.out.view((n, n), np.float32).copy()
+        eigenvalues = permutation = None
+        if meta["has_eigenvalues"]:
+            eigenvalues = slot.out.view((n,), np.float32, offset=eigenvalues_offset(n)).copy()
+        if meta["has_permutation"]:
+            permutation = slot.out.view((n,), np.int64, offset=permutation_offset(n)).copy()
+        result = SolveResult(
+            block=task.block,
+            version=task.version,
+            kind=task.kind,
+            matrix=matrix,
+            eigenvalues=eigenvalues,
+            permutation=permutation,
+            base_version=task.base_version,
+            epsilon_used=float(meta["epsilon_used"]),
+            solve_time_s=float(meta["solve_time_s"]),
+            attempts=int(meta["attempts"]) + job.runs - 1,
+            tenant=task.tenant,
+        )
+        return PoolEvent(job.job_id, task, result, None, job.runs)
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for slot in self._slots:
+            limit = self._deadline(slot)
+            if limit is None or now < limit:
+                continue
+            if slot.ready:
+                self._lost_worker(
+                    slot, f"its solve exceeded the {self.config.solve_timeout_s:g} s timeout"
+                )
+            else:
+                self._lost_worker(
+                    slot, f"it did not start within {self.config.start_timeout_s:g} s"
+                )
+
+    def _lost_worker(self, slot: _Slot, why: str) -> None:
+        """Kill and replace a worker; run its task again or report it failed."""
+        was_ready = slot.ready
+        code = self._kill(slot)
+        job, slot.job, slot.sent_at = slot.job, None, None
+        if not was_ready:
+            self._start_failures += 1
+        detail = f"solver worker {slot.index} was lost: {why} (exit code {code})"
+        if self._start_failures >= MAX_START_FAILURES:
+            self.broken_reason = (
+                f"{self._start_failures} solver workers died before becoming ready; last: {detail}"
+            )
+            logger.error("worker pool broken: %s", self.broken_reason)
+        else:
+            self.restarts += 1
+            logger.warning("%s; restarting it", detail)
+            self._spawn(slot)
+        if job is None:
+            return
+        task = job.task
+        if self.broken_reason is None and job.runs < self.config.max_worker_attempts:
+            job.runs += 1
+            slot.job = job
+            return  # sent when the new worker says it is ready
+        self._events.append(
+            PoolEvent(
+                job.job_id,
+                task,
+                None,
+                f"block {task.block!r} version {task.version}: {detail}; "
+                f"gave up after {job.runs} worker run(s)",
+                job.runs,
+            )
+        )
+        if self.broken_reason is not None:
+            for other in self._slots:
+                if other.job is not None:
+                    j, other.job = other.job, None
+                    self._events.append(
+                        PoolEvent(j.job_id, j.task, None, self.broken_reason, j.runs)
+                    )

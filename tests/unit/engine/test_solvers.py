@@ -1,0 +1,293 @@
+"""The solvers against independent float64 references (numpy.linalg, explicit formulas)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+from asteria_server.engine import solvers
+from asteria_server.engine.solvers import (
+    EighSolver,
+    SolverConfig,
+    canonicalize_signs,
+    escalated_epsilons,
+    solve,
+)
+from asteria_server.engine.tasks import SolveKind, SolveTask
+from asteria_server.errors import SolverError
+
+# --------------------------------------------------------------------------- references
+
+
+def ref_fix_signs(q: np.ndarray) -> np.ndarray:
+    """Explicit loop: make each column's first largest-|.| entry positive."""
+    q = q.copy()
+    for j in range(q.shape[1]):
+        col = q[:, j]
+        i = max(range(len(col)), key=lambda k: (abs(col[k]), -k))
+        if col[i] < 0:
+            q[:, j] = -col
+    return q
+
+
+def ref_inverse_root(a: np.ndarray, exponent: float, eps: float) -> np.ndarray:
+    a = a.astype(np.float64)
+    w, v = np.linalg.eigh((a + a.T) / 2)
+    lam = np.maximum(w, 0.0) + eps
+    return v @ np.diag(lam**-exponent) @ v.T
+
+
+def ref_qr_refresh(a: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a = a.astype(np.float64)
+    q = q.astype(np.float64)
+    est = np.diag(q.T @ a @ q)
+    perm = np.argsort(-est, kind="stable")
+    q_new, _ = np.linalg.qr(a @ q[:, perm])
+    q_new = ref_fix_signs(q_new)
+    return q_new, np.diag(q_new.T @ a @ q_new), perm
+
+
+def spd(n: int, cond: float = 10.0, seed: int = 0, rank: int | None = None) -> np.ndarray:
+    """U diag(w) U^T with w log-spaced over [1/cond, 1] (zeros beyond ``rank``)."""
+    rng = np.random.default_rng(seed)
+    u, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    w = np.logspace(0.0, -np.log10(cond), n)
+    if rank is not None:
+        w[rank:] = 0.0
+    a = (u * w) @ u.T
+    return (a + a.T) / 2
+
+
+def task(matrix: np.ndarray, kind: SolveKind = SolveKind.INVERSE_ROOT, **kw: Any) -> SolveTask:
+    return SolveTask(block="blk", version=7, kind=kind, matrix=matrix, **kw)
+
+
+def rel_err(x: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(x.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-300))
+
+
+# --------------------------------------------------------------------------- inverse root
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 33, 64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("exponent", [0.25, 0.5])
+def test_inverse_root_matches_reference(n: int, dtype: Any, exponent: float) -> None:
+    a = spd(n, cond=100.0, seed=n).astype(dtype)
+    result = solve(task(a, exponent=exponent, epsilon=1e-10))
+    assert result.matrix.dtype == np.float32 and result.matrix.shape == (n, n)
+    assert result.eigenvalues is None and result.permutation is None
+    assert result.attempts == 1 and result.epsilon_used == 1e-10
+    assert result.block == "blk" and result.version == 7 and result.kind is SolveKind.INVERSE_ROOT
+    assert rel_err(result.matrix, ref_inverse_root(a, exponent, 1e-10)) < 1e-5
+
+
+def test_inverse_root_ill_conditioned_1e8() -> None:
+    a = spd(48, cond=1e8, seed=3)
+    root = solve(task(a, epsilon=1e-12)).matrix
+    ref = ref_inverse_root(a, 0.25, 1e-12)
+    assert rel_err(root, ref) < 1e-5
+    # the ill-conditioned end is right too: R u_min = (lambda_min + eps)^(-1/4) u_min
+    w, v = np.linalg.eigh(a)
+    expected = (w[0] + 1e-12) ** -0.25
+    assert expected > 50.0
+    assert np.linalg.norm(root.astype(np.float64) @ v[:, 0] - expected * v[:, 0]) < 1e-4 * expected
+
+
+def test_inverse_root_rank_deficient_clamps_and_regularizes() -> None:
+    a = spd(32, cond=10.0, seed=5, rank=12)
+    a[0, 0] -= 1e-9  # a tiny negative eigenvalue: clamped, not rejected
+    result = solve(task(a, epsilon=1e-4))
+    assert np.isfinite(result.matrix).all()
+    assert rel_err(result.matrix, ref_inverse_root(a, 0.25, 1e-4)) < 1e-5
+    assert np.allclose(result.matrix, result.matrix.T)
+
+
+def test_zero_matrix_with_zero_epsilon_escalates_epsilon() -> None:
+    # attempt 1: (0 + 0)^(-1/4) is infinite -> retried with 10 * 1e-12 (trace is zero)
+    result = solve(task(np.zeros((4, 4)), epsilon=0.0))
+    assert result.attempts == 2
+    assert result.epsilon_used == pytest.approx(1e-11)
+    assert np.allclose(result.matrix, (1e-11) ** -0.25 * np.eye(4), rtol=1e-5)
+
+
+def test_escalated_epsilons() -> None:
+    assert escalated_epsilons(1e-12, 5.0, 3) == pytest.approx([1e-12, 5e-11, 5e-10])
+    assert escalated_epsilons(1e-3, 5.0, 2) == pytest.approx([1e-3, 1e-2])
+    assert escalated_epsilons(0.0, 0.0, 3) == pytest.approx([0.0, 1e-11, 1e-10])
+    assert escalated_epsilons(1e-6, 1.0, 1) == [1e-6]
+
+
+# --------------------------------------------------------------------------- eigenbasis
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 64])
+def test_full_eigenbasis_matches_reference(n: int) -> None:
+    rng = np.random.default_rng(n)
+    u, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    w = np.linspace(1.0, 2.0, n) ** 3  # distinct eigenvalues: the basis is unique up to signs
+    a = (u * w) @ u.T
+    result = solve(task(a.astype(np.float32), SolveKind.EIGENBASIS))
+    assert result.matrix.dtype == np.float32 and result.eigenvalues is not None
+    assert result.eigenvalues.dtype == np.float32 and result.permutation is None
+    ref_w, ref_v = np.linalg.eigh(a.astype(np.float32).astype(np.float64))
+    order = np.argsort(-ref_w, kind="stable")
+    assert np.allclose(result.eigenvalues, ref_w[order], rtol=1e-5, atol=1e-6)
+    assert np.all(np.diff(result.eigenvalues) <= 0)
+    ref_q = ref_fix_signs(ref_v[:, order])
+    assert np.abs(result.matrix - ref_q).max() < 1e-4
+
+
+def test_eigenbasis_ill_conditioned_and_rank_deficient_is_orthonormal() -> None:
+    for a in (spd(40, cond=1e8, seed=1), spd(40, cond=10.0, seed=2, rank=10)):
+        result = solve(task(a, SolveKind.EIGENBASIS))
+        q = result.matrix.astype(np.float64)
+        assert np.abs(q.T @ q - np.eye(40)).max() < 1e-5
+        assert result.eigenvalues is not None
+        ref = np.sort(np.linalg.eigvalsh(a))[::-1]
+        assert np.abs(result.eigenvalues - ref).max() < 1e-6 * np.abs(ref).max() + 1e-7
+        assert np.array_equal(q, ref_fix_signs(q))
+
+
+def test_sign_convention_examples() -> None:
+    q = np.array([[0.6, -0.8], [-0.8, -0.6]])
+    assert np.array_equal(canonicalize_signs(q.copy()), np.array([[-0.6, 0.8], [0.8, 0.6]]))
+    tie = np.array([[-0.5, 0.5], [0.5, -0.5]])  # ties: the first entry decides
+    assert np.array_equal(canonicalize_signs(tie.copy()), np.array([[0.5, 0.5], [-0.5, -0.5]]))
+    zero = np.zeros((2, 1))
+    assert np.array_equal(canonicalize_signs(zero.copy()), zero)
+
+
+# --------------------------------------------------------------------------- QR refresh
+
+
+@pytest.mark.parametrize("n", [2, 8, 40])
+def test_qr_refresh_matches_hand_written_reference(n: int) -> None:
+    rng = np.random.default_rng(100 + n)
+    a = spd(n, cond=1e3, seed=n) + 0.1 * np.eye(n)
+    # an outdated basis: the eigenbasis of a nearby matrix, columns shuffled and signs random
+    _, v = np.linalg.eigh(a + 0.05 * spd(n, seed=n + 1))
+    old = v[:, rng.permutation(n)] * rng.choice([-1.0, 1.0], size=n)
+    result = solve(task(a, SolveKind.EIGENBASIS, basis=old, base_version=3))
+    ref_q, ref_est, ref_perm = ref_qr_refresh(a, old)
+    assert result.permutation is not None and result.permutation.dtype == np.int64
+    assert np.array_equal(result.permutation, ref_perm)
+    assert np.abs(result.matrix - ref_q).max() < 1e-5
+    assert result.eigenvalues is not None
+    assert np.allclose(result.eigenvalues, ref_est, rtol=1e-5, atol=1e-7)
+    assert result.base_version == 3
+
+
+def test_qr_refresh_from_float32_basis_of_rank_deficient_factor() -> None:
+    a = spd(24, seed=9, rank=6)
+    basis = np.linalg.qr(np.random.default_rng(0).standard_normal((24, 24)))[0].astype(np.float32)
+    result = solve(task(a.astype(np.float32), SolveKind.EIGENBASIS, basis=basis))
+    q = result.matrix.astype(np.float64)
+    assert np.abs(q.T @ q - np.eye(24)).max() < 1e-5
+    assert result.eigenvalues is not None and np.isfinite(result.eigenvalues).all()
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize("kind", list(SolveKind))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_input_fails_at_once(kind: SolveKind, bad: float, monkeypatch: Any) -> None:
+    calls = []
+    monkeypatch.setattr(solvers, "eigh_fp64", lambda *a, **k: calls.append(1))
+    a = np.eye(6)
+    a[2, 3] = a[3, 2] = bad
+    with pytest.raises(SolverError, match="NaN or Inf") as info:
+        solve(task(a, kind))
+    assert "'blk'" in str(info.value)
+    assert calls == []  # never reached the solve, never retried
+
+
+def test_asymmetric_input_is_rejected_not_symmetrized() -> None:
+    a = spd(8)
+    a[0, 7] += 1e-2
+    with pytest.raises(SolverError, match="not symmetric"):
+        solve(task(a))
+
+
+def test_asymmetry_within_tolerance_is_symmetrized() -> None:
+    a = spd(8)
+    noisy = a.copy()
+    noisy[0, 7] += 1e-7
+    result = solve(task(noisy, epsilon=1e-9))
+    sym = (noisy + noisy.T) / 2
+    assert rel_err(result.matrix, ref_inverse_root(sym, 0.25, 1e-9)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", list(SolveKind))
+def test_indefinite_input_is_rejected(kind: SolveKind) -> None:
+    a = np.diag([1.0, 0.5, -0.5])
+    with pytest.raises(SolverError, match="positive semi-definite"):
+        solve(task(a, kind))
+
+
+def test_nonfinite_basis_is_rejected() -> None:
+    basis = np.eye(4)
+    basis[1, 1] = np.nan
+    with pytest.raises(SolverError, match="basis"):
+        solve(task(np.eye(4), SolveKind.EIGENBASIS, basis=basis))
+
+
+# --------------------------------------------------------------------------- retries, threads
+
+
+def test_lapack_failure_is_retried_with_larger_epsilon(monkeypatch: Any) -> None:
+    real = solvers.eigh_fp64
+    drivers: list[str] = []
+
+    def flaky(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
+        drivers.append(driver)
+        if len(drivers) == 1:
+            raise np.linalg.LinAlgError("did not converge")
+        return real(a, driver=driver)
+
+    monkeypatch.setattr(solvers, "eigh_fp64", flaky)
+    a = spd(10, seed=4)
+    result = solve(task(a, epsilon=1e-12))
+    assert result.attempts == 2
+    base = max(1e-12, 1e-12 * np.trace(a) / 10)
+    assert result.epsilon_used == pytest.approx(10 * base)
+    assert drivers == ["evd", "ev"]
+    assert rel_err(result.matrix, ref_inverse_root(a, 0.25, 10 * base)) < 1e-5
+
+
+def test_every_attempt_failing_raises_solver_error_naming_block(monkeypatch: Any) -> None:
+    def broken(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
+        n = a.shape[0]
+        return np.ones(n), np.full((n, n), np.nan)  # garbage "decomposition"
+
+    monkeypatch.setattr(solvers, "eigh_fp64", broken)
+    with pytest.raises(SolverError) as info:
+        solve(task(spd(5), SolveKind.EIGENBASIS), max_attempts=4)
+    message = str(info.value)
+    assert "'blk'" in message and "after 4 attempts" in message and "non-finite" in message
+
+
+def test_blas_threads_are_capped_during_the_solve(monkeypatch: Any) -> None:
+    real = solvers.eigh_fp64
+    seen: list[int] = []
+
+    def spy(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
+        seen.extend(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
+        return real(a, driver=driver)
+
+    monkeypatch.setattr(solvers, "eigh_fp64", spy)
+    EighSolver(SolverConfig(blas_threads=1)).solve(task(spd(6)))
+    assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_attempts", 0), ("blas_threads", 0), ("symmetry_rtol", 0.0), ("psd_rtol", -1.0)],
+)
+def test_solver_config_validation_names_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SolverConfig(**{field: value})  # type: ignore[arg-type]
