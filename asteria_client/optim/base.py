@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -30,11 +32,15 @@ from asteria_client.runtime.source import (
     PreconditionerRequest,
     PreconditionerResult,
     PreconditionerSource,
+    compute_locally,
 )
+from asteria_client.runtime.staleness import BarrierStats, StalenessPolicy, freshness
+from asteria_server.engine import EngineConfig
 from asteria_server.errors import (
     AsteriaError,
     InvalidInputError,
     NonFiniteGradientError,
+    SolverError,
     UnsupportedParameterError,
 )
 
@@ -70,18 +76,32 @@ def parse_enum(enum_type: type[enum.Enum], value: Any, field: str) -> Any:
         raise InvalidInputError(f"{field}={value!r} is not one of {allowed}") from None
 
 
-def check_range(name: str, value: float, low: float, high: float, *, high_open: bool = True) -> None:
+def check_range(
+    name: str, value: float, low: float, high: float, *, high_open: bool = True
+) -> None:
     ok = low <= value < high if high_open else low <= value <= high
     if not ok or math.isnan(value):
         bracket = ")" if high_open else "]"
         raise InvalidInputError(f"{name}={value!r} must be in [{low}, {high}{bracket}")
 
 
-def make_source(mode: Mode) -> PreconditionerSource:
+def resolve_mode(mode: Mode | str | None) -> Mode:
+    """``None`` means: the daemon when ``ASTERIA_ADDRESS`` is set, else the embedded engine."""
+    if mode is None:
+        return Mode.DAEMON if os.environ.get("ASTERIA_ADDRESS") else Mode.EMBEDDED
+    return parse_enum(Mode, mode, "mode")
+
+
+def make_source(mode: Mode, engine_config: EngineConfig | None = None) -> PreconditionerSource:
     if mode is Mode.NATIVE:
         return NativeSource()
+    if mode is Mode.EMBEDDED:
+        from asteria_client.runtime.embedded import EmbeddedSource
+
+        return EmbeddedSource(engine_config)
     raise AsteriaError(
-        f"mode={mode.value!r} is not available in this version of Asteria; use mode='native'"
+        f"mode={mode.value!r} (the node daemon) is not available in this version of Asteria; "
+        "use mode='embedded' (the default without ASTERIA_ADDRESS) or mode='native'"
     )
 
 
@@ -97,13 +117,23 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         defaults: dict[str, Any],
         *,
-        mode: Mode | str = Mode.NATIVE,
+        mode: Mode | str | None = None,
         nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE,
+        staleness_budget: int = 1,
+        barrier_timeout_s: float = 30.0,
+        engine_config: EngineConfig | None = None,
         source: PreconditionerSource | None = None,
     ) -> None:
         self._unnamed = 0
         self._warned: set[str] = set()
-        self.mode: Mode = parse_enum(Mode, mode, "mode")
+        self.mode: Mode = resolve_mode(mode)
+        self.staleness = StalenessPolicy(
+            budget_intervals=staleness_budget, barrier_timeout_s=barrier_timeout_s
+        )
+        self.barrier_stats = BarrierStats()
+        self._local_failures: dict[str, int] = {}
+        self._local_errors: dict[str, str] = {}
+        self._hooks: list[Any] = []
         self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
         check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
         check_range("precondition_frequency", defaults["precondition_frequency"], 1, math.inf)
@@ -111,7 +141,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             LargeDimPolicy, defaults["large_dim_policy"], "large_dim_policy"
         )
         super().__init__(params, defaults)
-        self._source = source if source is not None else make_source(self.mode)
+        self._source = source if source is not None else make_source(self.mode, engine_config)
         self._plans: dict[str, BlockingPlan] = {}
         self.skipped_steps = 0
 
@@ -217,8 +247,40 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         raise NotImplementedError  # abstract: each optimizer defines its update
 
     # ------------------------------------------------------------------ results
-    def _request(self, request: PreconditionerRequest) -> None:
-        self._source.submit(request)
+    #: True when a block cannot be used before its first result (a SOAP / KL-Shampoo basis).
+    needs_first_result = False
+
+    def _make_request(
+        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
+    ) -> PreconditionerRequest:
+        """The snapshot request of one block from its current factor (subclasses)."""
+        raise NotImplementedError  # abstract
+
+    def _install(self, tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
+        """Put a newer result into use (subclasses): once per installed version."""
+        raise NotImplementedError  # abstract
+
+    def _submit_tile(self, tile_state: dict[str, Any], version: int, group: dict[str, Any]) -> None:
+        """Snapshot every factor of the tile, then install whatever is ready already."""
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            request = self._make_request(tile_state, dim, version, group)
+            tile_state["submitted"][dim] = version
+            try:
+                self._source.submit(request)
+            except AsteriaError as exc:  # a source must not take training down
+                self.barrier_stats.submit_errors += 1
+                self._warn_once("submit", f"could not submit snapshots ({exc}); computing locally")
+        self._install_ready(tile_state)
+
+    def _install_ready(self, tile_state: dict[str, Any]) -> None:
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            result = self._take_newer(block, tile_state["versions"][dim])
+            if result is not None:
+                self._install(tile_state, dim, result)
 
     def _take_newer(self, block: str, installed_version: int) -> PreconditionerResult | None:
         """A ready result for ``block`` newer than ``installed_version``; older ones are dropped."""
@@ -227,6 +289,81 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             return None
         return result
 
+    def _sync_tile(self, tile_state: dict[str, Any], step: int, group: dict[str, Any]) -> None:
+        """Install ready results, then make every block of the tile meet the staleness budget:
+        wait (bounded) for a result in flight, else compute the block locally."""
+        self._install_ready(tile_state)
+        frequency = int(group["precondition_frequency"])
+        for dim, block in enumerate(tile_state["blocks"]):
+            if block is None:
+                continue
+            newest = tile_state["submitted"][dim]
+            required = self.staleness.required_version(newest, frequency, self.needs_first_result)
+            installed = tile_state["versions"][dim]
+            if installed >= required:
+                self.barrier_stats.record_lag(max(0, newest - installed))
+                continue
+            result = None
+            if not self._source.synchronous:
+                # Returns at once when nothing >= required is computed, queued or running.
+                start = time.perf_counter()
+                result = self._source.wait(block, required, self.staleness.barrier_timeout_s)
+                self.barrier_stats.record_wait(time.perf_counter() - start, result is not None)
+            if result is None or result.version <= installed:
+                result = self._compute_locally(tile_state, dim, step, group)
+            if result is not None and result.version > tile_state["versions"][dim]:
+                self._install(tile_state, dim, result)
+            self.barrier_stats.record_lag(max(0, newest - tile_state["versions"][dim]))
+
+    def _compute_locally(
+        self, tile_state: dict[str, Any], dim: int, step: int, group: dict[str, Any]
+    ) -> PreconditionerResult | None:
+        """The last-resort native computation of one block (the source was late or failed)."""
+        block = tile_state["blocks"][dim]
+        if not self._source.synchronous:
+            self.barrier_stats.local_fallbacks += 1
+            self._warn_once(
+                "fallback",
+                f"block {block}: no result within the staleness budget "
+                f"(S={self.staleness.budget_intervals}, barrier {self.staleness.barrier_timeout_s}"
+                " s); computing it locally. Further fallbacks are counted in "
+                "preconditioner_status(), not logged.",
+            )
+        elif tile_state["versions"][dim] >= 0 or not self.needs_first_result:
+            return None  # native: the failure was recorded at submit; keep the last good result
+        try:
+            return compute_locally(self._make_request(tile_state, dim, step, group))
+        except SolverError as exc:
+            self._local_failures[block] = self._local_failures.get(block, 0) + 1
+            self._local_errors[block] = str(exc)
+            return None
+
+    # ------------------------------------------------------------------ hooks
+    def pump(self) -> None:
+        """Move transfers along and install every ready result (cheap; called by hooks)."""
+        with torch.no_grad():
+            self._source.pump()
+            for _, p, _ in self.named_params():
+                state = self.state.get(p)
+                if state:
+                    for tile_state in state["tiles"]:
+                        if "blocks" in tile_state:
+                            self._install_ready(tile_state)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Register forward and full-backward-pre hooks that pump results into place while
+        the model computes, so ``step()`` usually finds them installed. Optional."""
+        self.detach()
+        modules = [model, *model.children()]
+        for module in modules:
+            self._hooks.append(module.register_forward_hook(lambda *_: self.pump()))
+        self._hooks.append(model.register_full_backward_pre_hook(lambda *_: self.pump()))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -234,8 +371,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ status
     def _iter_blocks(self) -> Iterator[tuple[str, int, int, dict[str, Any]]]:
-        """(param name, step, dim, tile state) for every preconditioned block with state."""
-        for name, p, _ in self.named_params():
+        """(block name, step, dim, tile state) for every preconditioned block with state."""
+        for _, p, _ in self.named_params():
             state = self.state.get(p)
             if not state:
                 continue
@@ -245,24 +382,56 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                         yield block, state["step"], dim, tile_state
 
     def preconditioner_status(self) -> list[dict[str, Any]]:
-        """One dict per block: version in use, staleness in steps, failures, last solve time."""
+        """One dict per block: ``block``, ``version`` in use (-1: none yet), ``staleness_steps``
+        (step - version), ``lag_steps`` (newest snapshot - version; the budget bounds it),
+        ``freshness``, ``failures``, ``last_solve_s`` and what the source knows besides."""
+        records = self._source.records()
         rows = []
         for block, step, dim, tile_state in self._iter_blocks():
             version = int(tile_state["versions"][dim])
-            record = self._source.record(block)
-            rows.append(
-                {
-                    "block": block,
-                    "version": version,
-                    "staleness_steps": step - version if version >= 0 else step,
-                    "failures": record.failures,
-                    "consecutive_failures": record.consecutive_failures,
-                    "last_solve_s": record.last_solve_s,
-                    "last_error": record.last_error,
-                    "mode": self.mode.value,
-                }
-            )
+            newest = int(tile_state["submitted"][dim])
+            record = records.get(block) or self._source.record(block)
+            local_failures = self._local_failures.get(block, 0)
+            row = {
+                "block": block,
+                "version": version,
+                "staleness_steps": step - version if version >= 0 else step,
+                "lag_steps": max(0, newest - version) if version >= 0 else newest + 1,
+                "freshness": freshness(version, newest).value,
+                "submitted_version": newest,
+                "failures": record.failures + local_failures,
+                "consecutive_failures": record.consecutive_failures,
+                "last_solve_s": record.last_solve_s,
+                "last_error": self._local_errors.get(block) or record.last_error,
+                "mode": self.mode.value,
+                "budget_steps": self.staleness.budget_intervals * self._frequency_of(block),
+            }
+            row.update(record.extra)
+            rows.append(row)
         return rows
+
+    def runtime_stats(self) -> dict[str, Any]:
+        """Barrier waits, timeouts, local fallbacks and the observed lag, for benchmarks."""
+        stats = self.barrier_stats
+        return {
+            "mode": self.mode.value,
+            "staleness_budget": self.staleness.budget_intervals,
+            "barrier_waits": stats.waits,
+            "barrier_wait_s": stats.wait_s,
+            "barrier_max_wait_s": stats.max_wait_s,
+            "barrier_timeouts": stats.timeouts,
+            "local_fallbacks": stats.local_fallbacks,
+            "submit_errors": stats.submit_errors,
+            "max_lag_steps": stats.max_lag_steps,
+            "lag_histogram": dict(sorted(stats.lag_histogram.items())),
+        }
+
+    def _frequency_of(self, block: str) -> int:
+        name = block.split("/tile", 1)[0]
+        for group in self.param_groups:
+            if name in group["param_names"]:
+                return int(group["precondition_frequency"])
+        return int(self.defaults["precondition_frequency"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -327,8 +496,15 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     def close(self) -> None:
-        """Release the preconditioner source (worker processes, connections)."""
+        """Release the preconditioner source (worker processes, connections). Idempotent."""
+        self.detach()
         self._source.close()
+
+    def __enter__(self) -> AsteriaOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _clone_tree(tree: Any, device: torch.device | None = None) -> Any:

@@ -33,7 +33,8 @@ from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
 from asteria_client.optim.updates import adam_direction, apply_update
-from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult, SolveKind
+from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
+from asteria_server.engine.tasks import SolveKind
 
 
 def _scale_along(tensor: torch.Tensor, vector: torch.Tensor, dim: int) -> torch.Tensor:
@@ -64,7 +65,8 @@ class KLShampoo(AsteriaOptimizer):
         lr, betas, weight_decay: step size, (momentum, factor/eigenvalue EMA), decoupled decay.
         eps, damping: eigenvalues are regularized as ``max(lam, 0) + eps + damping * max(lam)``
             before the inverse (square) roots.
-        precondition_frequency, max_preconditioner_dim, large_dim_policy, mode, nonfinite: as in
+        precondition_frequency, max_preconditioner_dim, large_dim_policy, mode, nonfinite,
+            staleness_budget, barrier_timeout_s, engine_config: as in
             :class:`~asteria_client.optim.soap.SOAP`.
     """
 
@@ -80,7 +82,7 @@ class KLShampoo(AsteriaOptimizer):
         precondition_frequency: int = 10,
         max_preconditioner_dim: int = 10000,
         large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
-        mode: Mode | str = Mode.NATIVE,
+        mode: Mode | str | None = None,
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
@@ -102,6 +104,8 @@ class KLShampoo(AsteriaOptimizer):
         }
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
 
+    needs_first_result = True
+
     def _step_param(
         self,
         name: str,
@@ -118,8 +122,12 @@ class KLShampoo(AsteriaOptimizer):
 
         if plan.diagonal:  # Adam
             if step == 1:
-                state["tiles"] = [{"exp_avg": torch.zeros_like(tiles[0]),
-                                   "exp_avg_sq": torch.zeros_like(tiles[0])}]
+                state["tiles"] = [
+                    {
+                        "exp_avg": torch.zeros_like(tiles[0]),
+                        "exp_avg_sq": torch.zeros_like(tiles[0]),
+                    }
+                ]
             tile_state, g = state["tiles"][0], tiles[0]
             tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
             tile_state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -130,15 +138,17 @@ class KLShampoo(AsteriaOptimizer):
             return
 
         if step == 1:  # initialization only
-            state["tiles"] = [self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles)]
+            state["tiles"] = [
+                self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
+            ]
             for tile_state in state["tiles"]:
-                self._refresh(tile_state, step)
+                self._submit_tile(tile_state, step, group)
             return
 
         t = step - 1
         directions = []
         for tile_state, g in zip(state["tiles"], tiles, strict=True):
-            self._install_ready(tile_state)
+            self._sync_tile(tile_state, step, group)
             self._update_statistics(tile_state, g, beta2, group["eps"], group["damping"])
             exp_avg = tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
             m_hat = exp_avg / (1 - beta1**t)
@@ -151,7 +161,7 @@ class KLShampoo(AsteriaOptimizer):
 
         if t % group["precondition_frequency"] == 0:
             for tile_state in state["tiles"]:
-                self._refresh(tile_state, step)
+                self._submit_tile(tile_state, step, group)
 
     # ------------------------------------------------------------------ statistics
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
@@ -182,6 +192,7 @@ class KLShampoo(AsteriaOptimizer):
             "bases": [None] * len(factors),
             "eigenvalues": eigenvalues,
             "versions": [-1] * len(factors),
+            "submitted": [-1] * len(factors),
             "blocks": blocks,
         }
 
@@ -211,30 +222,19 @@ class KLShampoo(AsteriaOptimizer):
             lam.mul_(beta).add_(term, alpha=1 - beta)
 
     # ------------------------------------------------------------------ bases
-    def _refresh(self, tile_state: dict[str, Any], version: int) -> None:
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            self._request(
-                PreconditionerRequest(
-                    block=block,
-                    version=version,
-                    kind=SolveKind.EIGENBASIS,
-                    matrix=tile_state["factors"][dim],
-                    basis=tile_state["bases"][dim],
-                    base_version=tile_state["versions"][dim],
-                    deadline_step=version,
-                )
-            )
-        self._install_ready(tile_state)
-
-    def _install_ready(self, tile_state: dict[str, Any]) -> None:
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            result = self._take_newer(block, tile_state["versions"][dim])
-            if result is not None:
-                self._install(tile_state, dim, result)
+    def _make_request(
+        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
+    ) -> PreconditionerRequest:
+        return PreconditionerRequest(
+            block=tile_state["blocks"][dim],
+            version=version,
+            kind=SolveKind.EIGENBASIS,
+            matrix=tile_state["factors"][dim],
+            basis=tile_state["bases"][dim],
+            base_version=tile_state["versions"][dim],
+            deadline_step=version
+            + self.staleness.budget_intervals * group["precondition_frequency"],
+        )
 
     @staticmethod
     def _install(tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:

@@ -24,7 +24,9 @@ from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import apply_on_dims, factor_statistic
 from asteria_client.optim.updates import TINY, adam_direction, apply_update
-from asteria_client.runtime.source import PreconditionerRequest, SolveKind
+from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
+from asteria_server.engine.tasks import SolveKind
+
 
 class Shampoo(AsteriaOptimizer):
     """Shampoo with Adam grafting and a pluggable source of inverse roots.
@@ -37,7 +39,8 @@ class Shampoo(AsteriaOptimizer):
         weight_decay: decoupled weight decay.
         graft_eps: Adam epsilon of the grafting direction.
         root_exponent: override the root exponent (default ``1 / (2k)`` for k factors).
-        precondition_frequency, max_preconditioner_dim, large_dim_policy, mode, nonfinite: as in
+        precondition_frequency, max_preconditioner_dim, large_dim_policy, mode, nonfinite,
+            staleness_budget, barrier_timeout_s, engine_config: as in
             :class:`~asteria_client.optim.soap.SOAP`.
     """
 
@@ -54,7 +57,7 @@ class Shampoo(AsteriaOptimizer):
         precondition_frequency: int = 10,
         max_preconditioner_dim: int = 1024,
         large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
-        mode: Mode | str = Mode.NATIVE,
+        mode: Mode | str | None = None,
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
@@ -95,7 +98,9 @@ class Shampoo(AsteriaOptimizer):
         step = state["step"]
         beta1, beta2 = group["betas"]
         if step == 1:
-            state["tiles"] = [self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles)]
+            state["tiles"] = [
+                self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
+            ]
 
         due = (step - 1) % group["precondition_frequency"] == 0
         directions = []
@@ -105,9 +110,9 @@ class Shampoo(AsteriaOptimizer):
             for dim, factor in enumerate(tile_state["factors"]):
                 if factor is not None:
                     factor.mul_(beta2).add_(factor_statistic(g, dim), alpha=1 - beta2)
-            if due:
-                self._submit_roots(tile_state, step, group)
-            self._install_ready(tile_state)
+            if due and any(f is not None for f in tile_state["factors"]):
+                self._submit_tile(tile_state, step, group)
+            self._sync_tile(tile_state, step, group)
             directions.append(self._direction(tile_state, step, group))
         apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
 
@@ -125,44 +130,38 @@ class Shampoo(AsteriaOptimizer):
             "factors": factors,
             "roots": [None] * len(factors),
             "versions": [-1] * len(factors),
+            "submitted": [-1] * len(factors),
             "blocks": blocks,
         }
 
-    def _submit_roots(self, tile_state: dict[str, Any], step: int, group: dict[str, Any]) -> None:
+    def _make_request(
+        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
+    ) -> PreconditionerRequest:
         num_factors = sum(f is not None for f in tile_state["factors"])
-        if num_factors == 0:
-            return
-        exponent = group["root_exponent"] or 1.0 / (2 * num_factors)
-        correction = 1 - group["betas"][1] ** step
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            self._request(
-                PreconditionerRequest(
-                    block=block,
-                    version=step,
-                    kind=SolveKind.INVERSE_ROOT,
-                    matrix=tile_state["factors"][dim] / correction,
-                    exponent=exponent,
-                    epsilon=group["epsilon"],
-                    deadline_step=step,
-                )
-            )
+        return PreconditionerRequest(
+            block=tile_state["blocks"][dim],
+            version=version,
+            kind=SolveKind.INVERSE_ROOT,
+            matrix=tile_state["factors"][dim] / (1 - group["betas"][1] ** version),
+            exponent=group["root_exponent"] or 1.0 / (2 * num_factors),
+            epsilon=group["epsilon"],
+            deadline_step=version
+            + self.staleness.budget_intervals * group["precondition_frequency"],
+        )
 
-    def _install_ready(self, tile_state: dict[str, Any]) -> None:
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            result = self._take_newer(block, tile_state["versions"][dim])
-            if result is not None:
-                factor = tile_state["factors"][dim]
-                tile_state["roots"][dim] = result.matrix.to(factor.device, factor.dtype)
-                tile_state["versions"][dim] = result.version
+    def _install(self, tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
+        factor = tile_state["factors"][dim]
+        tile_state["roots"][dim] = result.matrix.to(factor.device, factor.dtype)
+        tile_state["versions"][dim] = result.version
 
     @staticmethod
     def _direction(tile_state: dict[str, Any], step: int, group: dict[str, Any]) -> torch.Tensor:
         adam = adam_direction(
-            tile_state["exp_avg"], tile_state["exp_avg_sq"], step, group["betas"], group["graft_eps"]
+            tile_state["exp_avg"],
+            tile_state["exp_avg_sq"],
+            step,
+            group["betas"],
+            group["graft_eps"],
         )
         roots = tile_state["roots"]
         if all(r is None for r in roots):

@@ -27,7 +27,8 @@ import torch
 from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_range
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
-from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult, SolveKind
+from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
+from asteria_server.engine.tasks import SolveKind
 
 
 def _state_dtype(param: torch.Tensor) -> torch.dtype:
@@ -46,7 +47,12 @@ class SOAP(AsteriaOptimizer):
         max_preconditioner_dim: largest factor dimension; see :mod:`blocking`.
         large_dim_policy: ``"tile"`` (default) or ``"identity"`` for dims above the limit.
         correct_bias: Adam bias correction of the step size.
-        mode: ``"native"`` (bases computed in step on the parameter's device).
+        mode: where bases are computed: ``"embedded"`` (default without ``ASTERIA_ADDRESS``:
+            an engine in this process, worker processes), ``"native"`` (in step, on the
+            parameter's device; the baseline), ``"daemon"`` (the node daemon).
+        staleness_budget: S, the refresh intervals a basis may lag behind native (0 = sync).
+        barrier_timeout_s: the longest wait for a late result before computing it locally.
+        engine_config: :class:`~asteria_server.engine.EngineConfig` of the embedded engine.
         nonfinite: ``"raise"`` (default) or ``"skip"`` steps whose gradients hold NaN/Inf.
     """
 
@@ -63,7 +69,7 @@ class SOAP(AsteriaOptimizer):
         max_preconditioner_dim: int = 10000,
         large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
         correct_bias: bool = True,
-        mode: Mode | str = Mode.NATIVE,
+        mode: Mode | str | None = None,
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
@@ -87,6 +93,8 @@ class SOAP(AsteriaOptimizer):
         }
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
 
+    needs_first_result = True
+
     # ------------------------------------------------------------------ per parameter
     def _step_param(
         self,
@@ -105,14 +113,16 @@ class SOAP(AsteriaOptimizer):
         step = state["step"]
 
         if step == 1:  # initialization only: factors and first bases, no parameter update
-            state["tiles"] = [self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles)]
+            state["tiles"] = [
+                self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
+            ]
             for tile_state, g in zip(state["tiles"], tiles, strict=True):
                 self._update_factors(tile_state, g, shampoo_beta)
-                self._refresh(tile_state, step)
+                self._submit_tile(tile_state, step, group)
             return
 
         for tile_state in state["tiles"]:
-            self._install_ready(tile_state)  # results that arrived since the last step
+            self._sync_tile(tile_state, step, group)  # install results; respect the budget
 
         t = step - 1  # the reference counts steps after the initialization
         beta1, beta2 = group["betas"]
@@ -143,7 +153,7 @@ class SOAP(AsteriaOptimizer):
         for tile_state, g in zip(state["tiles"], tiles, strict=True):
             self._update_factors(tile_state, g, shampoo_beta)
             if t % group["precondition_frequency"] == 0:
-                self._refresh(tile_state, step)
+                self._submit_tile(tile_state, step, group)
 
     # ------------------------------------------------------------------ tiles and blocks
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
@@ -163,6 +173,7 @@ class SOAP(AsteriaOptimizer):
             "factors": factors,
             "bases": [None] * len(factors),
             "versions": [-1] * len(factors),
+            "submitted": [-1] * len(factors),
             "blocks": blocks,
         }
 
@@ -172,31 +183,19 @@ class SOAP(AsteriaOptimizer):
             if factor is not None:
                 factor.lerp_(factor_statistic(grad, dim), 1 - beta)
 
-    def _refresh(self, tile_state: dict[str, Any], version: int) -> None:
-        """Submit every factor of the tile for a new basis, then install what is ready."""
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            self._request(
-                PreconditionerRequest(
-                    block=block,
-                    version=version,
-                    kind=SolveKind.EIGENBASIS,
-                    matrix=tile_state["factors"][dim],
-                    basis=tile_state["bases"][dim],
-                    base_version=tile_state["versions"][dim],
-                    deadline_step=version,
-                )
-            )
-        self._install_ready(tile_state)
-
-    def _install_ready(self, tile_state: dict[str, Any]) -> None:
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            result = self._take_newer(block, tile_state["versions"][dim])
-            if result is not None:
-                self._install(tile_state, dim, result)
+    def _make_request(
+        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
+    ) -> PreconditionerRequest:
+        return PreconditionerRequest(
+            block=tile_state["blocks"][dim],
+            version=version,
+            kind=SolveKind.EIGENBASIS,
+            matrix=tile_state["factors"][dim],
+            basis=tile_state["bases"][dim],
+            base_version=tile_state["versions"][dim],
+            deadline_step=version
+            + self.staleness.budget_intervals * group["precondition_frequency"],
+        )
 
     @staticmethod
     def _install(tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
@@ -204,10 +203,7 @@ class SOAP(AsteriaOptimizer):
         exp_avg, exp_avg_sq = tile_state["exp_avg"], tile_state["exp_avg_sq"]
         new = result.matrix.to(device=exp_avg.device, dtype=exp_avg.dtype)
         old = tile_state["bases"][dim]
-        if old is None:
-            overlap = new.T
-        else:
-            overlap = new.T @ old
+        overlap = new.T if old is None else new.T @ old
         tile_state["exp_avg"] = mode_product(exp_avg, overlap, dim)
         same_base = result.base_version == tile_state["versions"][dim] and old is not None
         if same_base and result.permutation is not None:

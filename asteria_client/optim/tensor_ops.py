@@ -12,14 +12,16 @@ import torch
 
 
 def mode_product(tensor: torch.Tensor, matrix: torch.Tensor, dim: int) -> torch.Tensor:
-    """Multiply ``tensor`` along ``dim`` by ``matrix``: out[.., i, ..] = sum_j M[i, j] T[.., j, ..]."""
+    """Multiply ``tensor`` along ``dim``: ``out[.., i, ..] = sum_j M[i, j] T[.., j, ..]``."""
     if tensor.dim() == 2:
         return matrix @ tensor if dim == 0 else tensor @ matrix.T
     out = torch.tensordot(tensor, matrix, dims=([dim], [1]))
     return out.movedim(-1, dim)
 
 
-def factor_statistic(grad: torch.Tensor, dim: int, other: torch.Tensor | None = None) -> torch.Tensor:
+def factor_statistic(
+    grad: torch.Tensor, dim: int, other: torch.Tensor | None = None
+) -> torch.Tensor:
     """``G_(dim) H_(dim)^T`` contracted over every other dim (H defaults to G)."""
     other = grad if other is None else other
     if grad.dim() == 1:

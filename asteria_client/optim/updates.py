@@ -8,7 +8,11 @@ TINY = 1e-30
 
 
 def adam_direction(
-    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, betas: tuple[float, float], eps: float
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    betas: tuple[float, float],
+    eps: float,
 ) -> torch.Tensor:
     """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)``."""
     m_hat = exp_avg / (1 - betas[0] ** step)
@@ -16,9 +20,7 @@ def adam_direction(
     return m_hat / v_hat.sqrt().add_(eps)
 
 
-def apply_update(
-    param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float
-) -> None:
+def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> None:
     """``p = p * (1 - lr * wd) - lr * update``, rounding once for half-precision parameters."""
     work = param if param.dtype == update.dtype else param.to(update.dtype)
     if weight_decay > 0:

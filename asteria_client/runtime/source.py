@@ -15,21 +15,15 @@ results from any source with the same rule: only a newer version replaces the on
 from __future__ import annotations
 
 import abc
-import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from asteria_client.optim import linalg
+from asteria_server.engine.tasks import SolveKind
 from asteria_server.errors import SolverError
-
-
-class SolveKind(enum.Enum):
-    """What a block needs computed from its factor snapshot."""
-
-    INVERSE_ROOT = "inverse_root"
-    EIGENBASIS = "eigenbasis"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +71,8 @@ class SourceRecord:
     consecutive_failures: int = 0
     last_solve_s: float = 0.0
     last_error: str = ""
-    computed_at: float = field(default=0.0)
+    computed_at: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class PreconditionerSource(abc.ABC):
@@ -107,7 +102,14 @@ class PreconditionerSource(abc.ABC):
     def record(self, block: str) -> SourceRecord:
         """Per-block bookkeeping for status reports."""
 
-    def close(self) -> None:
+    def records(self) -> dict[str, SourceRecord]:
+        """Every block's record at once (one engine round trip for a whole status report)."""
+        return {}
+
+    def pump(self) -> None:  # noqa: B027 - optional hook, a no-op for synchronous sources
+        """Move finished transfers along (called from hooks and at each step). Optional."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release for most sources
         """Release workers, connections and memory. Idempotent."""
 
 
@@ -169,3 +171,6 @@ class NativeSource(PreconditionerSource):
 
     def record(self, block: str) -> SourceRecord:
         return self._records.setdefault(block, SourceRecord())
+
+    def records(self) -> dict[str, SourceRecord]:
+        return dict(self._records)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asteria_client import SOAP, KLShampoo, Shampoo
+from .native import SOAP, KLShampoo, Shampoo
 
 STEPS = 150
 LOG10_COND = 1.5  # per side: singular values span 10**1.5

@@ -35,7 +35,9 @@ def regression_grad(rows: int, cols: int, seed: int) -> Callable[[torch.Tensor],
     return lambda w: (w @ x - y) @ x.T / x.shape[1]
 
 
-def column_separable_grad(rows: int, cols: int, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def column_separable_grad(
+    rows: int, cols: int, seed: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """A (W - W*) with A SPD: each column's gradient depends only on that column (tile-safe)."""
     g = _gen(seed)
     b = torch.randn(rows, rows, generator=g, dtype=torch.float64)
@@ -66,7 +68,8 @@ HYPER = {"lr": 0.05, "b1": 0.9, "b2": 0.95, "eps": 1e-8, "wd": 0.01}
 
 def soap_factory(max_dim: int = 64):  # type: ignore[no-untyped-def]
     return lambda params: SOAP(
-        params,
+        mode="native",
+        params=params,
         lr=HYPER["lr"],
         betas=(HYPER["b1"], HYPER["b2"]),
         eps=HYPER["eps"],
@@ -83,7 +86,8 @@ def soap_ref(w, grad_fn):  # type: ignore[no-untyped-def]
 
 def shampoo_factory(max_dim: int = 64):  # type: ignore[no-untyped-def]
     return lambda params: Shampoo(
-        params,
+        mode="native",
+        params=params,
         lr=HYPER["lr"],
         betas=(HYPER["b1"], HYPER["b2"]),
         epsilon=1e-6,
@@ -105,7 +109,8 @@ def shampoo_ref(w, grad_fn):  # type: ignore[no-untyped-def]
 
 def kl_factory(max_dim: int = 64):  # type: ignore[no-untyped-def]
     return lambda params: KLShampoo(
-        params,
+        mode="native",
+        params=params,
         lr=HYPER["lr"],
         betas=(HYPER["b1"], HYPER["b2"]),
         eps=HYPER["eps"],

@@ -1,0 +1,180 @@
+"""The embedded source: Asteria's engine inside the training process, solves in worker processes.
+
+``submit`` takes a copy of the factor (off the main stream on CUDA), hands it to the engine and
+returns at once; the engine's worker processes compute with SciPy/LAPACK (which holds the GIL, so
+never in a thread of this process). ``take`` picks up finished results and brings them to the
+factor's device. Anything the engine raises is contained here: a dead engine means no new
+results, which the optimizer's staleness budget turns into a local fallback — never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from asteria_client.runtime.shadow import PendingCopy, ShadowStream
+from asteria_client.runtime.source import (
+    PreconditionerRequest,
+    PreconditionerResult,
+    PreconditionerSource,
+    SourceRecord,
+)
+from asteria_server.engine import EngineConfig, PreconditionerEngine, SolveResult, SolveTask
+from asteria_server.errors import AsteriaError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingSubmit:
+    request: PreconditionerRequest
+    matrix: PendingCopy
+    basis: PendingCopy | None
+
+
+class EmbeddedSource(PreconditionerSource):
+    """Results from an in-process :class:`PreconditionerEngine` (see the module docstring)."""
+
+    synchronous = False
+
+    def __init__(self, config: EngineConfig | None = None, *, tenant: str = "local") -> None:
+        self.tenant = tenant
+        self._engine = PreconditionerEngine(config)
+        self._shadow = ShadowStream()
+        self._devices: dict[str, torch.device] = {}
+        self._pending: list[_PendingSubmit] = []
+        self._submit_errors = 0
+        self._closed = False
+
+    @property
+    def engine(self) -> PreconditionerEngine:
+        return self._engine
+
+    # ------------------------------------------------------------------ snapshots in
+    def submit(self, request: PreconditionerRequest) -> None:
+        self._devices[request.block] = request.matrix.device
+        basis = None if request.basis is None else self._shadow.to_host(request.basis)
+        self._pending.append(_PendingSubmit(request, self._shadow.to_host(request.matrix), basis))
+        self.pump()
+
+    def pump(self) -> None:
+        """Hand every snapshot whose host copy is complete to the engine."""
+        still_pending = []
+        for item in self._pending:
+            if not (item.matrix.ready() and (item.basis is None or item.basis.ready())):
+                still_pending.append(item)
+                continue
+            self._hand_over(item)
+        self._pending = still_pending
+
+    def _hand_over(self, item: _PendingSubmit) -> None:
+        req = item.request
+        try:
+            task = SolveTask(
+                block=req.block,
+                version=req.version,
+                kind=req.kind,
+                matrix=item.matrix.host.numpy(),
+                exponent=req.exponent,
+                epsilon=req.epsilon,
+                basis=None if item.basis is None else item.basis.host.numpy(),
+                base_version=req.base_version,
+                deadline=float(req.deadline_step),
+                tenant=self.tenant,
+            )
+            self._engine.submit(task)
+        except AsteriaError as exc:
+            self._submit_errors += 1
+            if self._submit_errors == 1 or self._submit_errors % 1000 == 0:
+                logger.warning(
+                    "embedded engine refused a snapshot (%d so far): %s", self._submit_errors, exc
+                )
+
+    def _flush(self, block: str) -> None:
+        """Complete the pending copies of ``block`` now (the caller is about to wait for it)."""
+        for item in self._pending:
+            if item.request.block == block:
+                item.matrix.wait()
+                if item.basis is not None:
+                    item.basis.wait()
+        self.pump()
+
+    # ------------------------------------------------------------------ results out
+    def _to_torch(self, result: SolveResult | None) -> PreconditionerResult | None:
+        if result is None:
+            return None
+        device = self._devices.get(result.block, torch.device("cpu"))
+        to_dev = self._shadow.to_device
+        return PreconditionerResult(
+            block=result.block,
+            version=result.version,
+            kind=result.kind,
+            matrix=to_dev(result.matrix, device),
+            eigenvalues=None if result.eigenvalues is None else to_dev(result.eigenvalues, device),
+            permutation=None
+            if result.permutation is None
+            else to_dev(result.permutation.astype(np.int64), device),
+            base_version=result.base_version,
+            solve_time_s=result.solve_time_s,
+        )
+
+    def take(self, block: str) -> PreconditionerResult | None:
+        self.pump()
+        try:
+            return self._to_torch(self._engine.take_result(block, self.tenant))
+        except AsteriaError:
+            return None
+
+    def wait(self, block: str, min_version: int, timeout_s: float) -> PreconditionerResult | None:
+        self._flush(block)
+        try:
+            result = self._engine.wait_result(block, min_version, timeout_s, self.tenant)
+        except AsteriaError:
+            return None
+        return self._to_torch(result)
+
+    def in_flight_version(self, block: str) -> int | None:
+        pending = [i.request.version for i in self._pending if i.request.block == block]
+        try:
+            engine_version = self._engine.in_flight_version(block, self.tenant)
+        except AsteriaError:
+            engine_version = None
+        versions = pending + ([engine_version] if engine_version is not None else [])
+        return max(versions) if versions else None
+
+    # ------------------------------------------------------------------ status
+    def records(self) -> dict[str, SourceRecord]:
+        out = {}
+        for status in self._engine.status(self.tenant):
+            out[status.block] = SourceRecord(
+                submitted_version=status.submitted_version,
+                computed_version=status.version,
+                failures=status.failures,
+                consecutive_failures=status.consecutive_failures,
+                last_solve_s=status.last_solve_s or 0.0,
+                last_error=status.last_error or "",
+                extra={
+                    "state": status.state.value,
+                    "queue_position": status.queue_position,
+                    "in_flight_version": status.in_flight_version,
+                    "age_s": status.age_s,
+                },
+            )
+        return out
+
+    def record(self, block: str) -> SourceRecord:
+        return self.records().get(block, SourceRecord())
+
+    def stats(self) -> dict[str, Any]:
+        stats = self._engine.stats().to_dict()
+        stats["submit_errors"] = self._submit_errors
+        return stats
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine.close()

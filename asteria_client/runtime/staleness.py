@@ -1,0 +1,87 @@
+"""The staleness budget: how far a block's result may lag behind what native mode would use.
+
+Every ``f`` steps a block's factor is snapshotted (version = step). Native mode installs the
+result of snapshot v at step v. With a budget of S refresh intervals, the result in use may lag
+the newest snapshot by at most S*f steps: the optimizer may use a result of version
+``>= newest_snapshot - S * f``. S = 0 is synchronous and equals native mode.
+
+The staleness of a block at step t (DESIGN.md) is ``t - version in use``; under a budget S it
+never exceeds ``(S + 1) * f - 1`` (``f - 1`` of which native mode has as well). The *lag*,
+``newest_snapshot - version in use``, is what the budget bounds: ``lag <= S * f``.
+
+When a block would exceed its budget, the optimizer waits (a bounded *barrier*) for the result
+in flight; if that times out or nothing useful is in flight, it computes the block locally
+(native path) and warns once. These counters make the cost of freshness visible.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Freshness(enum.Enum):
+    """A block's staleness as a value (never an exception)."""
+
+    FRESH = "fresh"  # the newest snapshot's result is in use
+    STALE = "stale"  # an older result is in use, within or beyond the budget
+    MISSING = "missing"  # no result yet
+
+
+@dataclass(frozen=True, kw_only=True)
+class StalenessPolicy:
+    """``budget_intervals`` = S; ``barrier_timeout_s`` bounds each wait before local fallback."""
+
+    budget_intervals: int = 1
+    barrier_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget_intervals, int) or self.budget_intervals < 0:
+            raise ValueError(
+                f"staleness_budget must be an int >= 0 (refresh intervals), "
+                f"got {self.budget_intervals!r}"
+            )
+        if not self.barrier_timeout_s > 0:
+            raise ValueError(f"barrier_timeout_s must be > 0, got {self.barrier_timeout_s!r}")
+
+    def required_version(self, newest_snapshot: int, frequency: int, needs_first: bool) -> int:
+        """The oldest version the optimizer may use now; below 0 means "none is fine too".
+
+        ``needs_first``: the block cannot be used without some result (a SOAP or KL-Shampoo
+        basis), so at least version 0 is required even inside the budget.
+        """
+        if newest_snapshot < 0:
+            return -1
+        required = newest_snapshot - self.budget_intervals * frequency
+        return max(required, 0) if needs_first else required
+
+
+def freshness(installed: int, newest_snapshot: int) -> Freshness:
+    if installed < 0:
+        return Freshness.MISSING
+    return Freshness.FRESH if installed >= newest_snapshot else Freshness.STALE
+
+
+@dataclass
+class BarrierStats:
+    """Counters of the freshness machinery, reported by ``preconditioner_status()``."""
+
+    waits: int = 0
+    wait_s: float = 0.0
+    max_wait_s: float = 0.0
+    timeouts: int = 0
+    local_fallbacks: int = 0
+    submit_errors: int = 0
+    max_lag_steps: int = 0
+    lag_histogram: dict[int, int] = field(default_factory=dict)
+
+    def record_wait(self, seconds: float, satisfied: bool) -> None:
+        self.waits += 1
+        self.wait_s += seconds
+        self.max_wait_s = max(self.max_wait_s, seconds)
+        if not satisfied:
+            self.timeouts += 1
+
+    def record_lag(self, lag_steps: int) -> None:
+        self.max_lag_steps = max(self.max_lag_steps, lag_steps)
+        self.lag_histogram[lag_steps] = self.lag_histogram.get(lag_steps, 0) + 1
