@@ -351,13 +351,30 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                             self._install_ready(tile_state)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Register forward and full-backward-pre hooks that pump results into place while
-        the model computes, so ``step()`` usually finds them installed. Optional."""
+        """Register hooks that pump results into place while the model computes, so ``step()``
+        usually finds them installed. Optional: without it, ``step()`` pumps too.
+
+        Signals: a forward hook on the model and on each of its direct children, and the start
+        of the backward pass. The latter is a gradient hook on the model's output, registered by
+        the model's forward hook: it fires where a full backward pre-hook on the model would,
+        without that hook's warning for models whose inputs need no gradient (token ids).
+        """
         self.detach()
-        modules = [model, *model.children()]
-        for module in modules:
-            self._hooks.append(module.register_forward_hook(lambda *_: self.pump()))
-        self._hooks.append(model.register_full_backward_pre_hook(lambda *_: self.pump()))
+
+        def on_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            self.pump()
+
+        def on_model_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            self.pump()
+            outputs = output if isinstance(output, tuple | list) else (output,)
+            for tensor in outputs:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad: self.pump())
+                    break
+
+        self._hooks.append(model.register_forward_hook(on_model_forward))
+        for child in model.children():
+            self._hooks.append(child.register_forward_hook(on_forward))
 
     def detach(self) -> None:
         for handle in self._hooks:
