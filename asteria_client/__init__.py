@@ -1,7 +1,7 @@
 """Asteria's training-side package: second-order optimizers whose matrix work runs off the step.
 
-    from asteria_client import SOAP
-    optimizer = SOAP(model.named_parameters(), lr=3e-3)
+from asteria_client import SOAP
+optimizer = SOAP(model.named_parameters(), lr=3e-3)
 """
 
 from asteria_client.optim.base import Mode, NonFinitePolicy

@@ -1,7 +1,7 @@
 """`asteria`: the command line of Asteria's client.
 
 Subcommands register themselves in ``SUBCOMMANDS``: each entry adds its parser and returns the
-function that runs it. ``train`` is built; ``bench`` and ``status`` will join it there.
+function that runs it: ``train`` and ``bench``; ``status`` joins them with the daemon.
 
 Exit codes: 0 success, 1 the run failed (for example an optimizer missing from this build, or a
 diverged loss), 2 bad input (arguments, config values, an unavailable device), 130 interrupted.
@@ -107,8 +107,9 @@ def _device(text: str) -> str:
 
 
 def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
+    from asteria_client.optim.base import Mode
     from asteria_client.train.config import Schedule, TrainConfig
-    from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind, PreconditionerMode
+    from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind
 
     defaults = TrainConfig()
     lr_defaults = ", ".join(f"{kind.value} {lr:g}" for kind, lr in DEFAULT_LR.items())
@@ -127,10 +128,24 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
     )
     opt.add_argument(
         "--mode",
-        choices=[mode.value for mode in PreconditionerMode],
-        help="where a second-order optimizer computes its roots and eigenbases: native "
-        "(in step, on the parameter's device), embedded (in-process engine) or daemon "
-        f"(the node's asteria-server); not for adamw (default: {defaults.mode.value})",
+        choices=[mode.value for mode in Mode],
+        help="where a second-order optimizer computes its roots and eigenbases: embedded "
+        "(an engine in this process with solver worker processes; the default unless "
+        "ASTERIA_ADDRESS is set), native (synchronously in step, on the parameter's device: "
+        "the baseline) or daemon (the node's asteria-server, not built yet); not for adamw",
+    )
+    opt.add_argument(
+        "--staleness-budget",
+        type=_non_negative_int,
+        metavar="S",
+        help="refresh intervals a root or basis may lag behind its newest snapshot before "
+        "step() waits for it; 0 is synchronous (= native numerics) (default: 1)",
+    )
+    opt.add_argument(
+        "--engine-workers",
+        type=_positive_int,
+        metavar="N",
+        help="solver worker processes of the embedded engine (default: CPUs - 1, at least 1)",
     )
     opt.add_argument(
         "--lr",
@@ -180,6 +195,13 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
         "--device",
         type=_device,
         help=f"cpu, cuda, cuda:N, or auto for CUDA when present (default: {defaults.device})",
+    )
+    run.add_argument(
+        "--threads",
+        type=_positive_int,
+        dest="num_threads",
+        help="torch intra-op CPU threads; on a busy machine 1 is often faster "
+        "(default: torch's own choice)",
     )
     run.add_argument(
         "--eval-interval",
@@ -238,12 +260,15 @@ _TRAIN_FIELDS = (
     "lr",
     "weight_decay",
     "precondition_frequency",
+    "staleness_budget",
+    "engine_workers",
     "schedule",
     "warmup_steps",
     "steps",
     "batch_size",
     "seed",
     "device",
+    "num_threads",
     "eval_interval",
     "eval_batches",
     "log_interval",
@@ -253,6 +278,9 @@ _TRAIN_FIELDS = (
     "n_head",
     "n_embd",
 )
+
+
+_FLAG_FOR_FIELD = {"json_path": "--json", "num_threads": "--threads"}
 
 
 def _plain(value: object) -> str:
@@ -270,7 +298,7 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**given)
         resolve_device(cfg.device)
     except TrainConfigError as exc:
-        flag = "--json" if exc.field == "json_path" else "--" + exc.field.replace("_", "-")
+        flag = _FLAG_FOR_FIELD.get(exc.field, "--" + exc.field.replace("_", "-"))
         raise UsageError(
             f"{PROG} train: error: argument {flag}: {_plain(exc.value)} {exc.problem}"
         ) from None
@@ -287,13 +315,54 @@ def run_train(args: argparse.Namespace) -> int:
         f"total {result.total_time_s:.1f} s"
         + (f", wrote {cfg.json_path}" if cfg.json_path is not None else "")
     )
+    if result.optimizer:
+        stats = result.optimizer
+        print(
+            f"preconditioner: mode {stats['mode']}, staleness budget {stats['staleness_budget']}, "
+            f"{stats['num_blocks']} blocks, max lag {stats['max_lag_steps']} steps, "
+            f"barrier waits {stats['barrier_waits']} ({stats['barrier_wait_s']:.2f} s), "
+            f"local fallbacks {stats['local_fallbacks']}, failures {stats['failures']}"
+        )
     return EXIT_OK
+
+
+# --- asteria bench ---------------------------------------------------------------------------
+
+BENCH_DESCRIPTION = """\
+Benchmarks that measure Asteria's claims. Every figure is a ratio of runs taken side by side in
+one invocation (shared machines are noisy), never an absolute time to compare across machines.
+"""
+
+
+def register_bench(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
+    from asteria_client.bench import spikes
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks (spikes)",
+        description=BENCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    benches = parser.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=ArgumentParser)
+    handlers: dict[str, Handler] = {"spikes": spikes.register(benches)}
+
+    def run_bench(args: argparse.Namespace) -> int:
+        if args.bench is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        try:
+            return handlers[args.bench](args)
+        except ValueError as exc:
+            raise UsageError(f"{PROG} bench {args.bench}: error: {exc}") from None
+
+    return run_bench
 
 
 # --- the command ----------------------------------------------------------------------------
 
 SUBCOMMANDS: dict[str, Registrar] = {
     "train": register_train,
+    "bench": register_bench,
 }
 
 
@@ -335,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return code
+    except OSError as exc:  # e.g. --json PATH cannot be written
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -208,7 +208,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         return names[int((~finite).nonzero()[0])]
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -451,7 +451,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         return int(self.defaults["precondition_frequency"])
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """State keyed by parameter name (and tile inside), plus group hyperparameters."""
         state = {}
         for name, p, _ in self.named_params():
@@ -469,7 +469,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("format") != STATE_FORMAT:
             raise InvalidInputError(
                 f"not an Asteria optimizer checkpoint (format={state_dict.get('format')!r}); "

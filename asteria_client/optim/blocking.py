@@ -134,6 +134,7 @@ def plan_blocking(
     param_shape = tuple(int(d) for d in shape)
     core = [d for d in param_shape if d != 1]
     numel = math.prod(param_shape)
+    merged_shape: tuple[int, ...]
     if len(core) <= 1 or numel == 0:
         merged_shape = (numel,)
         tile = TilePlan(0, (slice(0, numel),), merged_shape, (False,))

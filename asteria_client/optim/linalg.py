@@ -40,6 +40,7 @@ class Eigenbasis:
     basis: torch.Tensor
     eigenvalues: torch.Tensor
     permutation: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
 
 
 def _checked_symmetric(matrix: torch.Tensor, block: str, dtype: torch.dtype) -> torch.Tensor:
@@ -178,4 +179,5 @@ def refresh_eigenbasis(
         basis=new_q.to(device=matrix.device, dtype=matrix.dtype),
         eigenvalues=new_estimates.to(device=matrix.device, dtype=matrix.dtype),
         permutation=order.to(device=matrix.device),
+        rotation=(new_q.T @ q).to(device=matrix.device, dtype=matrix.dtype),
     )

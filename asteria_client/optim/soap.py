@@ -203,9 +203,14 @@ class SOAP(AsteriaOptimizer):
         exp_avg, exp_avg_sq = tile_state["exp_avg"], tile_state["exp_avg_sq"]
         new = result.matrix.to(device=exp_avg.device, dtype=exp_avg.dtype)
         old = tile_state["bases"][dim]
-        overlap = new.T if old is None else new.T @ old
-        tile_state["exp_avg"] = mode_product(exp_avg, overlap, dim)
         same_base = result.base_version == tile_state["versions"][dim] and old is not None
+        if old is None:
+            overlap = new.T
+        elif same_base and result.rotation is not None:
+            overlap = result.rotation.to(device=exp_avg.device, dtype=exp_avg.dtype)
+        else:  # an intermediate version was skipped: the change of basis from the one in use
+            overlap = new.T @ old
+        tile_state["exp_avg"] = mode_product(exp_avg, overlap, dim)
         if same_base and result.permutation is not None:
             perm = result.permutation.to(exp_avg.device)
             tile_state["exp_avg_sq"] = exp_avg_sq.index_select(dim, perm)

@@ -118,6 +118,7 @@ class EmbeddedSource(PreconditionerSource):
             permutation=None
             if result.permutation is None
             else to_dev(result.permutation.astype(np.int64), device),
+            rotation=None if result.rotation is None else to_dev(result.rotation, device),
             base_version=result.base_version,
             solve_time_s=result.solve_time_s,
         )

@@ -41,9 +41,9 @@ class ShadowStream:
     def _stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
-            # Larger numbers are lower priorities; take the lowest the device offers.
-            low, _high = torch.cuda.Stream.priority_range()
-            stream = torch.cuda.Stream(device=device, priority=low)
+            # CUDA's lowest stream priority is 0 (negative numbers are higher): the shadow stream
+            # never outranks compute streams that ask for more.
+            stream = torch.cuda.Stream(device=device, priority=0)
             self._streams[device] = stream
         return stream
 

@@ -57,6 +57,7 @@ class PreconditionerResult:
     matrix: torch.Tensor
     eigenvalues: torch.Tensor | None = None
     permutation: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
     base_version: int = -1
     solve_time_s: float = 0.0
 
@@ -116,7 +117,7 @@ class PreconditionerSource(abc.ABC):
 def compute_locally(request: PreconditionerRequest) -> PreconditionerResult:
     """Run one request with torch.linalg on the matrix's device (raises SolverError)."""
     start = time.perf_counter()
-    eigenvalues = permutation = None
+    eigenvalues = permutation = rotation = None
     if request.kind is SolveKind.INVERSE_ROOT:
         matrix = linalg.inverse_root(
             request.matrix, request.exponent, request.epsilon, block=request.block
@@ -127,6 +128,7 @@ def compute_locally(request: PreconditionerRequest) -> PreconditionerResult:
     else:
         result = linalg.refresh_eigenbasis(request.matrix, request.basis, block=request.block)
         matrix, eigenvalues, permutation = result.basis, result.eigenvalues, result.permutation
+        rotation = result.rotation
     return PreconditionerResult(
         block=request.block,
         version=request.version,
@@ -134,6 +136,7 @@ def compute_locally(request: PreconditionerRequest) -> PreconditionerResult:
         matrix=matrix,
         eigenvalues=eigenvalues,
         permutation=permutation,
+        rotation=rotation,
         base_version=request.base_version,
         solve_time_s=time.perf_counter() - start,
     )

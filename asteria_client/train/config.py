@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind, PreconditionerMode
+from asteria_client.optim.base import Mode
+from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind
 from asteria_server.errors import InvalidInputError
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -37,12 +38,13 @@ class TrainConfig:
     """One training run. The defaults finish in about a minute (AdamW) on two CPU cores.
 
     ``lr=None`` picks the optimizer's tuned default (``DEFAULT_LR``); ``warmup_steps=None`` picks
-    5% of ``steps`` (at most 100); ``precondition_frequency=None`` keeps the optimizer's own.
+    5% of ``steps`` (at most 100); ``precondition_frequency=None`` keeps the optimizer's own;
+    ``num_threads=None`` leaves torch's intra-op thread count as it is.
     Enum fields also accept their string values (``optimizer="soap"``).
     """
 
     optimizer: OptimizerKind = OptimizerKind.ADAMW
-    mode: PreconditionerMode = PreconditionerMode.NATIVE
+    mode: Mode | None = None
     steps: int = 500
     lr: float | None = None
     weight_decay: float = 0.1
@@ -58,15 +60,19 @@ class TrainConfig:
     dropout: float = 0.0
     seed: int = 0
     device: str = "auto"
+    num_threads: int | None = None
     eval_interval: int = 100
     eval_batches: int = 16
     log_interval: int = 50
     precondition_frequency: int | None = None
+    staleness_budget: int | None = None
+    engine_workers: int | None = None
     json_path: Path | None = None
 
     def __post_init__(self) -> None:
         self._coerce_enum("optimizer", OptimizerKind)
-        self._coerce_enum("mode", PreconditionerMode)
+        if self.mode is not None:
+            self._coerce_enum("mode", Mode)
         self._coerce_enum("schedule", Schedule)
         if self.json_path is not None and not isinstance(self.json_path, Path):
             object.__setattr__(self, "json_path", Path(self.json_path))
@@ -88,8 +94,14 @@ class TrainConfig:
             _require_int("warmup_steps", self.warmup_steps, minimum=0)
             if self.warmup_steps >= self.steps:
                 _fail("warmup_steps", self.warmup_steps, f"must be less than steps ({self.steps})")
+        if self.num_threads is not None:
+            _require_int("num_threads", self.num_threads, minimum=1)
         if self.precondition_frequency is not None:
             _require_int("precondition_frequency", self.precondition_frequency, minimum=1)
+        if self.staleness_budget is not None:
+            _require_int("staleness_budget", self.staleness_budget, minimum=0)
+        if self.engine_workers is not None:
+            _require_int("engine_workers", self.engine_workers, minimum=1)
         if self.lr is not None:
             _require_positive_float("lr", self.lr)
         _require_positive_float("grad_clip", self.grad_clip)
@@ -105,13 +117,16 @@ class TrainConfig:
             _fail("device", self.device, "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
         if not self.optimizer.is_second_order:
-            if self.mode is not PreconditionerMode.NATIVE:
+            if self.mode is not None:
                 _fail(
                     "mode",
                     self.mode.value,
                     "applies only to Asteria's second-order optimizers; adamw has no "
-                    "preconditioner (leave mode at 'native' or pick shampoo, soap or kl-shampoo)",
+                    "preconditioner (leave --mode out or pick shampoo, soap or kl-shampoo)",
                 )
+            for name in ("staleness_budget", "engine_workers"):
+                if getattr(self, name) is not None:
+                    _fail(name, getattr(self, name), "applies only to second-order optimizers")
             if self.precondition_frequency is not None:
                 _fail(
                     "precondition_frequency",

@@ -17,12 +17,13 @@ import random
 import statistics
 import time
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 
 from asteria_client.train.config import Schedule, TrainConfig
-from asteria_client.train.corpus import load_corpus
+from asteria_client.train.corpus import Corpus, load_corpus
 from asteria_client.train.model import GPT, GPTConfig
 from asteria_client.train.optimizers import OptimizerSettings, build_optimizer
 from asteria_client.train.report import (
@@ -32,7 +33,7 @@ from asteria_client.train.report import (
     describe_environment,
     format_progress,
 )
-from asteria_server.errors import AsteriaError, InvalidInputError
+from asteria_server.errors import AsteriaError, InvalidInputError, NonFiniteGradientError
 
 __all__ = ["BatchSampler", "TrainConfig", "TrainResult", "TrainingDivergedError", "run_training"]
 
@@ -138,9 +139,17 @@ def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
 def run_training(cfg: TrainConfig) -> TrainResult:
     """Train, evaluate every ``eval_interval`` steps and at the end, write ``json_path`` if set."""
     device = resolve_device(cfg.device)
+    threads_before = torch.get_num_threads()
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    try:
+        return _train(cfg, device)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> TrainResult:
     corpus = load_corpus()
-    if corpus.val.numel() <= cfg.block_size + 1:
-        raise InvalidInputError(f"TrainConfig.block_size={cfg.block_size} is too long for the data")
 
     _seed_everything(derive_seed(cfg.seed, "init"))
     model_config = GPTConfig(
@@ -158,8 +167,28 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         weight_decay=cfg.weight_decay,
         mode=cfg.mode,
         precondition_frequency=cfg.precondition_frequency,
+        staleness_budget=cfg.staleness_budget,
+        engine_workers=cfg.engine_workers,
     )
     optimizer = build_optimizer(model, settings)
+    try:
+        return _train_loop(cfg, device, corpus, model, optimizer)
+    finally:
+        close = getattr(optimizer, "close", None)
+        if close is not None:
+            close()  # stop the embedded engine's worker processes
+
+
+def _train_loop(
+    cfg: TrainConfig,
+    device: torch.device,
+    corpus: Corpus,
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+) -> TrainResult:
+    attach = getattr(optimizer, "attach", None)
+    if attach is not None:
+        attach(model)  # hooks install finished results during forward and backward
     warmup_steps = cfg.resolved_warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -211,7 +240,13 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         loss = model.loss(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        try:
+            optimizer.step()
+        except NonFiniteGradientError as exc:
+            raise TrainingDivergedError(
+                f"a gradient became NaN or infinite at step {step} "
+                f"({cfg.optimizer.value}, lr {lr:.3g}); try a lower --lr"
+            ) from exc
         _synchronize(device)
         step_time_s = time.perf_counter() - t0
         scheduler.step()
@@ -259,7 +294,21 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         },
         model={"num_params": model.num_params},
         environment=describe_environment(device),
+        optimizer=_optimizer_report(optimizer),
     )
     if cfg.json_path is not None:
         result.write_json(cfg.json_path)
     return result
+
+
+def _optimizer_report(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Asteria's runtime figures (mode, barrier waits, fallbacks, lag); empty for AdamW."""
+    stats = getattr(optimizer, "runtime_stats", None)
+    if stats is None:
+        return {}
+    report: dict[str, Any] = dict(stats())
+    rows = optimizer.preconditioner_status()  # type: ignore[attr-defined]
+    report["num_blocks"] = len(rows)
+    report["max_staleness_steps"] = max((r["staleness_steps"] for r in rows), default=0)
+    report["failures"] = sum(r["failures"] for r in rows)
+    return report

@@ -10,6 +10,7 @@ The JSON layout (all times in seconds, losses in nats per character)::
       "data":        corpus and batch-stream facts (sizes, digests of the batches used),
       "model":       {"num_params"},
       "environment": {"torch", "python", "platform", "device", "num_threads", ...}
+      "optimizer":   Asteria's runtime_stats() plus block counts (empty for adamw)
     }
 
 ``step_time_s`` covers forward, backward, gradient clipping and ``optimizer.step()``.
@@ -25,7 +26,7 @@ import json
 import os
 import platform
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ class TrainResult:
     data: dict[str, Any]
     model: dict[str, Any]
     environment: dict[str, Any]
+    optimizer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def final_val_loss(self) -> float:
@@ -92,6 +94,7 @@ class TrainResult:
             "data": self.data,
             "model": self.model,
             "environment": self.environment,
+            "optimizer": self.optimizer,
         }
 
     def write_json(self, path: Path) -> None:

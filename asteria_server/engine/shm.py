@@ -45,13 +45,19 @@ def input_capacity_bytes(n: int) -> int:
 
 
 def output_capacity_bytes(n: int) -> int:
-    """Bytes for any result of size n: fp32 matrix, fp32 eigenvalues, int64 permutation."""
-    return 4 * n * n + 4 * n + 8 * n
+    """Bytes for any result of size n: fp32 matrix, fp32 eigenvalues, int64 permutation, fp32
+    rotation."""
+    return 4 * n * n + 4 * n + 8 * n + 4 * n * n
 
 
 def eigenvalues_offset(n: int) -> int:
     """Byte offset of the fp32 eigenvalues in an output segment (after the fp32 n×n matrix)."""
     return 4 * n * n
+
+
+def rotation_offset(n: int) -> int:
+    """Byte offset of the fp32 n×n rotation in an output segment (after the permutation)."""
+    return 4 * n * n + 4 * n + 8 * n
 
 
 def permutation_offset(n: int) -> int:

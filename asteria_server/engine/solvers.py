@@ -228,6 +228,7 @@ class _Output:
     matrix: np.ndarray
     eigenvalues: np.ndarray | None = None
     permutation: np.ndarray | None = None
+    rotation: np.ndarray | None = None
 
 
 class EighSolver:
@@ -290,6 +291,7 @@ class EighSolver:
                     matrix=out.matrix,
                     eigenvalues=out.eigenvalues,
                     permutation=out.permutation,
+                    rotation=out.rotation,
                     base_version=task.base_version,
                     epsilon_used=eps,
                     solve_time_s=time.perf_counter() - start,
@@ -325,10 +327,14 @@ class EighSolver:
         _check_psd(estimates, cfg.psd_rtol)
         q32 = _finite32(q_new, "basis")
         _check_orthonormal(q32, cfg.orthogonality_atol)
+        # The change of basis, so a client moves its moments with one n^2 m product instead of
+        # computing this n^3 one on its training path.
+        rotation = q_new.T @ np.asarray(basis, dtype=np.float64)
         return _Output(
             matrix=q32,
             eigenvalues=_finite32(estimates, "eigenvalue estimates"),
             permutation=permutation,
+            rotation=_finite32(rotation, "rotation"),
         )
 
 

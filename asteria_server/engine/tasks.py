@@ -169,6 +169,8 @@ class SolveResult:
         permutation: QR refresh only: int64 column order applied to the *base* basis before the
             QR step (``Q_base[:, permutation]``), so a client can permute its second moments the
             same way SOAP does.
+        rotation: QR refresh only: float32 ``Q_new^T Q_base``, the change of basis a client applies
+            to moments kept in the base basis.
         base_version: the version of the basis a refresh started from (-1 otherwise).
         epsilon_used: the regularizer of the attempt that succeeded.
         solve_time_s: seconds the successful solve took in its worker.
@@ -188,6 +190,7 @@ class SolveResult:
     solve_time_s: float
     attempts: int
     tenant: str = DEFAULT_TENANT
+    rotation: np.ndarray | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -196,5 +199,5 @@ class SolveResult:
 
     def is_finite(self) -> bool:
         """True when every array in the result is finite (the engine never delivers otherwise)."""
-        arrays = [a for a in (self.matrix, self.eigenvalues) if a is not None]
+        arrays = [a for a in (self.matrix, self.eigenvalues, self.rotation) if a is not None]
         return all(bool(np.isfinite(a).all()) for a in arrays)

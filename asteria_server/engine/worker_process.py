@@ -4,7 +4,7 @@
 its pipe are small dicts (see ``WorkerPool._send``); the factor and the result travel through the
 shared-memory segments the pool owns (this side only maps them, see
 :mod:`asteria_server.engine.shm`). The layout of the output segment is fixed: the float32 n×n
-matrix, then float32 eigenvalues, then the int64 permutation.
+matrix, then float32 eigenvalues, then the int64 permutation, then the float32 n×n rotation.
 
 Replies: ``("ready", pid)`` once at start, then per task ``("done", job, meta)`` or
 ``("error", job, message)``. A worker exits when told (``None``) or when its parent's end of the
@@ -29,6 +29,7 @@ from asteria_server.engine.shm import (
     eigenvalues_offset,
     permutation_offset,
     release_segment,
+    rotation_offset,
     segment_view,
 )
 from asteria_server.engine.solvers import EighSolver, SolverConfig
@@ -80,6 +81,8 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[str, Any]) -> 
         out_eigs[...] = result.eigenvalues
     if result.permutation is not None:
         segment_view(out, (n,), np.int64, offset=permutation_offset(n))[...] = result.permutation
+    if result.rotation is not None:
+        segment_view(out, (n, n), np.float32, offset=rotation_offset(n))[...] = result.rotation
     faults.corrupt_output(fault, out_matrix, out_eigs)
     meta = {
         "epsilon_used": result.epsilon_used,
@@ -87,6 +90,7 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[str, Any]) -> 
         "attempts": result.attempts,
         "has_eigenvalues": result.eigenvalues is not None,
         "has_permutation": result.permutation is not None,
+        "has_rotation": result.rotation is not None,
     }
     return ("done", msg["job"], meta)
 

