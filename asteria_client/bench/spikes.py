@@ -2,10 +2,11 @@
 
 Trains the `asteria train` model with AdamW, with a second-order optimizer in native mode (every
 root or basis computed inside ``step()``) and in embedded mode (computed by the engine's worker
-processes), one after the other in one process, with identical batches. The trainer runs on one
-thread; the engine's workers get the other core. For each run it reports the median, p90, p99 and
-max step time (after a short warm-up that covers the engine's start), p99/median, the overhead
-against AdamW, the median of refresh and non-refresh steps, and the staleness observed.
+processes), interleaved in chunks of 2f steps within one process, with identical batches. The
+trainer runs on one thread; the engine's workers get the other core. For each run it reports the
+median, p90, p99 and max step time (after a short warm-up that covers the engine's start),
+p99/median, the overhead against AdamW, the median of refresh and non-refresh steps, and the
+staleness observed.
 
 Targets (issue: the engine and the embedded runtime): embedded p99/median <= 1.3 while native
 shows its spikes, and the embedded median within 10% of native's non-refresh median.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -64,15 +66,13 @@ def refresh_steps(optimizer: str, steps: int, frequency: int) -> set[int]:
     return {1} | {s for s in range(2, steps + 1) if (s - 1) % frequency == 0}
 
 
-def _run(cfg: SpikesConfig, optimizer: str, mode: str | None) -> dict[str, Any]:
-    from asteria_client.train.config import TrainConfig
-    from asteria_client.train.loop import run_training
-
-    second_order = optimizer != "adamw"
+def _train_config(cfg: SpikesConfig, optimizer: str, mode: str | None) -> Any:
     from asteria_client.optim.base import Mode
+    from asteria_client.train.config import TrainConfig
     from asteria_client.train.optimizers import OptimizerKind
 
-    train_cfg = TrainConfig(
+    second_order = optimizer != "adamw"
+    return TrainConfig(
         optimizer=OptimizerKind(optimizer),
         mode=None if mode is None else Mode(mode),
         steps=cfg.steps,
@@ -85,15 +85,16 @@ def _run(cfg: SpikesConfig, optimizer: str, mode: str | None) -> dict[str, Any]:
         staleness_budget=cfg.staleness_budget if mode == "embedded" else None,
         engine_workers=cfg.engine_workers if mode == "embedded" else None,
     )
-    label = optimizer if mode is None else f"{optimizer} ({mode})"
-    logger.info("bench spikes: %s, %d steps", label, cfg.steps)
-    result = run_training(train_cfg)
+
+
+def _summarize(cfg: SpikesConfig, trainer: Any, label: str) -> dict[str, Any]:
+    result = trainer.result()
     times = [r.step_time_s for r in result.steps]
-    measured = times[cfg.warmup_steps :]
-    summary = summarize(measured)
+    summary = summarize(times[cfg.warmup_steps :])
+    optimizer = result.config.optimizer.value
     run: dict[str, Any] = {
         "optimizer": optimizer,
-        "mode": mode or "n/a",
+        "mode": "n/a" if result.config.mode is None else result.config.mode.value,
         "label": label,
         "steps": cfg.steps,
         "step_time_median_s": summary["median"],
@@ -103,11 +104,10 @@ def _run(cfg: SpikesConfig, optimizer: str, mode: str | None) -> dict[str, Any]:
         "step_time_mean_s": summary["mean"],
         "p99_over_median": summary["p99"] / summary["median"],
         "final_val_loss": result.final_val_loss,
-        "total_time_s": result.total_time_s,
         "step_times_s": times,
         "staleness": result.optimizer,
     }
-    if second_order:
+    if optimizer != "adamw":
         refresh = refresh_steps(optimizer, cfg.steps, cfg.precondition_frequency)
         first = cfg.warmup_steps + 1
         on = [t for s, t in enumerate(times, 1) if s >= first and s in refresh]
@@ -118,12 +118,41 @@ def _run(cfg: SpikesConfig, optimizer: str, mode: str | None) -> dict[str, Any]:
 
 
 def run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
+    """Run the three trainings interleaved in chunks of ``2 f`` steps, rotating their order, so
+    slow drifts of a shared machine fall on all three alike (sequential runs here differed by
+    15% with nothing changed)."""
+    from asteria_client.train.corpus import load_corpus
+    from asteria_client.train.loop import Trainer
+
     started = time.time()
-    runs = [
-        _run(cfg, "adamw", None),
-        _run(cfg, cfg.optimizer, "native"),
-        _run(cfg, cfg.optimizer, "embedded"),
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    corpus = load_corpus()
+    labels = ["adamw", f"{cfg.optimizer} (native)", f"{cfg.optimizer} (embedded)"]
+    configs = [
+        _train_config(cfg, "adamw", None),
+        _train_config(cfg, cfg.optimizer, "native"),
+        _train_config(cfg, cfg.optimizer, "embedded"),
     ]
+    trainers: list[Any] = []
+    try:
+        for train_cfg in configs:
+            trainers.append(Trainer(train_cfg, corpus=corpus))
+        chunk = 2 * cfg.precondition_frequency
+        order = list(range(len(trainers)))
+        while not all(t.done for t in trainers):
+            for index in order:
+                trainer = trainers[index]
+                for _ in range(chunk):
+                    if trainer.done:
+                        break
+                    trainer.step()
+            order = order[1:] + order[:1]
+        runs = [_summarize(cfg, t, label) for t, label in zip(trainers, labels, strict=True)]
+    finally:
+        for trainer in trainers:
+            trainer.close()
+        torch.set_num_threads(threads_before)
     adamw, native, embedded = runs
     for run in runs:
         run["overhead_vs_adamw_median"] = (
@@ -144,13 +173,14 @@ def run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
     }
     return {
         "benchmark": "spikes",
-        "config": cfg.__dict__,
+        "config": dict(cfg.__dict__),
+        "schedule": f"interleaved in chunks of {2 * cfg.precondition_frequency} steps",
         "started_unix_s": started,
         "wall_time_s": time.time() - started,
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
-            "cpus": len(__import__("os").sched_getaffinity(0)),
+            "cpus": len(os.sched_getaffinity(0)),
             "torch": torch.__version__,
             "python": platform.python_version(),
         },
@@ -219,7 +249,7 @@ def register(subparsers: Any) -> Any:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    steps = args.steps or (120 if args.quick else 300)
+    steps = args.steps if args.steps is not None else (120 if args.quick else 300)
     cfg = SpikesConfig(
         optimizer=args.optimizer,
         steps=steps,

@@ -36,6 +36,7 @@ from asteria_client.runtime.source import (
 )
 from asteria_client.runtime.staleness import BarrierStats, StalenessPolicy, freshness
 from asteria_server.engine import EngineConfig
+from asteria_server.engine.tasks import SolveKind
 from asteria_server.errors import (
     AsteriaError,
     InvalidInputError,
@@ -83,6 +84,25 @@ def check_range(
     if not ok or math.isnan(value):
         bracket = ")" if high_open else "]"
         raise InvalidInputError(f"{name}={value!r} must be in [{low}, {high}{bracket}")
+
+
+def validate_hyperparameters(
+    *, lr: float, betas: tuple[float, float], weight_decay: float, **non_negative: float
+) -> None:
+    """The checks every optimizer makes; ``non_negative`` are further fields (eps, ...)."""
+    check_range("lr", lr, 0.0, math.inf)
+    if len(betas) != 2:
+        raise InvalidInputError(f"betas={betas!r} must be a pair (beta1, beta2)")
+    check_range("betas[0]", betas[0], 0.0, 1.0)
+    check_range("betas[1]", betas[1], 0.0, 1.0)
+    check_range("weight_decay", weight_decay, 0.0, math.inf)
+    for name, value in non_negative.items():
+        check_range(name, value, 0.0, math.inf)
+
+
+def state_dtype(param: torch.Tensor) -> torch.dtype:
+    """Optimizer state is float64 for float64 parameters, float32 otherwise (incl. half)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
 def resolve_mode(mode: Mode | str | None) -> Mode:
@@ -232,19 +252,47 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 state["step"] = 0
                 state["tiles"] = []
             state["step"] += 1
-            self._step_param(name, p, p.grad, state, group, self.plan(name, p, group))
+            plan = self.plan(name, p, group)
+            tiles = plan.split(p.grad.to(state_dtype(p)))
+            self._step_param(name, p, tiles, state, group, plan)
         return loss
 
     def _step_param(
         self,
         name: str,
         param: torch.Tensor,
-        grad: torch.Tensor,
+        tiles: list[torch.Tensor],
         state: dict[str, Any],
         group: dict[str, Any],
         plan: BlockingPlan,
     ) -> None:
+        """Update one parameter from its gradient, already cut into ``tiles`` in the state's
+        dtype; ``state["step"]`` counts this call."""
         raise NotImplementedError  # abstract: each optimizer defines its update
+
+    def _block_bookkeeping(self, name: str, tile: int) -> dict[str, list[Any]]:
+        """Per-dim block names (None where unpreconditioned), versions in use, newest snapshot."""
+        plan = self._plans[name].tiles[tile]
+        blocks = [
+            block_name(name, tile, dim) if pre else None
+            for dim, pre in enumerate(plan.preconditioned)
+        ]
+        return {"blocks": blocks, "versions": [-1] * len(blocks), "submitted": [-1] * len(blocks)}
+
+    def _eigenbasis_request(
+        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
+    ) -> PreconditionerRequest:
+        """A new basis for one factor: a QR refresh from the basis in use (eigh at first)."""
+        return PreconditionerRequest(
+            block=tile_state["blocks"][dim],
+            version=version,
+            kind=SolveKind.EIGENBASIS,
+            matrix=tile_state["factors"][dim],
+            basis=tile_state["bases"][dim],
+            base_version=tile_state["versions"][dim],
+            deadline_step=version
+            + self.staleness.budget_intervals * group["precondition_frequency"],
+        )
 
     # ------------------------------------------------------------------ results
     #: True when a block cannot be used before its first result (a SOAP / KL-Shampoo basis).

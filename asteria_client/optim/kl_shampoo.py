@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 
-from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_range
+from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
 from asteria_client.optim.updates import adam_direction, apply_update
-from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
-from asteria_server.engine.tasks import SolveKind
+from asteria_client.runtime.source import PreconditionerResult
 
 
 def _scale_along(tensor: torch.Tensor, vector: torch.Tensor, dim: int) -> torch.Tensor:
@@ -86,11 +85,7 @@ class KLShampoo(AsteriaOptimizer):
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
-        check_range("lr", lr, 0.0, float("inf"))
-        check_range("betas[0]", betas[0], 0.0, 1.0)
-        check_range("betas[1]", betas[1], 0.0, 1.0)
-        check_range("eps", eps, 0.0, float("inf"))
-        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        validate_hyperparameters(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
         check_range("damping", damping, 0.0, 1.0)
         defaults = {
             "lr": lr,
@@ -110,13 +105,11 @@ class KLShampoo(AsteriaOptimizer):
         self,
         name: str,
         param: torch.Tensor,
-        grad: torch.Tensor,
+        tiles: list[torch.Tensor],
         state: dict[str, Any],
         group: dict[str, Any],
         plan: BlockingPlan,
     ) -> None:
-        dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-        tiles = plan.split(grad.to(dtype))
         step = state["step"]
         beta1, beta2 = group["betas"]
 
@@ -165,7 +158,6 @@ class KLShampoo(AsteriaOptimizer):
 
     # ------------------------------------------------------------------ statistics
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
-        plan = self._plans[name].tiles[tile]
         numel = grad.numel()
         stats = [factor_statistic(grad, d) / (numel // size) for d, size in enumerate(grad.shape)]
         traces = torch.stack([s.trace() for s in stats])
@@ -174,26 +166,19 @@ class KLShampoo(AsteriaOptimizer):
             scale = float((total / traces.prod()) ** (1.0 / len(stats)))
         else:
             scale = 1.0
-        factors: list[torch.Tensor | None] = []
-        eigenvalues: list[torch.Tensor] = []
-        blocks: list[str | None] = []
-        for dim, stat in enumerate(stats):
-            stat = stat * scale
-            eigenvalues.append(stat.diagonal().clone())
-            if plan.preconditioned[dim]:
-                factors.append(stat)
-                blocks.append(block_name(name, tile, dim))
-            else:
-                factors.append(None)
-                blocks.append(None)
+        bookkeeping = self._block_bookkeeping(name, tile)
+        stats = [stat * scale for stat in stats]
+        factors = [
+            None if block is None else stat
+            for block, stat in zip(bookkeeping["blocks"], stats, strict=True)
+        ]
         return {
             "exp_avg": torch.zeros_like(grad),
             "factors": factors,
             "bases": [None] * len(factors),
-            "eigenvalues": eigenvalues,
-            "versions": [-1] * len(factors),
-            "submitted": [-1] * len(factors),
-            "blocks": blocks,
+            # unpreconditioned dims keep a diagonal preconditioner: eigenvalues in basis I
+            "eigenvalues": [stat.diagonal().clone() for stat in stats],
+            **bookkeeping,
         }
 
     @staticmethod
@@ -222,19 +207,7 @@ class KLShampoo(AsteriaOptimizer):
             lam.mul_(beta).add_(term, alpha=1 - beta)
 
     # ------------------------------------------------------------------ bases
-    def _make_request(
-        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
-    ) -> PreconditionerRequest:
-        return PreconditionerRequest(
-            block=tile_state["blocks"][dim],
-            version=version,
-            kind=SolveKind.EIGENBASIS,
-            matrix=tile_state["factors"][dim],
-            basis=tile_state["bases"][dim],
-            base_version=tile_state["versions"][dim],
-            deadline_step=version
-            + self.staleness.budget_intervals * group["precondition_frequency"],
-        )
+    _make_request = AsteriaOptimizer._eigenbasis_request
 
     @staticmethod
     def _install(tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:

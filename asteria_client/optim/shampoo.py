@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_range
+from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import apply_on_dims, factor_statistic
 from asteria_client.optim.updates import TINY, adam_direction, apply_update
@@ -61,12 +61,9 @@ class Shampoo(AsteriaOptimizer):
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
-        check_range("lr", lr, 0.0, float("inf"))
-        check_range("betas[0]", betas[0], 0.0, 1.0)
-        check_range("betas[1]", betas[1], 0.0, 1.0)
-        check_range("epsilon", epsilon, 0.0, float("inf"))
-        check_range("weight_decay", weight_decay, 0.0, float("inf"))
-        check_range("graft_eps", graft_eps, 0.0, float("inf"))
+        validate_hyperparameters(
+            lr=lr, betas=betas, weight_decay=weight_decay, epsilon=epsilon, graft_eps=graft_eps
+        )
         if root_exponent is not None:
             check_range("root_exponent", root_exponent, 0.0, float("inf"))
             if root_exponent == 0:
@@ -88,13 +85,11 @@ class Shampoo(AsteriaOptimizer):
         self,
         name: str,
         param: torch.Tensor,
-        grad: torch.Tensor,
+        tiles: list[torch.Tensor],
         state: dict[str, Any],
         group: dict[str, Any],
         plan: BlockingPlan,
     ) -> None:
-        dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-        tiles = plan.split(grad.to(dtype))
         step = state["step"]
         beta1, beta2 = group["betas"]
         if step == 1:
@@ -117,21 +112,17 @@ class Shampoo(AsteriaOptimizer):
         apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
 
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
-        plan = self._plans[name].tiles[tile]
-        factors: list[torch.Tensor | None] = []
-        blocks: list[str | None] = []
-        for dim, size in enumerate(plan.shape):
-            pre = plan.preconditioned[dim]
-            factors.append(grad.new_zeros(size, size) if pre else None)
-            blocks.append(block_name(name, tile, dim) if pre else None)
+        bookkeeping = self._block_bookkeeping(name, tile)
+        factors = [
+            None if block is None else grad.new_zeros(size, size)
+            for block, size in zip(bookkeeping["blocks"], grad.shape, strict=True)
+        ]
         return {
             "exp_avg": torch.zeros_like(grad),
             "exp_avg_sq": torch.zeros_like(grad),
             "factors": factors,
             "roots": [None] * len(factors),
-            "versions": [-1] * len(factors),
-            "submitted": [-1] * len(factors),
-            "blocks": blocks,
+            **bookkeeping,
         }
 
     def _make_request(

@@ -24,15 +24,10 @@ from typing import Any
 
 import torch
 
-from asteria_client.optim.base import AsteriaOptimizer, Mode, block_name, check_range
+from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
-from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
-from asteria_server.engine.tasks import SolveKind
-
-
-def _state_dtype(param: torch.Tensor) -> torch.dtype:
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
+from asteria_client.runtime.source import PreconditionerResult
 
 
 class SOAP(AsteriaOptimizer):
@@ -73,11 +68,7 @@ class SOAP(AsteriaOptimizer):
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
-        check_range("lr", lr, 0.0, float("inf"))
-        check_range("betas[0]", betas[0], 0.0, 1.0)
-        check_range("betas[1]", betas[1], 0.0, 1.0)
-        check_range("eps", eps, 0.0, float("inf"))
-        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        validate_hyperparameters(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
         if shampoo_beta is not None:
             check_range("shampoo_beta", shampoo_beta, 0.0, 1.0)
         defaults = {
@@ -100,13 +91,12 @@ class SOAP(AsteriaOptimizer):
         self,
         name: str,
         param: torch.Tensor,
-        grad: torch.Tensor,
+        tiles: list[torch.Tensor],
         state: dict[str, Any],
         group: dict[str, Any],
         plan: BlockingPlan,
     ) -> None:
-        dtype = _state_dtype(param)
-        tiles = plan.split(grad.to(dtype))
+        dtype = tiles[0].dtype
         shampoo_beta = group["shampoo_beta"]
         if shampoo_beta is None:
             shampoo_beta = group["betas"][1]
@@ -157,24 +147,17 @@ class SOAP(AsteriaOptimizer):
 
     # ------------------------------------------------------------------ tiles and blocks
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
-        plan = self._plans[name].tiles[tile]
-        factors: list[torch.Tensor | None] = []
-        blocks: list[str | None] = []
-        for dim, size in enumerate(plan.shape):
-            if plan.preconditioned[dim]:
-                factors.append(grad.new_zeros(size, size))
-                blocks.append(block_name(name, tile, dim))
-            else:
-                factors.append(None)
-                blocks.append(None)
+        bookkeeping = self._block_bookkeeping(name, tile)
+        factors = [
+            None if block is None else grad.new_zeros(size, size)
+            for block, size in zip(bookkeeping["blocks"], grad.shape, strict=True)
+        ]
         return {
             "exp_avg": torch.zeros_like(grad),
             "exp_avg_sq": torch.zeros_like(grad),
             "factors": factors,
             "bases": [None] * len(factors),
-            "versions": [-1] * len(factors),
-            "submitted": [-1] * len(factors),
-            "blocks": blocks,
+            **bookkeeping,
         }
 
     @staticmethod
@@ -183,19 +166,7 @@ class SOAP(AsteriaOptimizer):
             if factor is not None:
                 factor.lerp_(factor_statistic(grad, dim), 1 - beta)
 
-    def _make_request(
-        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
-    ) -> PreconditionerRequest:
-        return PreconditionerRequest(
-            block=tile_state["blocks"][dim],
-            version=version,
-            kind=SolveKind.EIGENBASIS,
-            matrix=tile_state["factors"][dim],
-            basis=tile_state["bases"][dim],
-            base_version=tile_state["versions"][dim],
-            deadline_step=version
-            + self.staleness.budget_intervals * group["precondition_frequency"],
-        )
+    _make_request = AsteriaOptimizer._eigenbasis_request
 
     @staticmethod
     def _install(tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:

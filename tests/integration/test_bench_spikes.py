@@ -1,0 +1,39 @@
+"""`asteria bench spikes` runs end to end and writes the documented JSON (not its timings)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from asteria_client.bench.spikes import refresh_steps
+from asteria_client.cli import main
+
+
+def test_refresh_schedule() -> None:
+    assert sorted(refresh_steps("soap", 25, 10)) == [1, 11, 21]
+    assert sorted(refresh_steps("shampoo", 25, 10)) == [1, 11, 21]
+
+
+def test_spikes_writes_runs_with_step_time_statistics(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "spikes.json"
+    code = main(
+        ["bench", "spikes", "--steps", "14", "--precondition-frequency", "4", "--json", str(out)]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    runs = {(r["optimizer"], r["mode"]): r for r in report["runs"]}
+    assert set(runs) == {("adamw", "n/a"), ("soap", "native"), ("soap", "embedded")}
+    for run in runs.values():
+        for key in ("step_time_median_s", "step_time_p99_s", "step_time_max_s"):
+            assert math.isfinite(run[key]) and run[key] > 0
+        assert run["step_time_median_s"] <= run["step_time_p99_s"] <= run["step_time_max_s"]
+        assert len(run["step_times_s"]) == 14
+    embedded = runs[("soap", "embedded")]
+    assert embedded["staleness"]["mode"] == "embedded"
+    assert embedded["staleness"]["max_lag_steps"] <= 4  # budget S=1 at f=4
+    assert "embedded p99/median" in capsys.readouterr().out
+
+
+def test_spikes_rejects_bad_arguments(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench", "spikes", "--steps", "0"]) == 2
+    assert "steps" in capsys.readouterr().err
