@@ -162,3 +162,26 @@ def test_failed_solve_keeps_last_good_result(cls) -> None:  # type: ignore[no-un
         assert row["failures"] >= 2
         assert "NaN or Inf" in row["last_error"]
         assert row["staleness_steps"] == 10 - row["version"]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_closure_and_lr_scheduler(cls) -> None:  # type: ignore[no-untyped-def]
+    """step(closure) re-evaluates the loss with gradients enabled; schedulers drive the lr."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(32, 4), torch.randn(32, 3)
+    opt = cls(model.named_parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    losses = []
+    for _ in range(6):
+        losses.append(float(opt.step(closure).detach()))
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+    assert losses[-1] < losses[0]
