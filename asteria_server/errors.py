@@ -39,3 +39,15 @@ class EngineUnavailableError(AsteriaError):
 
 class ResultTimeoutError(AsteriaError, TimeoutError):
     """A bounded wait for a fresher result ran out."""
+
+
+class AuthenticationError(AsteriaError):
+    """A daemon refused the caller's credentials (unknown tenant or wrong token)."""
+
+
+class UnknownSessionError(EngineUnavailableError):
+    """The daemon does not know the session: it restarted or the session ended.
+
+    Open a new session, re-register the blocks and resubmit. It is an EngineUnavailableError so a
+    caller that only degrades on unavailability still does the right thing.
+    """
