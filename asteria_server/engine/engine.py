@@ -173,6 +173,7 @@ class PreconditionerEngine:
         self._closing = False
         self._closed = False
         self._broken: str | None = None
+        self._results_epoch = 0
         self._pool = WorkerPool(self.config.pool_config())
         self._thread = threading.Thread(
             target=self._dispatch_loop, name="asteria-engine-dispatch", daemon=True
@@ -203,6 +204,26 @@ class PreconditionerEngine:
         """The newest computed result of ``block`` not yet delivered (now delivered), or None."""
         with self._cond:
             return self._coord.take(tenant, block)
+
+    def latest_result(
+        self, block: str, tenant: str = DEFAULT_TENANT, *, newer_than: int = -1
+    ) -> SolveResult | None:
+        """The newest computed result of ``block`` if its version is > ``newer_than``, else None.
+
+        Unlike :meth:`take_result` it returns a result again to every caller that asks (each
+        data-parallel replica's stream needs it); it is recorded as delivered all the same.
+        """
+        with self._cond:
+            result = self._coord.registry.latest_result(tenant, block)
+            if result is None or result.version <= newer_than:
+                return None
+            self._coord.take(tenant, block)  # records the delivery if it is the first
+            return result
+
+    @property
+    def results_epoch(self) -> int:
+        """A counter that grows whenever a block gets a newer result (cheap to poll)."""
+        return self._results_epoch
 
     def wait_result(
         self, block: str, min_version: int, timeout_s: float, tenant: str = DEFAULT_TENANT
@@ -355,7 +376,8 @@ class PreconditionerEngine:
     def _record(self, event: PoolEvent) -> None:
         task = self._jobs.pop(event.job_id, event.task)
         if event.result is not None:
-            self._coord.complete(task, event.result)
+            if self._coord.complete(task, event.result):
+                self._results_epoch += 1
         else:
             self._coord.fail(task, event.error or "unknown worker failure")
 

@@ -1,0 +1,267 @@
+"""The daemon's server: a grpc.aio server over the engine, its socket, lock and shutdown.
+
+:func:`serve` runs until SIGTERM or SIGINT, then: health NOT_SERVING, result streams end, no new
+calls are accepted, in-flight calls get ``grace_period_s`` to finish, the engine closes (worker
+processes and shared memory go with it), and the socket, lock and ready files are removed.
+
+A Unix socket lives in a directory of mode 0700 (created if missing; an existing one must be ours
+and not writable by others), has mode 0600, and is guarded by ``<socket>.lock`` (``flock``): a
+second daemon on the same path fails with the pid of the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from asteria_server.config import DaemonConfig, TcpAddress, UnixAddress
+from asteria_server.engine import EngineConfig, PreconditionerEngine
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+from asteria_server.service.servicer import Authenticator, PreconditionerServicer, ServiceLimits
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preconditioner"].full_name
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+# ---------------------------------------------------------------------------- socket and lock
+
+
+def _prepare_socket_dir(directory: Path) -> None:
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True)
+        os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
+        return
+    info = directory.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise StartupError(f"socket directory {directory} exists and is not a directory")
+    if info.st_uid != os.getuid():
+        raise StartupError(
+            f"socket directory {directory} is owned by uid {info.st_uid}, not by this user "
+            f"({os.getuid()}); choose a directory of your own with --listen unix:///path/to.sock"
+        )
+    if info.st_mode & 0o022:
+        raise StartupError(
+            f"socket directory {directory} has mode {stat.S_IMODE(info.st_mode):04o}: others can "
+            f"replace the socket; run `chmod 700 {directory}` or choose another --listen path"
+        )
+
+
+class SocketLock:
+    """``<socket>.lock`` held with ``flock`` for the daemon's life; holds the daemon's pid."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        while True:
+            f = open(self.path, "a+")  # noqa: SIM115 - held open for the daemon's life
+            os.chmod(self.path, 0o600)
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                f.close()
+                raise StartupError(
+                    f"another asteria-server (pid {holder}) already serves this socket: it holds "
+                    f"{self.path}. Stop it first or start this one with another --listen path"
+                ) from None
+            # The previous holder may have unlinked the file between our open and flock.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            f.close()
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # before unlocking, so a newcomer never locks a stale file
+        self._file.close()
+        self._file = None
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+@dataclass
+class RunningDaemon:
+    """What :func:`start` built; :meth:`stop` tears it down in order."""
+
+    config: DaemonConfig
+    engine: PreconditionerEngine
+    server: grpc.aio.Server
+    servicer: PreconditionerServicer
+    health: health.aio.HealthServicer
+    target: str
+    lock: SocketLock | None
+
+    async def stop(self) -> None:
+        logger.info("shutting down (grace period %.1f s)", self.config.grace_period_s)
+        await self.health.enter_graceful_shutdown()
+        self.servicer.stop_streams()
+        await self.server.stop(self.config.grace_period_s)
+        await asyncio.to_thread(self.engine.close)
+        address = self.config.address
+        if isinstance(address, UnixAddress):
+            with contextlib.suppress(FileNotFoundError):
+                address.path.unlink()
+        if self.lock is not None:
+            self.lock.release()
+        if self.config.ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.ready_file)
+        logger.info("stopped")
+
+
+def _server_options(config: DaemonConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def _credentials(config: DaemonConfig) -> grpc.ServerCredentials:
+    assert config.tls_cert is not None and config.tls_key is not None
+    try:
+        cert = Path(config.tls_cert).read_bytes()
+        key = Path(config.tls_key).read_bytes()
+    except OSError as exc:
+        raise StartupError(f"cannot read the TLS certificate or key: {exc}") from exc
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+async def start(config: DaemonConfig) -> RunningDaemon:
+    """Bind, start the engine and the server; raises StartupError with a clear message."""
+    address = config.address
+    lock: SocketLock | None = None
+    if isinstance(address, UnixAddress):
+        _prepare_socket_dir(address.path.parent)
+        lock = SocketLock(address.lock_path)
+        lock.acquire()
+        if address.path.exists() or address.path.is_symlink():
+            address.path.unlink()  # left by a daemon that died; we hold the lock
+    try:
+        engine = await asyncio.to_thread(
+            PreconditionerEngine,
+            EngineConfig(num_workers=config.workers, blas_threads=config.blas_threads),
+        )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    try:
+        server = grpc.aio.server(options=_server_options(config))
+        servicer = PreconditionerServicer(
+            engine,
+            Authenticator(config.tokens, allow_anonymous=config.allows_anonymous()),
+            ServiceLimits(
+                chunk_bytes=config.chunk_bytes,
+                max_message_bytes=config.max_message_bytes,
+                max_matrix_n=config.max_matrix_n,
+            ),
+            max_sessions=config.max_sessions,
+        )
+        pb_grpc.add_PreconditionerServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        with _umask(0o177):
+            if isinstance(address, TcpAddress) and config.tls_cert is not None:
+                port = server.add_secure_port(address.target, _credentials(config))
+            else:
+                port = server.add_insecure_port(address.target)
+            if isinstance(address, TcpAddress) and port == 0:
+                raise StartupError(f"cannot listen on {address.target}: the port is not free")
+            await server.start()
+        if isinstance(address, UnixAddress):
+            os.chmod(address.path, 0o600)
+            target = address.target
+        else:
+            assert isinstance(address, TcpAddress)
+            target = TcpAddress(address.host, port).target
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        await asyncio.to_thread(engine.close)
+        if lock is not None:
+            lock.release()
+        raise
+    return RunningDaemon(config, engine, server, servicer, health_servicer, target, lock)
+
+
+async def serve(config: DaemonConfig) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    daemon = await start(config)
+    line = (
+        f"asteria-server serving on {daemon.target} incarnation={daemon.engine.incarnation_id} "
+        f"workers={config.workers} pid={os.getpid()}"
+    )
+    if config.ready_file:
+        tmp = f"{config.ready_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(line + "\n")
+        os.replace(tmp, config.ready_file)
+    print(line, flush=True)
+    logger.info("%s", line)
+    try:
+        await stop.wait()
+    finally:
+        await daemon.stop()
+    return 0
+
+
+def run(config: DaemonConfig) -> int:
+    """:func:`serve` on uvloop (plain asyncio, with a warning, when uvloop is missing)."""
+    try:
+        import uvloop
+    except ImportError:
+        logger.warning("uvloop is not installed; running on the plain asyncio event loop")
+        return asyncio.run(serve(config))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(serve(config))

@@ -1,0 +1,300 @@
+"""The ``asteria.v1.Preconditioner`` gRPC servicer: protobuf in, engine call, protobuf out.
+
+It is thin on purpose. Messages become Python values through ``protocol.convert`` only, failures
+become statuses through ``protocol.errors`` only, and the work is the engine's. What it adds is
+sessions: ``OpenSession`` authenticates a tenant (constant-time token comparison) and every later
+call names its session, whose tenant namespaces every block it touches: a tenant never submits to,
+streams from or sees the status of another tenant's blocks.
+
+StreamResults polls the engine's result counter (``results_epoch``) every ``poll_interval_s`` and
+sends each subscribed block's newest result once per stream, holding at most one result at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from asteria_server.engine import PreconditionerEngine, SolveKind
+from asteria_server.errors import (
+    AuthenticationError,
+    EngineUnavailableError,
+    InvalidInputError,
+    UnknownSessionError,
+)
+from asteria_server.protocol import convert
+from asteria_server.protocol.errors import to_status
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+#: The tenant of anonymous sessions (no tokens configured, Unix socket only).
+ANONYMOUS_TENANT = "local"
+#: How often an idle StreamResults checks for new results.
+DEFAULT_POLL_INTERVAL_S = 0.02
+#: Registered blocks kept per tenant (bounds memory; registration is advisory).
+MAX_REGISTERED_BLOCKS = 1_000_000
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """What the servicer enforces and announces in ``OpenSession``."""
+
+    chunk_bytes: int
+    max_message_bytes: int
+    max_matrix_n: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """One training process's session."""
+
+    session_id: str
+    tenant: str
+    job: str
+    rank: int
+    opened_at: float
+
+
+class Authenticator:
+    """Checks a tenant's token in constant time; never logs or echoes a token."""
+
+    def __init__(self, tokens: Mapping[str, str], *, allow_anonymous: bool) -> None:
+        self._tokens = {t: tok.encode() for t, tok in tokens.items()}
+        self._allow_anonymous = allow_anonymous
+
+    def tenant_of(self, tenant: str, token: str) -> str:
+        """The authenticated tenant, or AuthenticationError."""
+        if self._allow_anonymous:
+            if tenant in ("", ANONYMOUS_TENANT) and token == "":
+                return ANONYMOUS_TENANT
+            raise AuthenticationError(
+                f"this daemon has no tenant tokens configured and accepts only tenant "
+                f"{ANONYMOUS_TENANT!r} with an empty token, not tenant {tenant!r}"
+            )
+        expected = self._tokens.get(tenant)
+        # Compare against a stand-in for an unknown tenant so timing does not tell them apart.
+        ok = hmac.compare_digest(token.encode(), expected if expected is not None else b"\0" * 32)
+        if expected is None or not ok:
+            raise AuthenticationError(
+                f"unknown tenant or wrong token for tenant {tenant!r}; check the token the "
+                "daemon's [tenants] table or ASTERIA_TOKENS holds for it"
+            )
+        return tenant
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
+    code, message = to_status(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.error("internal error in a call", exc_info=exc)
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class PreconditionerServicer(pb_grpc.PreconditionerServicer):
+    """``asteria.v1.Preconditioner`` over one :class:`PreconditionerEngine`."""
+
+    def __init__(
+        self,
+        engine: PreconditionerEngine,
+        authenticator: Authenticator,
+        limits: ServiceLimits,
+        *,
+        max_sessions: int = 4096,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._auth = authenticator
+        self._limits = limits
+        self._max_sessions = max_sessions
+        self._poll_interval_s = poll_interval_s
+        self._clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._registered: dict[str, dict[str, tuple[int, SolveKind]]] = {}
+        self._stopping = asyncio.Event()
+
+    def stop_streams(self) -> None:
+        """End every StreamResults stream at its next poll (daemon shutdown)."""
+        self._stopping.set()
+
+    # ------------------------------------------------------------------ sessions
+
+    def _session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise UnknownSessionError(
+                f"unknown session {session_id!r} on daemon incarnation "
+                f"{self._engine.incarnation_id}: the daemon restarted or the session was closed; "
+                "open a new session, re-register the blocks and resubmit"
+            )
+        return session
+
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.OpenSessionResponse:
+        try:
+            tenant = self._auth.tenant_of(request.tenant, request.token)
+        except AuthenticationError as exc:
+            logger.warning("refused a session for tenant %r: wrong token", request.tenant)
+            await _abort(context, exc)
+        session = Session(uuid.uuid4().hex, tenant, request.job, request.rank, self._clock())
+        self._sessions[session.session_id] = session
+        while len(self._sessions) > self._max_sessions:
+            _, dropped = self._sessions.popitem(last=False)
+            logger.warning("session limit reached: dropped the oldest (tenant %r)", dropped.tenant)
+        logger.info("session opened: tenant %r job %r rank %d", tenant, request.job, request.rank)
+        return pb.OpenSessionResponse(
+            session_id=session.session_id,
+            incarnation_id=self._engine.incarnation_id,
+            limits=pb.ServerLimits(
+                max_chunk_bytes=self._limits.chunk_bytes,
+                max_message_bytes=self._limits.max_message_bytes,
+                max_matrix_n=self._limits.max_matrix_n,
+            ),
+        )
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CloseSessionResponse:
+        try:
+            self._session(request.session_id)
+        except UnknownSessionError as exc:
+            await _abort(context, exc)
+        del self._sessions[request.session_id]
+        return pb.CloseSessionResponse()
+
+    async def RegisterBlocks(
+        self, request: pb.RegisterBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RegisterBlocksResponse:
+        try:
+            session = self._session(request.session_id)
+            known = self._registered.setdefault(session.tenant, {})
+            specs: dict[str, tuple[int, SolveKind]] = {}
+            for spec in request.blocks:
+                what = f"RegisterBlocks: block {spec.block!r}"
+                if not spec.block:
+                    raise InvalidInputError("RegisterBlocks: every block needs a non-empty name")
+                if spec.block in specs:
+                    raise InvalidInputError(f"{what} is named twice")
+                if not 1 <= spec.n <= self._limits.max_matrix_n:
+                    raise InvalidInputError(
+                        f"{what}: n must be between 1 and {self._limits.max_matrix_n}, got {spec.n}"
+                    )
+                kind = convert.kind_from_proto(spec.kind, what=what)
+                old = known.get(spec.block)
+                if old is not None and old != (spec.n, kind):
+                    raise InvalidInputError(
+                        f"{what} was registered as n={old[0]} {old[1].name}, now n={spec.n} "
+                        f"{kind.name}; use a new block name for a different shape or kind"
+                    )
+                specs[spec.block] = (spec.n, kind)
+            new = [b for b in specs if b not in known]
+            if len(known) + len(new) > MAX_REGISTERED_BLOCKS:
+                raise InvalidInputError(
+                    f"RegisterBlocks: tenant {session.tenant!r} would exceed "
+                    f"{MAX_REGISTERED_BLOCKS} registered blocks"
+                )
+            known.update(specs)
+        except (UnknownSessionError, InvalidInputError) as exc:
+            await _abort(context, exc)
+        return pb.RegisterBlocksResponse(num_new=len(new), num_known=len(specs) - len(new))
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def SubmitSnapshot(
+        self,
+        request_iterator: AsyncIterator[pb.SubmitSnapshotRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.SubmitSnapshotResponse:
+        try:
+            first = await anext(request_iterator, None)
+            if first is None:
+                raise InvalidInputError("SubmitSnapshot stream: no messages (expected a header)")
+            receiver = convert.SnapshotReceiver(
+                first,
+                max_chunk_bytes=self._limits.chunk_bytes,
+                max_matrix_n=self._limits.max_matrix_n,
+            )
+            session = self._session(receiver.session_id)
+            self._check_registered(session.tenant, receiver.header)
+            async for message in request_iterator:
+                receiver.feed(message)
+            task = receiver.finish(tenant=session.tenant)
+            outcome = self._engine.submit(task)
+        except (InvalidInputError, UnknownSessionError, EngineUnavailableError) as exc:
+            await _abort(context, exc)
+        return convert.outcome_to_proto(outcome)
+
+    def _check_registered(self, tenant: str, header: pb.SnapshotHeader) -> None:
+        spec = self._registered.get(tenant, {}).get(header.block)
+        if spec is None:
+            return  # registration is optional
+        n, kind = spec
+        sent = convert.kind_from_proto(header.kind, what=f"block {header.block!r}")
+        if header.n != n or sent is not kind:
+            raise InvalidInputError(
+                f"SubmitSnapshot of block {header.block!r}: it was registered as n={n} "
+                f"{kind.name}, the snapshot is n={header.n} {sent.name}"
+            )
+
+    # ------------------------------------------------------------------ results
+
+    async def StreamResults(
+        self, request: pb.StreamResultsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.StreamResultsResponse]:
+        try:
+            session = self._session(request.session_id)
+        except UnknownSessionError as exc:
+            await _abort(context, exc)
+        tenant = session.tenant
+        wanted = set(request.blocks)
+        sent: dict[str, int] = dict(request.held_versions)
+        epoch = -1
+        while not self._stopping.is_set() and session.session_id in self._sessions:
+            now_epoch = self._engine.results_epoch
+            if now_epoch != epoch:
+                epoch = now_epoch
+                blocks = wanted or {s.block for s in self._engine.status(tenant)}
+                for block in sorted(blocks):
+                    result = self._engine.latest_result(
+                        block, tenant, newer_than=sent.get(block, -1)
+                    )
+                    if result is None:
+                        continue
+                    sent[block] = result.version
+                    for message in convert.result_messages(
+                        result, chunk_bytes=self._limits.chunk_bytes
+                    ):
+                        yield message
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._poll_interval_s)
+
+    # ------------------------------------------------------------------ status
+
+    async def Status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.StatusResponse:
+        stats = self._engine.stats()
+        if not request.session_id:
+            return convert.status_to_proto(stats, [])  # no credentials: engine-wide numbers only
+        try:
+            session = self._session(request.session_id)
+            if request.tenant and request.tenant != session.tenant:
+                raise AuthenticationError(
+                    f"session of tenant {session.tenant!r} may not read tenant {request.tenant!r}"
+                )
+        except (UnknownSessionError, AuthenticationError) as exc:
+            await _abort(context, exc)
+        return convert.status_to_proto(stats, self._engine.status(session.tenant))

@@ -1,0 +1,70 @@
+"""DaemonConfig: validation and the TOML -> env -> flags loading order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asteria_server.__main__ import main
+from asteria_server.config import (
+    DaemonConfig,
+    TcpAddress,
+    UnixAddress,
+    load_config,
+    parse_listen,
+    parse_tokens,
+)
+
+
+def test_flags_beat_env_beat_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "a.toml"
+    toml.write_text('workers = 3\nblas_threads = 2\nchunk_bytes = 4096\n[tenants]\nann = "t1"\n')
+    env = {"ASTERIA_WORKERS": "5", "ASTERIA_BLAS_THREADS": "4"}
+    config = load_config(config_file=str(toml), environ=env, overrides={"workers": 7})
+    assert (config.workers, config.blas_threads, config.chunk_bytes) == (7, 4, 4096)
+    assert dict(config.tokens) == {"ann": "t1"}
+    env["ASTERIA_TOKENS"] = "ann=x, bob=y"
+    assert dict(load_config(config_file=str(toml), environ=env).tokens) == {"ann": "x", "bob": "y"}
+    assert "t1" not in repr(config)
+
+
+def test_tokens_and_addresses_parse() -> None:
+    assert parse_tokens("a=1,b=2,") == {"a": "1", "b": "2"}
+    with pytest.raises(ValueError, match="ASTERIA_TOKENS"):
+        parse_tokens("a=1,b")
+    assert parse_listen("unix:///run/x.sock") == UnixAddress(Path("/run/x.sock"))
+    assert parse_listen("127.0.0.1:0") == TcpAddress("127.0.0.1", 0)
+    assert parse_listen("[::1]:5").is_loopback  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="listen"):
+        parse_listen("unix://relative.sock")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"workers": 0}, "workers must be an int >= 1, got 0"),
+        ({"grace_period_s": float("nan")}, "grace_period_s"),
+        ({"chunk_bytes": 1 << 20, "max_message_bytes": 1 << 20}, "max_message_bytes"),
+        ({"listen": "127.0.0.1:0"}, "no tenant tokens"),
+        ({"listen": "0.0.0.0:0", "tokens": {"a": "b"}}, "needs TLS"),
+        ({"tokens": {"a": ""}}, "empty token"),
+        ({"log_level": "LOUD"}, "log_level"),
+    ],
+)
+def test_invalid_values_are_named(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DaemonConfig(**{"listen": "unix:///tmp/x.sock", **kwargs})  # type: ignore[arg-type]
+
+
+def test_tcp_with_tokens_on_loopback_is_fine() -> None:
+    config = DaemonConfig(listen="127.0.0.1:0", tokens={"a": "b"}, workers=1)
+    assert not config.allows_anonymous()
+    assert DaemonConfig(listen="unix:///tmp/x.sock", workers=1).allows_anonymous()
+
+
+def test_cli_reports_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    toml = tmp_path / "bad.toml"
+    toml.write_text("wrokers = 2\n")
+    assert main(["--config", str(toml)]) == 2
+    assert "unknown key 'wrokers'" in capsys.readouterr().err
