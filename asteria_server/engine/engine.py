@@ -53,6 +53,8 @@ class EngineConfig:
     Attributes:
         num_workers: solver worker processes (default: usable CPUs - 1, at least 1).
         blas_threads: BLAS threads per worker.
+        worker_niceness: nice value added to the workers (0-19), so that on an oversubscribed
+            host the training step runs first and solves take the CPU that is left.
         solve_timeout_s: a solve running longer is killed and run again (``math.inf``: never).
         max_attempts: numeric attempts per solve, escalating epsilon (inside the worker).
         max_worker_attempts: worker runs of one task lost to a crash/timeout before it fails.
@@ -67,6 +69,7 @@ class EngineConfig:
 
     num_workers: int = field(default_factory=default_num_workers)
     blas_threads: int = 1
+    worker_niceness: int = 10
     solve_timeout_s: float = 600.0
     max_attempts: int = 3
     max_worker_attempts: int = 2
@@ -119,6 +122,7 @@ class EngineConfig:
         return PoolConfig(
             num_workers=self.num_workers,
             blas_threads=self.blas_threads,
+            niceness=self.worker_niceness,
             solve_timeout_s=self.solve_timeout_s,
             max_worker_attempts=self.max_worker_attempts,
             start_timeout_s=self.worker_start_timeout_s,

@@ -86,10 +86,22 @@ class SubprocessWorker:
             self._pidfd = -1
 
 
+def _lower_priority(pid: int | None, niceness: int) -> None:
+    """Make a worker yield to the training process when the cores are oversubscribed."""
+    if pid is None or niceness <= 0:
+        return
+    with contextlib.suppress(OSError):  # not permitted somewhere: run at normal priority
+        os.setpriority(os.PRIO_PROCESS, pid, niceness)
+
+
 def start_worker(
-    method: str, blas_threads: int, solver: SolverConfig, name: str
+    method: str, blas_threads: int, solver: SolverConfig, name: str, niceness: int = 0
 ) -> tuple[Any, mpc.Connection]:
-    """Start one worker; returns its handle and the parent's end of its pipe."""
+    """Start one worker; returns its handle and the parent's end of its pipe.
+
+    ``niceness`` > 0 lowers the worker's CPU priority: on a host whose cores are all busy, the
+    scheduler then runs the training step first and the solve in what is left.
+    """
     if method == "subprocess":
         parent_sock, child_sock = socket.socketpair()
         try:
@@ -107,6 +119,7 @@ def start_worker(
         finally:
             child_sock.close()
         conn = mpc.Connection(parent_sock.detach())
+        _lower_priority(popen.pid, niceness)
         conn.send((blas_threads, solver))  # the worker's configuration, before any task
         return SubprocessWorker(popen), conn
 
@@ -119,4 +132,5 @@ def start_worker(
     )
     process.start()
     child_conn.close()
+    _lower_priority(process.pid, niceness)
     return process, parent_conn

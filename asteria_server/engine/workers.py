@@ -70,6 +70,8 @@ class PoolConfig:
     Attributes:
         num_workers: worker processes (default: usable CPUs - 1, at least 1).
         blas_threads: BLAS threads per worker (oversubscribed BLAS runs many times slower).
+        niceness: added to the workers' nice value (0-19): solves yield to training on a busy
+            host.
         solve_timeout_s: a solve running longer is killed and retried (``math.inf``: never).
         max_worker_attempts: runs of one task lost to a crash or timeout before it fails.
         start_timeout_s: a worker not ready this long after its start is replaced.
@@ -83,6 +85,7 @@ class PoolConfig:
 
     num_workers: int = field(default_factory=default_num_workers)
     blas_threads: int = 1
+    niceness: int = 10
     solve_timeout_s: float = 600.0
     max_worker_attempts: int = 2
     start_timeout_s: float = 60.0
@@ -92,6 +95,10 @@ class PoolConfig:
     test_fault_prefix: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.niceness, int) or not 0 <= self.niceness <= 19:
+            raise ValueError(
+                f"PoolConfig.niceness must be an int in [0, 19], got {self.niceness!r}"
+            )
         for name in ("num_workers", "blas_threads", "max_worker_attempts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -190,6 +197,7 @@ class WorkerPool:
             self.config.blas_threads,
             self.config.solver,
             f"asteria-solver-{slot.index}",
+            self.config.niceness,
         )
         slot.process, slot.conn, slot.ready = process, parent_conn, False
         slot.started_at, slot.sent_at = time.monotonic(), None
