@@ -1,7 +1,7 @@
 """`asteria`: the command line of Asteria's client.
 
 Subcommands register themselves in ``SUBCOMMANDS``: each entry adds its parser and returns the
-function that runs it: ``train`` and ``bench``; ``status`` joins them with the daemon.
+function that runs it: ``train``, ``bench`` and ``status`` (a daemon's workers and blocks).
 
 Exit codes: 0 success, 1 the run failed (for example an optimizer missing from this build, or a
 diverged loss), 2 bad input (arguments, config values, an unavailable device), 130 interrupted.
@@ -132,7 +132,7 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
         help="where a second-order optimizer computes its roots and eigenbases: embedded "
         "(an engine in this process with solver worker processes; the default unless "
         "ASTERIA_ADDRESS is set), native (synchronously in step, on the parameter's device: "
-        "the baseline) or daemon (the node's asteria-server, not built yet); not for adamw",
+        "the baseline) or daemon (the node's asteria-server at ASTERIA_ADDRESS); not for adamw",
     )
     opt.add_argument(
         "--staleness-budget",
@@ -360,9 +360,17 @@ def register_bench(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
 
 # --- the command ----------------------------------------------------------------------------
 
+
+def register_status(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
+    from asteria_client import status
+
+    return status.register_status(subparsers)
+
+
 SUBCOMMANDS: dict[str, Registrar] = {
     "train": register_train,
     "bench": register_bench,
+    "status": register_status,
 }
 
 

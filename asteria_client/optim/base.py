@@ -112,17 +112,20 @@ def resolve_mode(mode: Mode | str | None) -> Mode:
     return parse_enum(Mode, mode, "mode")
 
 
-def make_source(mode: Mode, engine_config: EngineConfig | None = None) -> PreconditionerSource:
+def make_source(
+    mode: Mode, engine_config: EngineConfig | None = None, *, address: str | None = None
+) -> PreconditionerSource:
+    """The source of ``mode``; the daemon's ``address`` defaults to ``ASTERIA_ADDRESS``."""
     if mode is Mode.NATIVE:
         return NativeSource()
     if mode is Mode.EMBEDDED:
         from asteria_client.runtime.embedded import EmbeddedSource
 
         return EmbeddedSource(engine_config)
-    raise AsteriaError(
-        f"mode={mode.value!r} (the node daemon) is not available in this version of Asteria; "
-        "use mode='embedded' (the default without ASTERIA_ADDRESS) or mode='native'"
-    )
+    from asteria_client.config import resolve_address
+    from asteria_client.transport.daemon import DaemonSource
+
+    return DaemonSource(address=resolve_address(address))
 
 
 def block_name(param_name: str, tile: int, dim: int) -> str:
@@ -143,6 +146,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         barrier_timeout_s: float = 30.0,
         engine_config: EngineConfig | None = None,
         source: PreconditionerSource | None = None,
+        address: str | None = None,
     ) -> None:
         self._unnamed = 0
         self._warned: set[str] = set()
@@ -153,6 +157,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.barrier_stats = BarrierStats()
         self._local_failures: dict[str, int] = {}
         self._local_errors: dict[str, str] = {}
+        self._lag_at_use: dict[str, int] = {}
         self._hooks: list[Any] = []
         self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
         check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
@@ -161,7 +166,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             LargeDimPolicy, defaults["large_dim_policy"], "large_dim_policy"
         )
         super().__init__(params, defaults)
-        self._source = source if source is not None else make_source(self.mode, engine_config)
+        self._source = (
+            source if source is not None else make_source(self.mode, engine_config, address=address)
+        )
         self._plans: dict[str, BlockingPlan] = {}
         self.skipped_steps = 0
 
@@ -349,7 +356,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             required = self.staleness.required_version(newest, frequency, self.needs_first_result)
             installed = tile_state["versions"][dim]
             if installed >= required:
-                self.barrier_stats.record_lag(max(0, newest - installed))
+                self._record_lag(block, max(0, newest - installed))
                 continue
             result = None
             if not self._source.synchronous:
@@ -361,7 +368,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 result = self._compute_locally(tile_state, dim, step, group)
             if result is not None and result.version > tile_state["versions"][dim]:
                 self._install(tile_state, dim, result)
-            self.barrier_stats.record_lag(max(0, newest - tile_state["versions"][dim]))
+            self._record_lag(block, max(0, newest - tile_state["versions"][dim]))
+
+    def _record_lag(self, block: str, lag_steps: int) -> None:
+        """The lag a block was *used* with: what the staleness budget bounds."""
+        self._lag_at_use[block] = lag_steps
+        self.barrier_stats.record_lag(lag_steps)
 
     def _compute_locally(
         self, tile_state: dict[str, Any], dim: int, step: int, group: dict[str, Any]
@@ -448,8 +460,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     def preconditioner_status(self) -> list[dict[str, Any]]:
         """One dict per block: ``block``, ``version`` in use (-1: none yet), ``staleness_steps``
-        (step - version), ``lag_steps`` (newest snapshot - version; the budget bounds it),
-        ``freshness``, ``failures``, ``last_solve_s`` and what the source knows besides."""
+        (step - version), ``lag_steps`` (newest snapshot - version when the block was last used
+        by a step: what the budget bounds; a snapshot taken at the end of that step is not
+        counted until the next step uses the block), ``freshness``, ``failures``,
+        ``last_solve_s`` and what the source knows besides."""
         records = self._source.records()
         rows = []
         for block, step, dim, tile_state in self._iter_blocks():
@@ -461,7 +475,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 "block": block,
                 "version": version,
                 "staleness_steps": step - version if version >= 0 else step,
-                "lag_steps": max(0, newest - version) if version >= 0 else newest + 1,
+                "lag_steps": self._lag_at_use.get(block, 0),
                 "freshness": freshness(version, newest).value,
                 "submitted_version": newest,
                 "failures": record.failures + local_failures,

@@ -1,0 +1,197 @@
+"""One channel to an ``asteria-server`` and its calls, for the daemon source and ``asteria status``.
+
+Every call has a deadline, and a failed call comes out as the Asteria exception that
+``protocol.errors`` maps its status to; no gRPC type leaves this module and ``daemon.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from asteria_server.engine.engine import EngineStats
+from asteria_server.engine.registry import BlockStatus
+from asteria_server.engine.tasks import SolveResult, SolveTask
+from asteria_server.errors import AsteriaError, InvalidInputError
+from asteria_server.protocol import convert
+from asteria_server.protocol.errors import from_status
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+
+#: Largest gRPC message this client sends or accepts (a 1 MiB chunk plus framing fits).
+MAX_MESSAGE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonClientConfig:
+    """Timeouts and retry pacing of a daemon client.
+
+    Attributes:
+        call_timeout_s: deadline of each unary or client-streaming call (sessions, snapshots).
+        status_timeout_s: deadline of a Status call made for ``records()``.
+        connect_timeout_s: how long a new daemon source waits for its first session before it
+            starts degraded (its snapshots are then computed locally until it connects).
+        backoff_initial_s: first wait before reconnecting to an unreachable daemon.
+        backoff_max_s: the cap of the doubling reconnect wait.
+    """
+
+    call_timeout_s: float = 10.0
+    status_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "call_timeout_s",
+            "status_timeout_s",
+            "connect_timeout_s",
+            "backoff_initial_s",
+            "backoff_max_s",
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < math.inf):
+                raise InvalidInputError(
+                    f"DaemonClientConfig.{name} must be a positive finite number, got {value!r}"
+                )
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise InvalidInputError(
+                f"DaemonClientConfig.backoff_initial_s={self.backoff_initial_s} must not exceed "
+                f"backoff_max_s={self.backoff_max_s}"
+            )
+
+
+def _error(exc: grpc.RpcError) -> AsteriaError:
+    """The Asteria exception for a failed call (``protocol.errors``' table)."""
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    return from_status(code, details or "")
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """An open session: its id, the daemon's incarnation and the limits it announced."""
+
+    session_id: str
+    incarnation_id: str
+    max_chunk_bytes: int
+    max_matrix_n: int
+
+
+class DaemonConnection:
+    """One channel to a daemon and the calls on it, each with a deadline; gRPC failures come
+    out as Asteria exceptions. Shared by :class:`DaemonSource` and ``asteria status``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        tenant: str = "",
+        token: str = "",
+        job: str = "",
+        rank: int = 0,
+        config: DaemonClientConfig | None = None,
+    ) -> None:
+        self.address = address
+        self.config = config or DaemonClientConfig()
+        self._tenant, self._token, self._job, self._rank = tenant, token, job, rank
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.initial_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
+                ("grpc.min_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
+                ("grpc.max_reconnect_backoff_ms", int(self.config.backoff_max_s * 1000)),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+            ],
+        )
+        self._stub = pb_grpc.PreconditionerStub(self._channel)
+
+    def open_session(self) -> SessionInfo:
+        request = pb.OpenSessionRequest(
+            tenant=self._tenant, token=self._token, job=self._job, rank=self._rank
+        )
+        try:
+            reply = self._stub.OpenSession(request, timeout=self.config.call_timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return SessionInfo(
+            session_id=reply.session_id,
+            incarnation_id=reply.incarnation_id,
+            max_chunk_bytes=reply.limits.max_chunk_bytes or convert.DEFAULT_CHUNK_BYTES,
+            max_matrix_n=reply.limits.max_matrix_n or convert.DEFAULT_MAX_MATRIX_N,
+        )
+
+    def close_session(self, session_id: str) -> None:
+        request = pb.CloseSessionRequest(session_id=session_id, forget_blocks=False)
+        try:
+            self._stub.CloseSession(request, timeout=self.config.call_timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def register(self, session_id: str, tasks: list[SolveTask]) -> None:
+        request = pb.RegisterBlocksRequest(
+            session_id=session_id,
+            blocks=[
+                pb.BlockSpec(block=t.block, n=t.n, kind=convert.snapshot_header(t).kind)
+                for t in tasks
+            ],
+        )
+        try:
+            self._stub.RegisterBlocks(request, timeout=self.config.call_timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def submit(self, session: SessionInfo, task: SolveTask) -> None:
+        messages = convert.snapshot_messages(
+            task, session_id=session.session_id, chunk_bytes=session.max_chunk_bytes
+        )
+        try:
+            self._stub.SubmitSnapshot(messages, timeout=self.config.call_timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def status(
+        self, session_id: str = "", *, timeout_s: float | None = None
+    ) -> tuple[EngineStats, list[BlockStatus]]:
+        request = pb.StatusRequest(session_id=session_id)
+        timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
+        try:
+            reply = self._stub.Status(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return convert.status_from_proto(reply)
+
+    def results(
+        self,
+        session: SessionInfo,
+        held_versions: dict[str, int],
+        on_call: Callable[[Callable[[], object]], None],
+    ) -> Iterator[SolveResult]:
+        """The session's results as they arrive; ``on_call(cancel)`` receives a function that
+        ends the stream from another thread. Raises an Asteria error when the stream fails."""
+        request = pb.StreamResultsRequest(
+            session_id=session.session_id, held_versions=held_versions
+        )
+        call = self._stub.StreamResults(request)
+        on_call(call.cancel)
+        receiver = convert.ResultReceiver(
+            max_chunk_bytes=session.max_chunk_bytes, max_matrix_n=session.max_matrix_n
+        )
+        try:
+            for message in call:
+                result = receiver.feed(message)
+                if result is not None:
+                    yield result
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    def close(self) -> None:
+        self._channel.close()

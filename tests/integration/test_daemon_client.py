@@ -1,0 +1,256 @@
+"""The daemon mode end to end: optimizers with ``mode="daemon"`` against a real `asteria-server`
+subprocess on a ``tmp_path`` Unix socket, including a kill -9 and a restart of the daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asteria_client import SOAP, KLShampoo, Shampoo
+from asteria_client.cli import main
+from asteria_client.transport import DaemonClientConfig, DaemonConnection, DaemonSource
+from asteria_server.engine.shm import SEGMENT_PREFIX
+from tests.integration.test_daemon import Daemon, _children, start_daemon, stop_daemon
+
+OPTIMIZERS = {"soap": SOAP, "shampoo": Shampoo, "kl_shampoo": KLShampoo}
+FREQ = 3
+RECONNECT_TIMEOUT_S = 30.0
+
+
+def incarnation(daemon: Daemon) -> str:
+    """The incarnation id in the daemon's serving line."""
+    return daemon.serving_line.split("incarnation=", 1)[1].split()[0]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_daemon(tmp_path_factory.mktemp("client"))
+    yield d
+    stop_daemon(d)
+
+
+@pytest.fixture(autouse=True)
+def _no_asteria_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("ASTERIA_"):
+            monkeypatch.delenv(name)
+
+
+def small_model() -> torch.nn.Module:
+    """Square layers (see test_embedded_runtime.small_model: rectangular factors have an
+    arbitrary null-space basis, so native and daemon would legitimately diverge)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(256, 8, generator=g), torch.randn(256, 8, generator=g)
+    for _ in range(steps):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
+def test_results_come_from_the_daemon(daemon: Daemon, name: str) -> None:
+    model = small_model()
+    with OPTIMIZERS[name](
+        model.named_parameters(),
+        lr=1e-2,
+        precondition_frequency=FREQ,
+        mode="daemon",
+        address=daemon.target,
+        staleness_budget=1,
+    ) as opt:
+        opt.attach(model)
+        train(model, opt, 15)
+        rows = opt.preconditioner_status()
+        stats = opt.runtime_stats()
+    assert stats["local_fallbacks"] == 0 and stats["submit_errors"] == 0
+    assert len(rows) == 4  # two square weights, two factors each
+    for row in rows:
+        assert row["version"] >= 0 and row["mode"] == "daemon", row
+        assert row["connected"] and row["daemon_incarnation"] == incarnation(daemon)
+        assert row["lag_steps"] <= FREQ and row["failures"] == 0
+    assert finite(model)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_budget_zero_matches_native(daemon: Daemon, name: str) -> None:
+    cls = OPTIMIZERS[name]
+    native_model, daemon_model = small_model(), small_model()
+    native = cls(
+        native_model.named_parameters(), lr=1e-2, precondition_frequency=FREQ, mode="native"
+    )
+    with cls(
+        daemon_model.named_parameters(),
+        lr=1e-2,
+        precondition_frequency=FREQ,
+        mode="daemon",
+        address=daemon.target,
+        staleness_budget=0,
+    ) as remote:
+        train(native_model, native, 8)
+        train(daemon_model, remote, 8)
+        stats = remote.runtime_stats()
+    assert stats["local_fallbacks"] == 0 and stats["max_lag_steps"] == 0
+    moved = False
+    for p, q, p0 in zip(
+        native_model.parameters(),
+        daemon_model.parameters(),
+        small_model().parameters(),
+        strict=True,
+    ):
+        # The daemon computes in float64 with LAPACK and ships float32; torch uses its own driver.
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=2e-5)
+        moved |= not torch.allclose(p, p0)
+    assert moved
+
+
+def test_missing_address_names_both_ways_to_give_it() -> None:
+    with pytest.raises(ValueError, match=r"address=.*ASTERIA_ADDRESS"):
+        SOAP(small_model().named_parameters(), mode="daemon")
+
+
+def test_an_absent_daemon_means_local_computation_not_a_crash(tmp_path: Path) -> None:
+    source = DaemonSource(
+        f"unix://{tmp_path}/absent.sock", config=DaemonClientConfig(connect_timeout_s=0.2)
+    )
+    model = small_model()
+    with SOAP(model.named_parameters(), lr=1e-2, precondition_frequency=FREQ, source=source) as opt:
+        train(model, opt, 4)
+        rows = opt.preconditioner_status()
+        stats = opt.runtime_stats()
+    assert stats["local_fallbacks"] > 0 and stats["submit_errors"] == 0 and finite(model)
+    assert all(row["version"] >= 0 and not row["connected"] for row in rows)
+    assert source.stats()["submits_dropped"] > 0
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _kill_9(daemon: Daemon) -> None:
+    """SIGKILL the daemon, then its orphaned workers and shared memory (it cannot clean up)."""
+    workers = _children(daemon.proc.pid)
+    daemon.proc.kill()
+    daemon.proc.wait()
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"{SEGMENT_PREFIX}{daemon.proc.pid}_"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_kill_9_falls_back_locally_then_a_restarted_daemon_takes_over(tmp_path: Path) -> None:
+    first = start_daemon(tmp_path)
+    model = small_model()
+    opt = SOAP(
+        model.named_parameters(),
+        lr=1e-2,
+        precondition_frequency=FREQ,
+        mode="daemon",
+        address=first.target,
+        staleness_budget=1,
+        barrier_timeout_s=5.0,
+    )
+    second: Daemon | None = None
+    try:
+        source = opt._source
+        assert isinstance(source, DaemonSource)
+        train(model, opt, 6)
+        assert opt.runtime_stats()["local_fallbacks"] == 0
+        assert source.incarnation_id == incarnation(first)
+
+        _kill_9(first)
+        train(model, opt, 9)  # the daemon is gone: training goes on, computing locally
+        stats = opt.runtime_stats()
+        assert stats["local_fallbacks"] > 0 and finite(model)
+        rows = opt.preconditioner_status()
+        assert not any(row["connected"] for row in rows)
+        assert sum(row["submits_dropped"] for row in rows) > 0
+
+        (tmp_path / "d.ready").unlink()
+        second = start_daemon(tmp_path)  # the same socket path
+        assert incarnation(second) != incarnation(first)
+        _wait_for(
+            lambda: source.connected and source.incarnation_id == incarnation(second),
+            RECONNECT_TIMEOUT_S,
+            "the client to reconnect to the restarted daemon",
+        )
+        step_before = max(row["submitted_version"] for row in opt.preconditioner_status())
+        train(model, opt, 6)
+        _wait_for(
+            lambda: all(r.computed_version > step_before for r in source.records().values()),
+            RECONNECT_TIMEOUT_S,
+            "results from the restarted daemon",
+        )
+        rows = opt.preconditioner_status()
+        assert all(row["daemon_incarnation"] == incarnation(second) for row in rows)
+        assert all(row["connected"] and row["state"] != "unknown" for row in rows)
+        assert finite(model)
+    finally:
+        opt.close()
+        if second is not None:
+            stop_daemon(second)
+        if first.proc.poll() is None:
+            _kill_9(first)
+
+
+def test_status_command_reports_a_training_client(
+    daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = small_model()
+    with SOAP(
+        model.named_parameters(),
+        lr=1e-2,
+        precondition_frequency=FREQ,
+        mode="daemon",
+        address=daemon.target,
+    ) as opt:
+        train(model, opt, 4)
+        source = opt._source
+        assert isinstance(source, DaemonSource)
+        capsys.readouterr()
+        assert main(["status", "--address", daemon.target, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert main(["status", "--address", daemon.target]) == 0
+        table = capsys.readouterr().out
+    assert doc["incarnation_id"] == incarnation(daemon) and doc["uptime_s"] > 0
+    assert doc["workers"]["total"] == 1 and doc["queue_depth"] >= 0
+    ours = {b["block"]: b for b in doc["blocks"] if b["block"].startswith(source.namespace)}
+    assert len(ours) == 4
+    for block in ours.values():
+        assert block["version"] >= 0 and block["staleness_steps"] >= 0
+        assert {"submitted_version", "delivered_version", "queue_position", "state"} <= set(block)
+    assert incarnation(daemon) in table and next(iter(ours)) in table
+
+    missing = f"unix://{tmp_path}/no-daemon.sock"
+    assert main(["status", "--address", missing]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot reach the daemon" in err and missing in err
+
+
+def test_status_connection_reads_without_a_session(daemon: Daemon) -> None:
+    conn = DaemonConnection(daemon.target)
+    try:
+        stats, blocks = conn.status()
+    finally:
+        conn.close()
+    assert stats.incarnation_id == incarnation(daemon) and blocks == []
