@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from asteria_client.runtime.shadow import PendingCopy, ShadowStream
@@ -22,6 +21,7 @@ from asteria_client.runtime.source import (
     PreconditionerResult,
     PreconditionerSource,
     SourceRecord,
+    result_from_engine,
 )
 from asteria_server.engine import EngineConfig, PreconditionerEngine, SolveResult, SolveTask
 from asteria_server.errors import AsteriaError
@@ -108,20 +108,7 @@ class EmbeddedSource(PreconditionerSource):
         if result is None:
             return None
         device = self._devices.get(result.block, torch.device("cpu"))
-        to_dev = self._shadow.to_device
-        return PreconditionerResult(
-            block=result.block,
-            version=result.version,
-            kind=result.kind,
-            matrix=to_dev(result.matrix, device),
-            eigenvalues=None if result.eigenvalues is None else to_dev(result.eigenvalues, device),
-            permutation=None
-            if result.permutation is None
-            else to_dev(result.permutation.astype(np.int64), device),
-            rotation=None if result.rotation is None else to_dev(result.rotation, device),
-            base_version=result.base_version,
-            solve_time_s=result.solve_time_s,
-        )
+        return result_from_engine(result, device, self._shadow.to_device)
 
     def take(self, block: str) -> PreconditionerResult | None:
         self.pump()

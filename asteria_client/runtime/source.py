@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from asteria_client.optim import linalg
-from asteria_server.engine.tasks import SolveKind
+from asteria_server.engine.tasks import SolveKind, SolveResult
 from asteria_server.errors import SolverError
 
 
@@ -177,3 +179,34 @@ class NativeSource(PreconditionerSource):
 
     def records(self) -> dict[str, SourceRecord]:
         return dict(self._records)
+
+
+def result_from_engine(
+    result: SolveResult,
+    device: torch.device,
+    to_device: Callable[[np.ndarray, torch.device], torch.Tensor],
+    *,
+    block: str | None = None,
+) -> PreconditionerResult:
+    """An engine's NumPy result as the optimizer's torch result on ``device``.
+
+    ``to_device`` moves one array (the shadow stream's copy for the embedded source, a plain
+    copy for the daemon's); ``block`` overrides the name (a transport's namespace removed).
+    """
+
+    def move(array: np.ndarray | None) -> torch.Tensor | None:
+        return None if array is None else to_device(array, device)
+
+    return PreconditionerResult(
+        block=result.block if block is None else block,
+        version=result.version,
+        kind=result.kind,
+        matrix=to_device(result.matrix, device),
+        eigenvalues=move(result.eigenvalues),
+        permutation=move(
+            None if result.permutation is None else result.permutation.astype(np.int64)
+        ),
+        rotation=move(result.rotation),
+        base_version=result.base_version,
+        solve_time_s=result.solve_time_s,
+    )

@@ -38,6 +38,7 @@ from asteria_client.runtime.source import (
     PreconditionerResult,
     PreconditionerSource,
     SourceRecord,
+    result_from_engine,
 )
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
 from asteria_server.engine.engine import EngineStats
@@ -352,20 +353,8 @@ class DaemonSource(PreconditionerSource):
 
     # ------------------------------------------------------------------ results out
     def _to_torch(self, result: SolveResult, device: torch.device) -> PreconditionerResult:
-        return PreconditionerResult(
-            block=result.block[len(self._prefix) :],
-            version=result.version,
-            kind=result.kind,
-            matrix=_to_device(result.matrix, device),
-            eigenvalues=None
-            if result.eigenvalues is None
-            else _to_device(result.eigenvalues, device),
-            permutation=None
-            if result.permutation is None
-            else _to_device(result.permutation.astype(np.int64), device),
-            rotation=None if result.rotation is None else _to_device(result.rotation, device),
-            base_version=result.base_version,
-            solve_time_s=result.solve_time_s,
+        return result_from_engine(
+            result, device, _to_device, block=result.block[len(self._prefix) :]
         )
 
     def take(self, block: str) -> PreconditionerResult | None:
