@@ -158,6 +158,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._local_failures: dict[str, int] = {}
         self._local_errors: dict[str, str] = {}
         self._lag_at_use: dict[str, int] = {}
+        self._pumped_epoch: int | None = None
         self._hooks: list[Any] = []
         self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
         check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
@@ -403,6 +404,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         """Move transfers along and install every ready result (cheap; called by hooks)."""
         with torch.no_grad():
             self._source.pump()
+            epoch = self._source.results_epoch()
+            if epoch is not None and epoch == self._pumped_epoch:
+                return  # nothing arrived since the last scan: hooks stay cheap
+            self._pumped_epoch = epoch
             for _, p, _ in self.named_params():
                 state = self.state.get(p)
                 if state:

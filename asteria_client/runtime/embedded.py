@@ -61,6 +61,9 @@ class EmbeddedSource(PreconditionerSource):
         self._pending.append(_PendingSubmit(request, self._shadow.to_host(request.matrix), basis))
         self.pump()
 
+    def results_epoch(self) -> int | None:
+        return self._engine.results_epoch
+
     def pump(self) -> None:
         """Hand every snapshot whose host copy is complete to the engine."""
         still_pending = []

@@ -109,6 +109,12 @@ class PreconditionerSource(abc.ABC):
         """Every block's record at once (one engine round trip for a whole status report)."""
         return {}
 
+    def results_epoch(self) -> int | None:
+        """A counter that grows when any result arrives, or None if the source cannot tell.
+
+        Lets the optimizer's hooks skip scanning every block when nothing new arrived."""
+        return None
+
     def pump(self) -> None:  # noqa: B027 - optional hook, a no-op for synchronous sources
         """Move finished transfers along (called from hooks and at each step). Optional."""
 
