@@ -39,7 +39,8 @@ class TrainConfig:
 
     ``lr=None`` picks the optimizer's tuned default (``DEFAULT_LR``); ``warmup_steps=None`` picks
     5% of ``steps`` (at most 100); ``precondition_frequency=None`` keeps the optimizer's own;
-    ``num_threads=None`` leaves torch's intra-op thread count as it is.
+    ``num_threads=None`` leaves torch's intra-op thread count as it is, except on the CPU with
+    the embedded engine, where the trainer takes the cores its workers leave (at least one).
     Enum fields also accept their string values (``optimizer="soap"``).
     """
 

@@ -13,6 +13,7 @@ import collections
 import hashlib
 import logging
 import math
+import os
 import random
 import statistics
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asteria_client.optim.base import Mode, resolve_mode
 from asteria_client.train.config import Schedule, TrainConfig
 from asteria_client.train.corpus import Corpus, load_corpus
 from asteria_client.train.model import GPT, GPTConfig
@@ -33,6 +35,7 @@ from asteria_client.train.report import (
     describe_environment,
     format_progress,
 )
+from asteria_server.engine.workers import default_num_workers
 from asteria_server.errors import AsteriaError, InvalidInputError, NonFiniteGradientError
 
 __all__ = [
@@ -147,8 +150,9 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     """Train, evaluate every ``eval_interval`` steps and at the end, write ``json_path`` if set."""
     device = resolve_device(cfg.device)
     threads_before = torch.get_num_threads()
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
+    threads = cfg.num_threads if cfg.num_threads is not None else trainer_threads(cfg, device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         with Trainer(cfg, device=device) as trainer:
             while not trainer.done:
@@ -159,6 +163,21 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     if cfg.json_path is not None:
         result.write_json(cfg.json_path)
     return result
+
+
+def trainer_threads(cfg: TrainConfig, device: torch.device) -> int | None:
+    """Torch threads that leave the embedded engine its cores (None: leave torch's default).
+
+    With the engine's workers on k of the host's cores, a CPU trainer that also takes every
+    core starves them (they run at a lower priority), and steps then wait for late results.
+    """
+    if device.type != "cpu" or not cfg.optimizer.is_second_order:
+        return None
+    if resolve_mode(cfg.mode) is not Mode.EMBEDDED:
+        return None
+    workers = cfg.engine_workers if cfg.engine_workers is not None else default_num_workers()
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, min(torch.get_num_threads(), cpus - workers))
 
 
 class Trainer:
