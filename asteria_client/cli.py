@@ -17,6 +17,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from asteria_client.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from asteria_server.errors import AsteriaError
 
 PROG = "asteria"
@@ -60,46 +66,6 @@ example:
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def _device(text: str) -> str:
     if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
         return text
@@ -136,31 +102,31 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
     )
     opt.add_argument(
         "--staleness-budget",
-        type=_non_negative_int,
+        type=non_negative_int,
         metavar="S",
         help="refresh intervals a root or basis may lag behind its newest snapshot before "
         "step() waits for it; 0 is synchronous (= native numerics) (default: 1)",
     )
     opt.add_argument(
         "--engine-workers",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="solver worker processes of the embedded engine (default: CPUs - 1, at least 1)",
     )
     opt.add_argument(
         "--lr",
-        type=_positive_float,
+        type=positive_float,
         help=f"peak learning rate (default: per optimizer: {lr_defaults})",
     )
     opt.add_argument(
         "--weight-decay",
-        type=_non_negative_float,
+        type=non_negative_float,
         help="decoupled weight decay on weight matrices; biases and norms get none "
         f"(default: {defaults.weight_decay})",
     )
     opt.add_argument(
         "--precondition-frequency",
-        type=_positive_int,
+        type=positive_int,
         metavar="STEPS",
         help="steps between preconditioner refreshes of a second-order optimizer "
         "(default: the optimizer's own)",
@@ -172,22 +138,22 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
     )
     opt.add_argument(
         "--warmup-steps",
-        type=_non_negative_int,
+        type=non_negative_int,
         help="steps of linear warmup (default: 5%% of --steps, at most 100)",
     )
 
     run = parser.add_argument_group("run")
     run.add_argument(
-        "--steps", type=_positive_int, help=f"optimizer steps (default: {defaults.steps})"
+        "--steps", type=positive_int, help=f"optimizer steps (default: {defaults.steps})"
     )
     run.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         help=f"sequences per step (default: {defaults.batch_size})",
     )
     run.add_argument(
         "--seed",
-        type=_non_negative_int,
+        type=non_negative_int,
         help="seed for the initial weights and the batch order; the validation batches are "
         f"the same for every seed (default: {defaults.seed})",
     )
@@ -198,26 +164,26 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
     )
     run.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         dest="num_threads",
         help="torch intra-op CPU threads; on a busy machine 1 is often faster "
         "(default: torch's own choice)",
     )
     run.add_argument(
         "--eval-interval",
-        type=_positive_int,
+        type=positive_int,
         metavar="STEPS",
         help="steps between validation evaluations; one also runs before the first step and "
         f"after the last (default: {defaults.eval_interval})",
     )
     run.add_argument(
         "--eval-batches",
-        type=_positive_int,
+        type=positive_int,
         help=f"fixed validation batches per evaluation (default: {defaults.eval_batches})",
     )
     run.add_argument(
         "--log-interval",
-        type=_positive_int,
+        type=positive_int,
         metavar="STEPS",
         help=f"steps between progress lines (default: {defaults.log_interval})",
     )
@@ -233,22 +199,22 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
     model = parser.add_argument_group("model")
     model.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         help=f"context length in characters (default: {defaults.block_size})",
     )
     model.add_argument(
         "--n-layer",
-        type=_positive_int,
+        type=positive_int,
         help=f"transformer blocks (default: {defaults.n_layer})",
     )
     model.add_argument(
         "--n-head",
-        type=_positive_int,
+        type=positive_int,
         help=f"attention heads; must divide --n-embd (default: {defaults.n_head})",
     )
     model.add_argument(
         "--n-embd",
-        type=_positive_int,
+        type=positive_int,
         help=f"embedding width (default: {defaults.n_embd})",
     )
     return run_train

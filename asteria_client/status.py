@@ -15,6 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from asteria_client.argtypes import positive_seconds
 from asteria_client.config import client_env, resolve_address
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection
 from asteria_server.engine.engine import EngineStats
@@ -162,16 +163,6 @@ class StatusReader:
         self._conn.close()
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 def register_status(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     parser = subparsers.add_parser(
         "status",
@@ -192,7 +183,7 @@ def register_status(subparsers: argparse._SubParsersAction[ArgumentParser]) -> H
         "--watch",
         nargs="?",
         const=DEFAULT_WATCH_S,
-        type=_positive_seconds,
+        type=positive_seconds,
         metavar="SECONDS",
         help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C",
     )
