@@ -497,6 +497,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def runtime_stats(self) -> dict[str, Any]:
         """Barrier waits, timeouts, local fallbacks and the observed lag, for benchmarks."""
         stats = self.barrier_stats
+        source_stats = getattr(self._source, "stats", None)
         return {
             "mode": self.mode.value,
             "staleness_budget": self.staleness.budget_intervals,
@@ -508,6 +509,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             "submit_errors": stats.submit_errors,
             "max_lag_steps": stats.max_lag_steps,
             "lag_histogram": dict(sorted(stats.lag_histogram.items())),
+            "source": source_stats() if callable(source_stats) else {},
         }
 
     def _frequency_of(self, block: str) -> int:

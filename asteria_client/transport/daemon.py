@@ -21,12 +21,13 @@ training continues through a daemon restart. The calls themselves, each with a d
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,11 @@ from asteria_server.engine.tasks import SolveResult, SolveTask
 from asteria_server.errors import AsteriaError, InvalidInputError, UnknownSessionError
 
 logger = logging.getLogger(__name__)
+
+#: Result latencies kept for ``result_latencies()`` (the newest ones).
+LATENCY_WINDOW = 100_000
+#: Submit times kept per block for latency measurement (versions awaiting a result).
+_SUBMIT_TIMES_KEPT = 16
 
 
 def _host_copy(tensor: torch.Tensor) -> np.ndarray:
@@ -72,6 +78,7 @@ class _Block:
     dropped: int = 0  # snapshots dropped while the daemon was unreachable
     rejected: int = 0  # snapshots the daemon refused (bad input)
     last_error: str = ""
+    submitted_at: dict[int, float] = field(default_factory=dict)  # version -> monotonic time
 
 
 class DaemonSource(PreconditionerSource):
@@ -114,6 +121,8 @@ class DaemonSource(PreconditionerSource):
         self._cancel_stream: Any = None
         self._closed = False
         self._last_connect_error = ""
+        #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
+        self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._threads = [
             threading.Thread(target=self._session_loop, name="asteria-daemon-session", daemon=True),
             threading.Thread(target=self._send_loop, name="asteria-daemon-sender", daemon=True),
@@ -172,6 +181,9 @@ class DaemonSource(PreconditionerSource):
             if block.latest is not None and task.version <= block.latest.version:
                 return  # versions never go back
             block.latest = task
+            block.submitted_at[task.version] = time.monotonic()
+            while len(block.submitted_at) > _SUBMIT_TIMES_KEPT:
+                del block.submitted_at[min(block.submitted_at)]
             if self._session is None:
                 block.pending = False
                 block.dropped += 1
@@ -349,6 +361,11 @@ class DaemonSource(PreconditionerSource):
                 return  # not ours, or older than one received: versions never go back
             block.received_version = result.version
             block.ready = result
+            submitted = block.submitted_at.pop(result.version, None)
+            if submitted is not None:
+                self._latencies.append(time.monotonic() - submitted)
+            for version in [v for v in block.submitted_at if v < result.version]:
+                del block.submitted_at[version]  # superseded: they will never be answered
             self._lock.notify_all()
 
     # ------------------------------------------------------------------ results out
@@ -463,7 +480,12 @@ class DaemonSource(PreconditionerSource):
     def stats(self) -> dict[str, Any]:
         """Client-side counters: connection, incarnations seen, dropped and rejected snapshots."""
         with self._lock:
+            latencies = np.asarray(self._latencies, dtype=np.float64)
+            timed = latencies.size > 0
             return {
+                "results_timed": int(latencies.size),
+                "result_latency_p50_s": float(np.percentile(latencies, 50)) if timed else None,
+                "result_latency_p99_s": float(np.percentile(latencies, 99)) if timed else None,
                 "address": self.address,
                 "connected": self._session is not None,
                 "daemon_incarnation": self._incarnation,
@@ -471,6 +493,12 @@ class DaemonSource(PreconditionerSource):
                 "submits_dropped": sum(b.dropped for b in self._blocks.values()),
                 "submits_rejected": sum(b.rejected for b in self._blocks.values()),
             }
+
+    def result_latencies(self) -> list[float]:
+        """Seconds from ``submit`` to the arrival of that version's result, oldest first, for the
+        newest :data:`LATENCY_WINDOW` results (superseded snapshots have none)."""
+        with self._lock:
+            return list(self._latencies)
 
     def close(self) -> None:
         with self._lock:
