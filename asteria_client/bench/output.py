@@ -64,7 +64,7 @@ def _blas() -> list[dict[str, Any]]:
 
 def machine_info() -> dict[str, Any]:
     """The machine, library versions, BLAS kernel in use and the date, for a report."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for package in _PACKAGES:
         try:
             versions[package] = metadata.version(package)
