@@ -5,6 +5,10 @@
 - ``ASTERIA_TENANT`` / ``ASTERIA_TOKEN``: the tenant and its secret for the daemon's sessions
   (empty for a daemon without tokens, which serves the anonymous tenant ``local``).
 - ``ASTERIA_JOB``: the job name a session reports (defaults to empty).
+- ``ASTERIA_TRANSPORT``: ``auto`` (default: shared memory when the daemon is on this host and
+  offers it, else gRPC) or ``grpc`` (never shared memory).
+- ``ASTERIA_TLS_CA``: a PEM file of the certificate authority to trust for a TCP daemon that
+  serves TLS; set, the client connects with TLS (``host:port`` addresses only).
 
 Explicit arguments always win over the environment; :func:`client_env` only fills the gaps.
 """
@@ -21,6 +25,9 @@ ENV_ADDRESS = "ASTERIA_ADDRESS"
 ENV_TENANT = "ASTERIA_TENANT"
 ENV_TOKEN = "ASTERIA_TOKEN"
 ENV_JOB = "ASTERIA_JOB"
+ENV_TRANSPORT = "ASTERIA_TRANSPORT"
+ENV_TLS_CA = "ASTERIA_TLS_CA"
+TRANSPORTS = ("auto", "grpc")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,16 +38,25 @@ class ClientEnv:
     tenant: str = ""
     token: str = field(default="", repr=False)
     job: str = ""
+    transport: str = "auto"
+    tls_ca: str | None = None
 
 
 def client_env(environ: Mapping[str, str] | None = None) -> ClientEnv:
     """The ``ASTERIA_*`` client settings of ``environ`` (default: ``os.environ``)."""
     env = os.environ if environ is None else environ
+    transport = env.get(ENV_TRANSPORT, "").strip().lower() or "auto"
+    if transport not in TRANSPORTS:
+        raise InvalidInputError(
+            f"{ENV_TRANSPORT}={env.get(ENV_TRANSPORT)!r} is not valid: use one of {TRANSPORTS}"
+        )
     return ClientEnv(
         address=env.get(ENV_ADDRESS) or None,
         tenant=env.get(ENV_TENANT, ""),
         token=env.get(ENV_TOKEN, ""),
         job=env.get(ENV_JOB, ""),
+        transport=transport,
+        tls_ca=env.get(ENV_TLS_CA) or None,
     )
 
 

@@ -64,6 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tls-key", metavar="PEM", help="TLS private key of --tls-cert")
     add("--log-level", type=str.upper, choices=LOG_LEVELS, help="log level (default INFO)")
     add("--ready-file", metavar="PATH", help="write the serving line here once ready")
+    add(
+        "--shared-memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=(
+            "offer same-host clients the shared-memory transport: a segment-handover socket "
+            "<socket>.shm next to a Unix --listen socket (default: on)"
+        ),
+    )
+    add(
+        "--max-shm-segments",
+        type=int,
+        metavar="N",
+        help="shared-memory segments one client may hand over (default 4096)",
+    )
     parser.epilog = f"Environment: {env_name('<option>')} for any option, and {env_name('tokens')}."
     return parser
 

@@ -112,6 +112,9 @@ class DaemonConfig:
         tls_key: PEM private key of ``tls_cert``.
         log_level: one of ``LOG_LEVELS``.
         ready_file: written (address, incarnation, workers) once serving; removed at exit.
+        shared_memory: offer same-host clients the shared-memory transport (Unix socket only):
+            a segment-handover socket ``<socket>.shm`` next to the gRPC socket.
+        max_shm_segments: shared-memory segments one client connection may hand over.
     """
 
     listen: str = field(default_factory=default_listen)
@@ -129,6 +132,8 @@ class DaemonConfig:
     tls_key: str | None = None
     log_level: str = "INFO"
     ready_file: str | None = None
+    shared_memory: bool = True
+    max_shm_segments: int = 4096
 
     def __post_init__(self) -> None:
         address = parse_listen(self.listen)
@@ -136,6 +141,11 @@ class DaemonConfig:
             _check_int(name, getattr(self, name), 1)
         _check_int("max_matrix_n", self.max_matrix_n, 1)
         _check_int("max_sessions", self.max_sessions, 1)
+        _check_int("max_shm_segments", self.max_shm_segments, 1)
+        if not isinstance(self.shared_memory, bool):
+            raise ValueError(
+                f"DaemonConfig.shared_memory must be true or false, got {self.shared_memory!r}"
+            )
         if self.max_message_bytes < self.chunk_bytes + 4096:
             raise ValueError(
                 f"DaemonConfig.max_message_bytes must be >= chunk_bytes + 4096 "
@@ -215,6 +225,15 @@ def _as_float(text: str) -> float:
     return float(text)
 
 
+def _as_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
 #: Fields settable from env and flags, with how to read their text. ``tokens`` is separate.
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "listen": str,
@@ -231,6 +250,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "tls_key": str,
     "log_level": str.upper,
     "ready_file": str,
+    "shared_memory": _as_bool,
+    "max_shm_segments": int,
 }
 _FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)}
 assert set(_PARSERS) | {"tokens"} == _FIELDS, "every DaemonConfig field needs a parser"

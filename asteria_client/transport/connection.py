@@ -7,11 +7,13 @@ Every call has a deadline, and a failed call comes out as the Asteria exception 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
 
+from asteria_client.config import client_env
 from asteria_server.engine.engine import EngineStats
 from asteria_server.engine.registry import BlockStatus
 from asteria_server.engine.tasks import SolveResult, SolveTask
@@ -20,6 +22,7 @@ from asteria_server.protocol import convert
 from asteria_server.protocol.errors import from_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+from asteria_server.protocol.shm import SegmentRef
 
 #: Largest gRPC message this client sends or accepts (a 1 MiB chunk plus framing fits).
 MAX_MESSAGE_BYTES = 8 << 20
@@ -36,6 +39,10 @@ class DaemonClientConfig:
             starts degraded (its snapshots are then computed locally until it connects).
         backoff_initial_s: first wait before reconnecting to an unreachable daemon.
         backoff_max_s: the cap of the doubling reconnect wait.
+        shared_memory: use the shared-memory transport when the daemon is on this host and
+            offers it (``ASTERIA_TRANSPORT=grpc`` turns it off too).
+        tls_ca: PEM file of the certificate authority to trust; set, a ``host:port`` daemon is
+            reached over TLS (default: ``ASTERIA_TLS_CA``).
     """
 
     call_timeout_s: float = 10.0
@@ -43,6 +50,8 @@ class DaemonClientConfig:
     connect_timeout_s: float = 5.0
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
+    shared_memory: bool = True
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -57,6 +66,14 @@ class DaemonClientConfig:
                 raise InvalidInputError(
                     f"DaemonClientConfig.{name} must be a positive finite number, got {value!r}"
                 )
+        if not isinstance(self.shared_memory, bool):
+            raise InvalidInputError(
+                f"DaemonClientConfig.shared_memory must be a bool, got {self.shared_memory!r}"
+            )
+        if self.tls_ca is not None and not os.path.isfile(self.tls_ca):
+            raise InvalidInputError(
+                f"DaemonClientConfig.tls_ca={self.tls_ca!r} is not a readable PEM file"
+            )
         if self.backoff_initial_s > self.backoff_max_s:
             raise InvalidInputError(
                 f"DaemonClientConfig.backoff_initial_s={self.backoff_initial_s} must not exceed "
@@ -79,6 +96,7 @@ class SessionInfo:
     incarnation_id: str
     max_chunk_bytes: int
     max_matrix_n: int
+    shm_socket: str = ""  # the daemon's segment-handover socket; empty: no shared memory
 
 
 class DaemonConnection:
@@ -98,18 +116,31 @@ class DaemonConnection:
         self.address = address
         self.config = config or DaemonClientConfig()
         self._tenant, self._token, self._job, self._rank = tenant, token, job, rank
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.initial_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
-                ("grpc.min_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
-                ("grpc.max_reconnect_backoff_ms", int(self.config.backoff_max_s * 1000)),
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-            ],
-        )
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(self.config.backoff_max_s * 1000)),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+        ]
+        tls_ca = self.config.tls_ca or client_env().tls_ca
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            if address.startswith("unix:"):
+                raise InvalidInputError(
+                    f"TLS ({tls_ca}) applies to host:port daemons, not to {address}: a Unix "
+                    "socket is local and protected by its file mode"
+                )
+            try:
+                with open(tls_ca, "rb") as f:
+                    root = f.read()
+            except OSError as exc:
+                raise InvalidInputError(f"cannot read the TLS CA file {tls_ca}: {exc}") from None
+            credentials = grpc.ssl_channel_credentials(root_certificates=root)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = pb_grpc.PreconditionerStub(self._channel)
 
     def open_session(self) -> SessionInfo:
@@ -125,6 +156,7 @@ class DaemonConnection:
             incarnation_id=reply.incarnation_id,
             max_chunk_bytes=reply.limits.max_chunk_bytes or convert.DEFAULT_CHUNK_BYTES,
             max_matrix_n=reply.limits.max_matrix_n or convert.DEFAULT_MAX_MATRIX_N,
+            shm_socket=reply.shm_socket,
         )
 
     def close_session(self, session_id: str) -> None:
@@ -147,9 +179,12 @@ class DaemonConnection:
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
-    def submit(self, session: SessionInfo, task: SolveTask) -> None:
+    def submit(
+        self, session: SessionInfo, task: SolveTask, *, shm: SegmentRef | None = None
+    ) -> None:
+        """Send ``task`` in chunks, or with ``shm`` only announce it (its bytes are there)."""
         messages = convert.snapshot_messages(
-            task, session_id=session.session_id, chunk_bytes=session.max_chunk_bytes
+            task, session_id=session.session_id, chunk_bytes=session.max_chunk_bytes, shm=shm
         )
         try:
             self._stub.SubmitSnapshot(messages, timeout=self.config.call_timeout_s)
@@ -172,16 +207,23 @@ class DaemonConnection:
         session: SessionInfo,
         held_versions: dict[str, int],
         on_call: Callable[[Callable[[], object]], None],
+        *,
+        reader: convert.SegmentReader | None = None,
     ) -> Iterator[SolveResult]:
         """The session's results as they arrive; ``on_call(cancel)`` receives a function that
-        ends the stream from another thread. Raises an Asteria error when the stream fails."""
+        ends the stream from another thread. Raises an Asteria error when the stream fails.
+        With ``reader``, blocks with a result segment get their results through it."""
         request = pb.StreamResultsRequest(
-            session_id=session.session_id, held_versions=held_versions
+            session_id=session.session_id,
+            held_versions=held_versions,
+            shm_results=reader is not None,
         )
         call = self._stub.StreamResults(request)
         on_call(call.cancel)
         receiver = convert.ResultReceiver(
-            max_chunk_bytes=session.max_chunk_bytes, max_matrix_n=session.max_matrix_n
+            max_chunk_bytes=session.max_chunk_bytes,
+            max_matrix_n=session.max_matrix_n,
+            reader=reader,
         )
         try:
             for message in call:

@@ -1,10 +1,14 @@
-"""The daemon source: roots and bases from the node's ``asteria-server`` over gRPC.
+"""The daemon source: roots and bases from the node's ``asteria-server``.
+
+Snapshots and results travel over **shared memory** when the daemon is on this host and offers
+it (``transport.shm``; gRPC then only announces them), else over **gRPC** in chunks; a block
+whose segment cannot be created or handed over falls back to gRPC on its own, with a warning.
 
 Three places run, and only the first is on the training path:
 
-- ``submit`` (the optimizer's step) copies the factor to host memory and puts it in a
-  per-block slot; a newer snapshot of the same block replaces one not sent yet (latest wins). It
-  never touches the network and never raises.
+- ``submit`` (the optimizer's step) copies the factor into the block's snapshot segment (or, for
+  gRPC, to host memory) and marks the block pending; a newer snapshot of the same block replaces
+  one not sent yet (latest wins). It never touches the network and never raises.
 - a **sender thread** streams each slot's snapshot to the daemon (``SubmitSnapshot``), declaring
   new blocks first (``RegisterBlocks``);
 - a **session thread** opens the session, holds one ``StreamResults`` stream open and keeps, per
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -42,15 +47,25 @@ from asteria_client.runtime.source import (
     result_from_engine,
 )
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
+from asteria_client.transport.shm import (
+    ClientSegment,
+    HandoverChannel,
+    result_capacity,
+    snapshot_capacity,
+)
 from asteria_server.engine.engine import EngineStats
 from asteria_server.engine.registry import BlockStatus
 from asteria_server.engine.tasks import SolveResult, SolveTask
 from asteria_server.errors import AsteriaError, InvalidInputError, UnknownSessionError
+from asteria_server.protocol.convert import snapshot_specs
+from asteria_server.protocol.shm import ArraySpec, SegmentRef, SharedMemoryUnavailableError
 
 logger = logging.getLogger(__name__)
 
 #: Result latencies kept for ``result_latencies()`` (the newest ones).
 LATENCY_WINDOW = 100_000
+#: Transport counters in ``stats()``.
+_COUNTERS = ("shm_snapshots", "chunked_snapshots", "shm_results", "shm_results_overwritten")
 #: Submit times kept per block for latency measurement (versions awaiting a result).
 _SUBMIT_TIMES_KEPT = 16
 
@@ -58,6 +73,23 @@ _SUBMIT_TIMES_KEPT = 16
 def _host_copy(tensor: torch.Tensor) -> np.ndarray:
     """A host copy of ``tensor`` the caller may keep while the factor changes in place."""
     return tensor.detach().to(device="cpu", copy=True).contiguous().numpy()
+
+
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+
+
+def _specs_of(tensors: list[torch.Tensor]) -> list[ArraySpec] | None:
+    """The segment specs of a snapshot's tensors, or None when a dtype has no place there."""
+    specs = []
+    for tensor in tensors:
+        dtype = _NUMPY_DTYPES.get(tensor.dtype)
+        if dtype is None or tensor.dim() != 2:
+            return None
+        specs.append(ArraySpec(dtype, tuple(tensor.shape)))
+    return specs
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -79,6 +111,10 @@ class _Block:
     rejected: int = 0  # snapshots the daemon refused (bad input)
     last_error: str = ""
     submitted_at: dict[int, float] = field(default_factory=dict)  # version -> monotonic time
+    snapshot_seg: ClientSegment | None = None  # where ``submit`` writes, once created
+    result_seg: ClientSegment | None = None  # where the daemon writes this block's results
+    latest_sequence: int = -1  # ``latest`` lies in snapshot_seg under this sequence (-1: a copy)
+    shm_error: str = ""  # why this block's segments could not be made (it uses gRPC)
 
 
 class DaemonSource(PreconditionerSource):
@@ -123,6 +159,17 @@ class DaemonSource(PreconditionerSource):
         self._last_connect_error = ""
         #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        #: Shared memory: wanted for a ``unix://`` daemon unless turned off.
+        self._want_shm = (
+            self.config.shared_memory
+            and env.transport != "grpc"
+            and self.address.startswith("unix:")
+        )
+        self._channel: HandoverChannel | None = None  # the current session's handover socket
+        self._channel_lock = threading.Lock()  # one handover request at a time
+        self._attached: set[str] = set()  # segment ids the current session holds
+        self._segments: dict[str, ClientSegment] = {}  # every segment of this source, by id
+        self._counts = collections.Counter[str]()
         self._threads = [
             threading.Thread(target=self._session_loop, name="asteria-daemon-session", daemon=True),
             threading.Thread(target=self._send_loop, name="asteria-daemon-sender", daemon=True),
@@ -163,24 +210,36 @@ class DaemonSource(PreconditionerSource):
 
     # ------------------------------------------------------------------ snapshots in
     def submit(self, request: PreconditionerRequest) -> None:
-        task = SolveTask(
-            block=self._prefix + request.block,
-            version=request.version,
-            kind=request.kind,
-            matrix=_host_copy(request.matrix),
-            exponent=request.exponent,
-            epsilon=request.epsilon,
-            basis=None if request.basis is None else _host_copy(request.basis),
-            base_version=request.base_version,
-            deadline=float(request.deadline_step),
-        )
         with self._lock:
             block = self._blocks.get(request.block)
             if block is None:
                 block = self._blocks[request.block] = _Block(device=request.matrix.device)
-            if block.latest is not None and task.version <= block.latest.version:
+            if block.latest is not None and request.version <= block.latest.version:
                 return  # versions never go back
+            segment = block.snapshot_seg
+        tensors = [request.matrix] if request.basis is None else [request.matrix, request.basis]
+        specs = _specs_of(tensors)
+        sequence = -1
+        if segment is not None and specs is not None and segment.fits(specs):
+            # The training thread is the only writer of a published snapshot segment.
+            sequence = segment.write_tensors(specs, tensors)
+            arrays = segment.segment.views(specs)  # read-only use: shapes for the header
+        else:
+            arrays = [_host_copy(t) for t in tensors]
+        task = SolveTask(
+            block=self._prefix + request.block,
+            version=request.version,
+            kind=request.kind,
+            matrix=arrays[0],
+            exponent=request.exponent,
+            epsilon=request.epsilon,
+            basis=arrays[1] if len(arrays) > 1 else None,
+            base_version=request.base_version,
+            deadline=float(request.deadline_step),
+        )
+        with self._lock:
             block.latest = task
+            block.latest_sequence = sequence
             block.submitted_at[task.version] = time.monotonic()
             while len(block.submitted_at) > _SUBMIT_TIMES_KEPT:
                 del block.submitted_at[min(block.submitted_at)]
@@ -202,21 +261,26 @@ class DaemonSource(PreconditionerSource):
                     return
                 session = self._session
                 assert session is not None
-                batch = [(name, b.latest) for name, b in self._blocks.items() if b.pending]
-                for name, task in batch:
-                    block = self._blocks[name]
+                batch = []
+                for block in self._blocks.values():
+                    if block.pending and block.latest is not None:
+                        batch.append((block, block.latest, block.latest_sequence))
+                        # In flight from now on, so ``wait`` waits for it.
+                        block.sent_version = max(block.sent_version, block.latest.version)
                     block.pending = False
-                    if task is not None:  # in flight from now on, so ``wait`` waits for it
-                        block.sent_version = max(block.sent_version, task.version)
-                tasks = [t for _, t in batch if t is not None]
-                new = [t for t in tasks if t.block not in self._registered]
+                new = [t for _, t, _ in batch if t.block not in self._registered]
             try:
-                self._send(session, new, tasks)
+                self._send(session, new, batch)
             except Exception as exc:  # a bug here must cost results, never the training run
                 logger.exception("sending snapshots to the daemon failed")
                 self._lost(session, exc)
 
-    def _send(self, session: SessionInfo, new: list[SolveTask], tasks: list[SolveTask]) -> None:
+    def _send(
+        self,
+        session: SessionInfo,
+        new: list[SolveTask],
+        batch: list[tuple[_Block, SolveTask, int]],
+    ) -> None:
         try:
             if new:
                 self._conn.register(session.session_id, new)
@@ -227,18 +291,119 @@ class DaemonSource(PreconditionerSource):
         except AsteriaError as exc:
             self._lost(session, exc)
             return
-        for task in tasks:
-            if task.n > session.max_matrix_n:
-                self._reject(task, f"n={task.n} exceeds the daemon's max_matrix_n")
+        for block, latest, sequence in batch:
+            if latest.n > session.max_matrix_n:
+                self._reject(latest, f"n={latest.n} exceeds the daemon's max_matrix_n")
                 continue
+            task, shm = self._wire_form(block, latest, sequence)
+            if task is None:
+                continue  # overwritten by a newer snapshot, which is pending itself
             try:
-                self._conn.submit(session, task)
+                self._conn.submit(session, task, shm=shm)
+                self._counts["shm_snapshots" if shm else "chunked_snapshots"] += 1
             except InvalidInputError as exc:
                 self._reject(task, str(exc))
                 continue
             except AsteriaError as exc:
                 self._lost(session, exc)
                 return
+
+    def _wire_form(
+        self, block: _Block, task: SolveTask, sequence: int
+    ) -> tuple[SolveTask | None, SegmentRef | None]:
+        """How to send ``task`` (sender thread): announced in its segment, or in chunks.
+
+        A task written into the snapshot segment is announced when the daemon holds that
+        segment, else copied out under the seqlock for chunks (None: a newer snapshot replaced
+        it). A private copy moves into new segments when the block has none yet.
+        """
+        segment = block.snapshot_seg
+        if sequence >= 0:
+            assert segment is not None
+            if segment.segment_id in self._attached:
+                return task, segment.ref(sequence)
+            copies = segment.read(snapshot_specs(task), sequence)
+            if copies is None:
+                return None, None
+            basis = copies[1] if len(copies) > 1 else None
+            return dataclasses.replace(task, matrix=copies[0], basis=basis), None
+        if segment is None and self._create_segments(block, task):
+            segment = block.snapshot_seg
+            assert segment is not None
+            sequence = segment.segment.write(
+                snapshot_specs(task), [a for a in (task.matrix, task.basis) if a is not None]
+            )
+            return task, segment.ref(sequence)
+        return task, None
+
+    def _create_segments(self, block: _Block, task: SolveTask) -> bool:
+        """Give ``block`` its snapshot and result segments and hand them over (sender thread).
+
+        The new snapshot segment is written here once, before it is published to ``submit``;
+        from then on the training thread is its only writer. False: use gRPC for this block.
+        """
+        if not self._want_shm or block.shm_error or self._channel is None:
+            return False
+        itemsize = max(a.dtype.itemsize for a in (task.matrix, task.basis) if a is not None)
+        try:
+            snap = ClientSegment.create(
+                "snapshot", task.block, snapshot_capacity(task.n, task.kind, itemsize)
+            )
+            result = ClientSegment.create("result", task.block, result_capacity(task.n, task.kind))
+        except SharedMemoryUnavailableError as exc:
+            block.shm_error = str(exc)
+            logger.warning("block %s goes over gRPC: %s", task.block, exc)
+            return False
+        for seg in (snap, result):
+            self._segments[seg.segment_id] = seg
+            self._hand_over(seg)
+        with self._lock:
+            block.snapshot_seg, block.result_seg = snap, result
+        return snap.segment_id in self._attached
+
+    def _hand_over(self, seg: ClientSegment) -> None:
+        """Give ``seg`` to the current session's daemon; a refusal leaves it unattached."""
+        with self._channel_lock:
+            channel = self._channel
+            if channel is None:
+                return
+            try:
+                channel.attach(seg)
+            except SharedMemoryUnavailableError as exc:
+                logger.warning("segment of block %s not handed over: %s", seg.block, exc)
+                return
+            self._attached.add(seg.segment_id)
+
+    def _open_channel(self, session: SessionInfo) -> None:
+        """Connect to the new session's handover socket and hand every segment over again."""
+        self._close_channel()
+        if not (self._want_shm and session.shm_socket):
+            return
+        try:
+            channel = HandoverChannel(session.shm_socket, session.session_id)
+        except SharedMemoryUnavailableError as exc:
+            logger.warning("shared memory unavailable, using gRPC: %s", exc)
+            return
+        with self._channel_lock:
+            self._channel = channel
+        for seg in list(self._segments.values()):
+            self._hand_over(seg)
+
+    def _close_channel(self) -> None:
+        with self._channel_lock:
+            channel, self._channel = self._channel, None
+            self._attached = set()
+        if channel is not None:
+            channel.close()
+
+    def _read_result(self, ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
+        """Copy a result out of its segment (session thread); None when a newer one replaced it."""
+        seg = self._segments.get(ref.segment_id)
+        if seg is None or seg.role != "result":
+            raise InvalidInputError(f"the daemon named an unknown result segment {ref.segment_id}")
+        copies = seg.read(specs, ref.sequence)
+        self._counts["shm_results" if copies is not None else "shm_results_overwritten"] += 1
+        return copies
 
     def _local_name(self, wire_name: str) -> str | None:
         """The optimizer's name of a block named ``wire_name`` on the daemon, if it is ours."""
@@ -288,9 +453,12 @@ class DaemonSource(PreconditionerSource):
                 backoff = min(2 * backoff, self.config.backoff_max_s)
                 continue
             opened = time.monotonic()
+            self._open_channel(session)
             self._start(session)
+            reader = self._read_result if self._channel is not None else None
             try:
-                for result in self._conn.results(session, self._held(), self._set_cancel):
+                results = self._conn.results(session, self._held(), self._set_cancel, reader=reader)
+                for result in results:
                     self._receive(result)
                     if self._closed:
                         break
@@ -301,6 +469,7 @@ class DaemonSource(PreconditionerSource):
                 logger.exception("receiving results from the daemon failed")
                 reason = exc
             self._lost(session, reason)
+            self._close_channel()
             if time.monotonic() - opened > self.config.backoff_max_s:
                 backoff = self.config.backoff_initial_s  # it was a working session: retry now
                 continue
@@ -492,6 +661,10 @@ class DaemonSource(PreconditionerSource):
                 "incarnations_seen": self._incarnations_seen,
                 "submits_dropped": sum(b.dropped for b in self._blocks.values()),
                 "submits_rejected": sum(b.rejected for b in self._blocks.values()),
+                "transport": "shm" if self._channel is not None else "grpc",
+                "shm_segments": len(self._segments),
+                "shm_blocks_refused": sum(bool(b.shm_error) for b in self._blocks.values()),
+                **{k: self._counts[k] for k in _COUNTERS},
             }
 
     def result_latencies(self) -> list[float]:
@@ -515,3 +688,6 @@ class DaemonSource(PreconditionerSource):
         for thread in self._threads:
             thread.join(timeout=self.config.call_timeout_s)
         self._conn.close()
+        self._close_channel()
+        for seg in self._segments.values():
+            seg.close()

@@ -14,12 +14,17 @@ anything, then every chunk, and raises :class:`InvalidInputError` naming the blo
 that is short, too long, out of order, or announces a wrong kind, dtype or shape. It checks the
 framing only: whether the numbers are finite or a permutation is one stays the engine's and the
 client's business, as for any other source of a task or result.
+
+On the same host the arrays may lie in a shared-memory segment instead (``protocol.shm``): the
+header then carries a ``shm`` reference and no chunks follow. The receivers hand the reference
+and the announced arrays' specs to a *reader* the transport supplies, which copies them out of
+the segment (or reports that a newer write replaced them).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +35,11 @@ from asteria_server.engine.registry import BlockState, BlockStatus
 from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+from asteria_server.protocol.shm import ArraySpec, SegmentRef
+
+#: Copies announced arrays out of a shared-memory segment: ``reader(ref, specs)`` returns them,
+#: or None when a newer write replaced them (the announcement is then skipped).
+SegmentReader = Callable[[SegmentRef, list[ArraySpec]], list[np.ndarray] | None]
 
 #: Chunk size of array streams (gRPC moved 2.3-3 GB/s on loopback in 1 MiB chunks).
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -124,6 +134,36 @@ class _Slot:
     def num_bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def spec(self) -> ArraySpec:
+        return ArraySpec(self.dtype, self.shape)
+
+
+def _ref_to_proto(ref: SegmentRef) -> pb.ShmRef:
+    return pb.ShmRef(segment_id=ref.segment_id, sequence=ref.sequence)
+
+
+def _ref_from_proto(message: pb.ShmRef, what: str) -> SegmentRef:
+    if not message.segment_id or message.sequence < 0 or message.sequence % 2:
+        raise _bad(what, "shm needs a segment_id and an even sequence >= 0")
+    return SegmentRef(message.segment_id, message.sequence)
+
+
+def snapshot_specs(task: SolveTask) -> list[ArraySpec]:
+    """The arrays of ``task``'s snapshot in segment order: the matrix, then the basis."""
+    arrays = [task.matrix] if task.basis is None else [task.matrix, task.basis]
+    return [ArraySpec(a.dtype, a.shape) for a in arrays]
+
+
+def result_arrays(result: SolveResult) -> list[np.ndarray]:
+    """The arrays of ``result`` in segment (and stream) order."""
+    return [array for _, array in _result_arrays(result)]
+
+
+def result_specs(result: SolveResult) -> list[ArraySpec]:
+    """The specs of :func:`result_arrays`."""
+    return [ArraySpec(a.dtype, a.shape) for a in result_arrays(result)]
+
 
 class _Assembler:
     """Fills announced arrays, in order, from the chunks of a stream."""
@@ -194,10 +234,14 @@ def _check_n(n: int, max_matrix_n: int, what: str) -> int:
 # --------------------------------------------------------------------------------- snapshots
 
 
-def snapshot_header(task: SolveTask, *, session_id: str = "") -> pb.SnapshotHeader:
-    """The header of ``task``'s SubmitSnapshot stream (its tenant is the session's)."""
+def snapshot_header(
+    task: SolveTask, *, session_id: str = "", shm: SegmentRef | None = None
+) -> pb.SnapshotHeader:
+    """The header of ``task``'s SubmitSnapshot stream (its tenant is the session's); with
+    ``shm``, it announces the arrays in that segment instead of chunks."""
     basis = task.basis
     return pb.SnapshotHeader(
+        shm=None if shm is None else _ref_to_proto(shm),
         session_id=session_id,
         block=task.block,
         version=int(task.version),
@@ -214,11 +258,18 @@ def snapshot_header(task: SolveTask, *, session_id: str = "") -> pb.SnapshotHead
 
 
 def snapshot_messages(
-    task: SolveTask, *, session_id: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    task: SolveTask,
+    *,
+    session_id: str = "",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shm: SegmentRef | None = None,
 ) -> Iterator[pb.SubmitSnapshotRequest]:
-    """The whole SubmitSnapshot stream of ``task``: its header, then matrix and basis chunks."""
+    """The whole SubmitSnapshot stream of ``task``: its header, then matrix and basis chunks
+    (none when ``shm`` says where they were written; ``task``'s arrays then only give shapes)."""
     _check_limit("chunk_bytes", chunk_bytes)
-    yield pb.SubmitSnapshotRequest(header=snapshot_header(task, session_id=session_id))
+    yield pb.SubmitSnapshotRequest(header=snapshot_header(task, session_id=session_id, shm=shm))
+    if shm is not None:
+        return
     for array in (task.matrix, task.basis):
         if array is not None:
             for chunk in array_chunks(array, chunk_bytes):
@@ -258,6 +309,10 @@ class SnapshotReceiver:
         self.header = header
         self._kind = kind
         self._what = what
+        #: Where the arrays lie when they come through shared memory (no chunks then).
+        self.shm = _ref_from_proto(header.shm, what) if header.HasField("shm") else None
+        #: The announced arrays: the matrix, then the basis.
+        self.specs = [slot.spec for slot in slots]
         # The scalar fields are checked now, by SolveTask's own rules, not after all the bytes.
         stand_in = np.zeros((1, 1), slots[0].dtype)
         self._task(stand_in, stand_in if header.has_basis else None, tenant="(session)")
@@ -271,13 +326,24 @@ class SnapshotReceiver:
     def feed(self, message: pb.SubmitSnapshotRequest) -> None:
         """Take the next message of the stream; it must be a chunk."""
         part = message.WhichOneof("part")
+        if self.shm is not None:
+            raise _bad(self._what, "no chunks may follow a snapshot announced in shared memory")
         if part != "chunk":
             raise _bad(self._what, f"expected a chunk, got {part or 'an empty message'}")
         self._assembler.add(message.chunk)
 
-    def finish(self, *, tenant: str) -> SolveTask:
-        """The task, once the stream ended; raises if bytes are missing."""
-        arrays = self._assembler.finish()
+    def finish(self, *, tenant: str, reader: SegmentReader | None = None) -> SolveTask | None:
+        """The task, once the stream ended; raises if bytes are missing. A snapshot in shared
+        memory is copied out by ``reader``; None means a newer write replaced it."""
+        if self.shm is None:
+            arrays = self._assembler.finish()
+        else:
+            if reader is None:
+                raise _bad(self._what, "shared memory is not available on this connection")
+            copied = reader(self.shm, self.specs)
+            if copied is None:
+                return None
+            arrays = copied
         return self._task(arrays[0], arrays[1] if self.header.has_basis else None, tenant=tenant)
 
     def _task(self, matrix: np.ndarray, basis: np.ndarray | None, *, tenant: str) -> SolveTask:
@@ -311,7 +377,9 @@ def read_snapshot(
     receiver = SnapshotReceiver(first, max_chunk_bytes=max_chunk_bytes, max_matrix_n=max_matrix_n)
     for message in it:
         receiver.feed(message)
-    return receiver.finish(tenant=tenant)
+    task = receiver.finish(tenant=tenant)
+    assert task is not None  # no reader, so never a skipped shared-memory snapshot
+    return task
 
 
 def outcome_to_proto(outcome: SubmitOutcome) -> pb.SubmitSnapshotResponse:
@@ -360,8 +428,9 @@ def _result_arrays(result: SolveResult) -> list[tuple[str, np.ndarray]]:
     return [(name, array) for name, array in present if array is not None]
 
 
-def result_header(result: SolveResult) -> pb.ResultHeader:
-    """The header of ``result`` in a StreamResults stream; checks its arrays' shapes and dtypes."""
+def result_header(result: SolveResult, *, shm: SegmentRef | None = None) -> pb.ResultHeader:
+    """The header of ``result`` in a StreamResults stream; checks its arrays' shapes and dtypes.
+    With ``shm``, it announces the arrays in that segment instead of chunks."""
     what = f"result of block {result.block!r} version {result.version}"
     if (
         not isinstance(result.matrix, np.ndarray)
@@ -380,6 +449,7 @@ def result_header(result: SolveResult) -> pb.ResultHeader:
         epsilon_used=float(result.epsilon_used),
         solve_time_s=float(result.solve_time_s),
         attempts=int(result.attempts),
+        shm=None if shm is None else _ref_to_proto(shm),
     )
     for name, array in _result_arrays(result):
         if not isinstance(array, np.ndarray):
@@ -392,11 +462,14 @@ def result_header(result: SolveResult) -> pb.ResultHeader:
 
 
 def result_messages(
-    result: SolveResult, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    result: SolveResult, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, shm: SegmentRef | None = None
 ) -> Iterator[pb.StreamResultsResponse]:
-    """``result``'s part of a StreamResults stream: its header, then its arrays' chunks."""
+    """``result``'s part of a StreamResults stream: its header, then its arrays' chunks (none
+    when ``shm`` says where the arrays were written)."""
     _check_limit("chunk_bytes", chunk_bytes)
-    yield pb.StreamResultsResponse(header=result_header(result))
+    yield pb.StreamResultsResponse(header=result_header(result, shm=shm))
+    if shm is not None:
+        return
     for _, array in _result_arrays(result):
         for chunk in array_chunks(array, chunk_bytes):
             yield pb.StreamResultsResponse(chunk=chunk)
@@ -410,13 +483,16 @@ class ResultReceiver:
         *,
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_matrix_n: int = DEFAULT_MAX_MATRIX_N,
+        reader: SegmentReader | None = None,
     ) -> None:
         self._max_chunk_bytes = _check_limit("max_chunk_bytes", max_chunk_bytes)
         self._max_matrix_n = _check_limit("max_matrix_n", max_matrix_n)
+        self._reader = reader
         self._header: pb.ResultHeader | None = None
         self._kind = SolveKind.INVERSE_ROOT
         self._what = ""
         self._names: list[str] = []
+        self._slots: list[_Slot] = []
         self._assembler: _Assembler | None = None
 
     @property
@@ -431,6 +507,8 @@ class ResultReceiver:
             if self._header is not None:
                 raise _bad(self._what, "a new header arrived before this result was complete")
             self._start(message.header)
+            if message.header.HasField("shm"):
+                return self._from_segment(message.header)
         elif part == "chunk":
             if self._assembler is None:
                 raise _bad("StreamResults stream", "a chunk arrived before any result header")
@@ -478,12 +556,24 @@ class ResultReceiver:
         self._assembler = _Assembler(what, slots, self._max_chunk_bytes)
         self._header, self._kind, self._what = header, kind, what
         self._names = [slot.name for slot in slots]
+        self._slots = slots
+
+    def _from_segment(self, header: pb.ResultHeader) -> SolveResult | None:
+        """A result announced in shared memory: copied out by the reader (no chunks follow)."""
+        ref = _ref_from_proto(header.shm, self._what)
+        slots, self._header = self._slots, None
+        if self._reader is None:
+            raise _bad(self._what, "shared memory is not available on this connection")
+        arrays = self._reader(ref, [slot.spec for slot in slots])
+        return None if arrays is None else self._result(header, arrays)
 
     def _finish(self) -> SolveResult:
         assert self._header is not None and self._assembler is not None
-        h = self._header
-        arrays = dict(zip(self._names, self._assembler.finish(), strict=True))
-        self._header = None
+        h, self._header = self._header, None
+        return self._result(h, self._assembler.finish())
+
+    def _result(self, h: pb.ResultHeader, values: list[np.ndarray]) -> SolveResult:
+        arrays = dict(zip(self._names, values, strict=True))
         return SolveResult(
             tenant=h.tenant,
             block=h.block,

@@ -30,6 +30,7 @@ from asteria_server.config import DaemonConfig, TcpAddress, UnixAddress
 from asteria_server.engine import EngineConfig, PreconditionerEngine
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.servicer import Authenticator, PreconditionerServicer, ServiceLimits
 
 logger = logging.getLogger(__name__)
@@ -131,12 +132,15 @@ class RunningDaemon:
     health: health.aio.HealthServicer
     target: str
     lock: SocketLock | None
+    handover: SegmentHandover | None = None
 
     async def stop(self) -> None:
         logger.info("shutting down (grace period %.1f s)", self.config.grace_period_s)
         await self.health.enter_graceful_shutdown()
         self.servicer.stop_streams()
         await self.server.stop(self.config.grace_period_s)
+        if self.handover is not None:
+            await asyncio.to_thread(self.handover.stop)
         await asyncio.to_thread(self.engine.close)
         address = self.config.address
         if isinstance(address, UnixAddress):
@@ -192,8 +196,15 @@ async def start(config: DaemonConfig) -> RunningDaemon:
         if lock is not None:
             lock.release()
         raise
+    handover: SegmentHandover | None = None
     try:
         server = grpc.aio.server(options=_server_options(config))
+        if isinstance(address, UnixAddress) and config.shared_memory:
+            handover = SegmentHandover(
+                address.path.with_name(address.path.name + ".shm"),
+                is_session=lambda session_id: servicer.has_session(session_id),
+                max_segments=config.max_shm_segments,
+            )
         servicer = PreconditionerServicer(
             engine,
             Authenticator(config.tokens, allow_anonymous=config.allows_anonymous()),
@@ -203,6 +214,7 @@ async def start(config: DaemonConfig) -> RunningDaemon:
                 max_matrix_n=config.max_matrix_n,
             ),
             max_sessions=config.max_sessions,
+            handover=handover,
         )
         pb_grpc.add_PreconditionerServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
@@ -215,6 +227,8 @@ async def start(config: DaemonConfig) -> RunningDaemon:
             if isinstance(address, TcpAddress) and port == 0:
                 raise StartupError(f"cannot listen on {address.target}: the port is not free")
             await server.start()
+            if handover is not None:
+                handover.start()
         if isinstance(address, UnixAddress):
             os.chmod(address.path, 0o600)
             target = address.target
@@ -224,11 +238,13 @@ async def start(config: DaemonConfig) -> RunningDaemon:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
+        if handover is not None:
+            handover.stop()
         await asyncio.to_thread(engine.close)
         if lock is not None:
             lock.release()
         raise
-    return RunningDaemon(config, engine, server, servicer, health_servicer, target, lock)
+    return RunningDaemon(config, engine, server, servicer, health_servicer, target, lock, handover)
 
 
 async def serve(config: DaemonConfig) -> int:

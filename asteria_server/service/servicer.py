@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
+import numpy as np
 
-from asteria_server.engine import PreconditionerEngine, SolveKind
+from asteria_server.engine import PreconditionerEngine, SolveKind, SolveResult, SolveTask
+from asteria_server.engine.tasks import SubmitOutcome
 from asteria_server.errors import (
     AuthenticationError,
     EngineUnavailableError,
@@ -36,6 +38,8 @@ from asteria_server.protocol import convert
 from asteria_server.protocol.errors import to_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+from asteria_server.protocol.shm import ArraySpec, SegmentRef
+from asteria_server.service.handover import SegmentHandover
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ ANONYMOUS_TENANT = "local"
 DEFAULT_POLL_INTERVAL_S = 0.02
 #: Registered blocks kept per tenant (bounds memory; registration is advisory).
 MAX_REGISTERED_BLOCKS = 1_000_000
+#: Shared-memory copies larger than this run in a thread, off the event loop.
+_COPY_IN_THREAD_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         max_sessions: int = 4096,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        handover: SegmentHandover | None = None,
     ) -> None:
         self._engine = engine
         self._auth = authenticator
@@ -124,6 +131,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._registered: dict[str, dict[str, tuple[int, SolveKind]]] = {}
         self._stopping = asyncio.Event()
+        self._handover = handover
+
+    def has_session(self, session_id: str) -> bool:
+        """Whether ``session_id`` is open (the segment handover asks, from its threads)."""
+        return session_id in self._sessions
 
     def stop_streams(self) -> None:
         """End every StreamResults stream at its next poll (daemon shutdown)."""
@@ -163,6 +175,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 max_message_bytes=self._limits.max_message_bytes,
                 max_matrix_n=self._limits.max_matrix_n,
             ),
+            shm_socket="" if self._handover is None else str(self._handover.path),
         )
 
     async def CloseSession(
@@ -173,6 +186,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         except UnknownSessionError as exc:
             await _abort(context, exc)
         del self._sessions[request.session_id]
+        if self._handover is not None:
+            self._handover.drop_session(request.session_id)
         return pb.CloseSessionResponse()
 
     async def RegisterBlocks(
@@ -231,11 +246,31 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             self._check_registered(session.tenant, receiver.header)
             async for message in request_iterator:
                 receiver.feed(message)
-            task = receiver.finish(tenant=session.tenant)
+            if receiver.shm is None:
+                task = receiver.finish(tenant=session.tenant)
+            else:
+                task = await self._from_segment(receiver, session)
+            if task is None:  # the client already wrote a newer snapshot over this one
+                return convert.outcome_to_proto(SubmitOutcome.STALE_IGNORED)
             outcome = self._engine.submit(task)
         except (InvalidInputError, UnknownSessionError, EngineUnavailableError) as exc:
             await _abort(context, exc)
         return convert.outcome_to_proto(outcome)
+
+    async def _from_segment(
+        self, receiver: convert.SnapshotReceiver, session: Session
+    ) -> SolveTask | None:
+        """Copy a snapshot announced in shared memory out of the session's segment."""
+        if self._handover is None:
+            raise InvalidInputError("this daemon offers no shared memory; send chunks instead")
+        handover = self._handover
+
+        def read(ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
+            return handover.segment(session.session_id, ref.segment_id).read(specs, ref.sequence)
+
+        if sum(spec.num_bytes for spec in receiver.specs) > _COPY_IN_THREAD_BYTES:
+            return await asyncio.to_thread(receiver.finish, tenant=session.tenant, reader=read)
+        return receiver.finish(tenant=session.tenant, reader=read)
 
     def _check_registered(self, tenant: str, header: pb.SnapshotHeader) -> None:
         spec = self._registered.get(tenant, {}).get(header.block)
@@ -274,12 +309,37 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     if result is None:
                         continue
                     sent[block] = result.version
+                    shm = None
+                    if request.shm_results:
+                        shm = await self._to_segment(session.session_id, result)
                     for message in convert.result_messages(
-                        result, chunk_bytes=self._limits.chunk_bytes
+                        result, chunk_bytes=self._limits.chunk_bytes, shm=shm
                     ):
                         yield message
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self._poll_interval_s)
+
+    async def _to_segment(self, session_id: str, result: SolveResult) -> SegmentRef | None:
+        """Write ``result`` into the session's result segment of its block, if it handed one
+        over and the result fits; None sends it in chunks instead."""
+        found = (
+            None
+            if self._handover is None
+            else self._handover.result_segment(session_id, result.block)
+        )
+        if found is None:
+            return None
+        segment_id, segment = found
+        specs, arrays = convert.result_specs(result), convert.result_arrays(result)
+        try:
+            if sum(spec.num_bytes for spec in specs) > _COPY_IN_THREAD_BYTES:
+                sequence = await asyncio.to_thread(segment.write, specs, arrays)
+            else:
+                sequence = segment.write(specs, arrays)
+        except InvalidInputError as exc:
+            logger.warning("result of block %r sent in chunks: %s", result.block, exc)
+            return None
+        return SegmentRef(segment_id, sequence)
 
     # ------------------------------------------------------------------ status
 

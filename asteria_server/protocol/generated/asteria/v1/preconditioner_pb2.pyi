@@ -223,11 +223,17 @@ class OpenSessionResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_ID_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
+    SHM_SOCKET_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Opaque id naming this session in every later call."""
     incarnation_id: _builtins.str
     """Identifies this run of the daemon. A different value than before means the daemon restarted:
     the client re-opens, re-registers and resubmits.
+    """
+    shm_socket: _builtins.str
+    """The daemon's segment-handover socket (a Unix socket path) when it offers the shared-memory
+    transport to this session; empty otherwise. A client on the same host hands memfd segments
+    over it (SCM_RIGHTS) and then announces snapshots with SnapshotHeader.shm.
     """
     @_builtins.property
     def limits(self) -> Global___ServerLimits:
@@ -239,14 +245,46 @@ class OpenSessionResponse(_message.Message):
         session_id: _builtins.str = ...,
         incarnation_id: _builtins.str = ...,
         limits: Global___ServerLimits | None = ...,
+        shm_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation_id", b"incarnation_id", "limits", b"limits", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation_id", b"incarnation_id", "limits", b"limits", "session_id", b"session_id", "shm_socket", b"shm_socket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OpenSessionResponse: _TypeAlias = OpenSessionResponse  # noqa: Y015
+
+@_typing.final
+class ShmRef(_message.Message):
+    """Where an array set lies in a shared-memory segment the session handed over. The segment's
+    first word is a sequence (a seqlock); `sequence` is the even value its writer ended with.
+    A reader that finds another value before or after copying skips this announcement: a newer
+    write replaced the bytes and is announced on its own (a skipped snapshot answers
+    STALE_IGNORED).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    segment_id: _builtins.str
+    """The segment's id, as the session named it at handover."""
+    sequence: _builtins.int
+    """The sequence the write ended with (even)."""
+    def __init__(
+        self,
+        *,
+        segment_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segment_id", b"segment_id", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmRef: _TypeAlias = ShmRef  # noqa: Y015
 
 @_typing.final
 class CloseSessionRequest(_message.Message):
@@ -398,6 +436,7 @@ class SnapshotHeader(_message.Message):
     BASIS_DTYPE_FIELD_NUMBER: _builtins.int
     BASE_VERSION_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
+    SHM_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session submitting the snapshot."""
     block: _builtins.str
@@ -428,6 +467,10 @@ class SnapshotHeader(_message.Message):
     """Priority within the tenant, smaller is more urgent: the step at which this block would exceed
     its staleness budget. +inf means no deadline.
     """
+    @_builtins.property
+    def shm(self) -> Global___ShmRef:
+        """Set when the arrays lie in a shared-memory segment instead: no chunks follow."""
+
     def __init__(
         self,
         *,
@@ -443,10 +486,11 @@ class SnapshotHeader(_message.Message):
         basis_dtype: Global___DType.ValueType = ...,
         base_version: _builtins.int = ...,
         deadline: _builtins.float = ...,
+        shm: Global___ShmRef | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "basis_dtype", b"basis_dtype", "block", b"block", "deadline", b"deadline", "dtype", b"dtype", "epsilon", b"epsilon", "exponent", b"exponent", "has_basis", b"has_basis", "kind", b"kind", "n", b"n", "session_id", b"session_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "basis_dtype", b"basis_dtype", "block", b"block", "deadline", b"deadline", "dtype", b"dtype", "epsilon", b"epsilon", "exponent", b"exponent", "has_basis", b"has_basis", "kind", b"kind", "n", b"n", "session_id", b"session_id", "shm", b"shm", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -533,8 +577,13 @@ class StreamResultsRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     HELD_VERSIONS_FIELD_NUMBER: _builtins.int
+    SHM_RESULTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session whose results to deliver."""
+    shm_results: _builtins.bool
+    """Deliver a block's results through its result segment when the session handed one over
+    (ResultHeader.shm set, no chunks); other blocks' results still come in chunks.
+    """
     @_builtins.property
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Blocks to deliver; empty means every block of the session's tenant."""
@@ -551,10 +600,11 @@ class StreamResultsRequest(_message.Message):
         session_id: _builtins.str = ...,
         blocks: _abc.Iterable[_builtins.str] | None = ...,
         held_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        shm_results: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "held_versions", b"held_versions", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "held_versions", b"held_versions", "session_id", b"session_id", "shm_results", b"shm_results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -613,6 +663,7 @@ class ResultHeader(_message.Message):
     EPSILON_USED_FIELD_NUMBER: _builtins.int
     SOLVE_TIME_S_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
+    SHM_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """The tenant the block belongs to (the session's own)."""
     block: _builtins.str
@@ -647,6 +698,10 @@ class ResultHeader(_message.Message):
     def rotation(self) -> Global___ArrayHeader:
         """QR refresh only, n x n: Q_new^T Q_base, the change of basis for moments kept in the base basis."""
 
+    @_builtins.property
+    def shm(self) -> Global___ShmRef:
+        """Set when the arrays lie in the block's result segment instead: no chunks follow."""
+
     def __init__(
         self,
         *,
@@ -663,10 +718,11 @@ class ResultHeader(_message.Message):
         epsilon_used: _builtins.float = ...,
         solve_time_s: _builtins.float = ...,
         attempts: _builtins.int = ...,
+        shm: Global___ShmRef | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["eigenvalues", b"eigenvalues", "matrix", b"matrix", "permutation", b"permutation", "rotation", b"rotation"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["eigenvalues", b"eigenvalues", "matrix", b"matrix", "permutation", b"permutation", "rotation", b"rotation", "shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "base_version", b"base_version", "block", b"block", "eigenvalues", b"eigenvalues", "epsilon_used", b"epsilon_used", "kind", b"kind", "matrix", b"matrix", "n", b"n", "permutation", b"permutation", "rotation", b"rotation", "solve_time_s", b"solve_time_s", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "base_version", b"base_version", "block", b"block", "eigenvalues", b"eigenvalues", "epsilon_used", b"epsilon_used", "kind", b"kind", "matrix", b"matrix", "n", b"n", "permutation", b"permutation", "rotation", b"rotation", "shm", b"shm", "solve_time_s", b"solve_time_s", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,262 @@
+"""The daemon's end of the shared-memory transport: a Unix socket where clients hand over segments.
+
+A client on the same host connects (``SOCK_SEQPACKET``, so every message keeps its boundaries),
+names its gRPC session, then hands over memfd segments one message each, the descriptor attached
+as ``SCM_RIGHTS``. Messages are small JSON objects; every request gets one JSON answer,
+``{"ok": true}`` or ``{"ok": false, "error": "..."}``:
+
+- ``{"op": "hello", "session_id": S}``: binds the connection to an open session (first message).
+- ``{"op": "attach", "segment_id": ID, "size_bytes": N, "role": "snapshot"|"result",
+  "block": B}`` with one descriptor: map the segment (``protocol.shm.map_segment`` checks its
+  seals and size). A ``result`` segment receives the results of block ``B``; re-attaching an id
+  replaces the old segment.
+- ``{"op": "detach", "segment_id": ID}``: forget a segment.
+
+A connection's segments live as long as the connection: when the client exits, even by
+``kill -9``, the socket closes and the daemon drops its mappings, and with the client's
+descriptors gone the kernel frees the memory. The socket sits next to the gRPC socket, in the
+same 0700 directory, with mode 0600. Each connection is served by its own thread; the servicer
+reads segments from the event loop through :meth:`SegmentHandover.segment` and
+:meth:`SegmentHandover.result_segment`, under one lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asteria_server.errors import InvalidInputError
+from asteria_server.protocol.shm import Segment, map_segment
+
+logger = logging.getLogger(__name__)
+
+#: Largest handover message (they are small JSON objects).
+MAX_MESSAGE_BYTES = 4096
+
+
+@dataclass(eq=False)
+class _Connection:
+    """One client's handover connection and the segments it handed over."""
+
+    sock: socket.socket
+    session_id: str = ""
+    segments: dict[str, Segment] = field(default_factory=dict)
+    results: dict[str, str] = field(default_factory=dict)  # block -> segment id
+    mapped_bytes: int = 0
+
+
+class SegmentHandover:
+    """Accepts segment handovers on ``path`` (see the module docstring).
+
+    Args:
+        path: the socket path (its directory exists, mode 0700).
+        is_session: whether a session id names an open session.
+        max_segments: segments one connection may hold (each is one mapping in the daemon).
+        max_mapped_bytes: bytes one connection may have mapped.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        is_session: Callable[[str], bool],
+        max_segments: int = 4096,
+        max_mapped_bytes: int = 64 << 30,
+    ) -> None:
+        self.path = path
+        self._is_session = is_session
+        self._max_segments = max_segments
+        self._max_mapped_bytes = max_mapped_bytes
+        self._lock = threading.Lock()
+        self._by_session: dict[str, _Connection] = {}
+        self._connections: set[_Connection] = set()
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # left by a daemon that died; the caller holds the lock
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        old = os.umask(0o177)
+        try:
+            listener.bind(str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        listener.listen(64)
+        self._listener = listener
+        thread = threading.Thread(target=self._accept_loop, name="asteria-handover", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop accepting, close every connection, drop every segment, remove the socket."""
+        with self._lock:
+            self._stopping = True
+            connections = list(self._connections)
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    # ------------------------------------------------------------------ for the servicer
+    def segment(self, session_id: str, segment_id: str) -> Segment:
+        """The session's segment ``segment_id``; InvalidInputError when it has none such."""
+        with self._lock:
+            conn = self._by_session.get(session_id)
+            segment = None if conn is None else conn.segments.get(segment_id)
+        if segment is None:
+            raise InvalidInputError(
+                f"shared-memory segment {segment_id!r} was not handed over in this session; "
+                "hand it over on the daemon's shm_socket first (or send the snapshot in chunks)"
+            )
+        return segment
+
+    def result_segment(self, session_id: str, block: str) -> tuple[str, Segment] | None:
+        """The segment that receives ``block``'s results in this session, with its id."""
+        with self._lock:
+            conn = self._by_session.get(session_id)
+            segment_id = None if conn is None else conn.results.get(block)
+            if conn is None or segment_id is None:
+                return None
+            return segment_id, conn.segments[segment_id]
+
+    def drop_session(self, session_id: str) -> None:
+        """Forget the session's segments (CloseSession); its connection is closed."""
+        with self._lock:
+            conn = self._by_session.pop(session_id, None)
+            if conn is not None:
+                conn.segments.clear()
+                conn.results.clear()
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "connections": len(self._connections),
+                "segments": sum(len(c.segments) for c in self._connections),
+                "mapped_bytes": sum(c.mapped_bytes for c in self._connections),
+            }
+
+    # ------------------------------------------------------------------ connections
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # the listener was closed: stopping
+            conn = _Connection(sock)
+            with self._lock:
+                if self._stopping:
+                    sock.close()
+                    return
+                self._connections.add(conn)
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name="asteria-handover-conn", daemon=True
+            )
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def _serve(self, conn: _Connection) -> None:
+        try:
+            while True:
+                try:
+                    data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_MESSAGE_BYTES, 1)
+                except OSError:
+                    return
+                if not data and not fds:
+                    return  # the client closed (or was killed)
+                try:
+                    if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                        raise InvalidInputError(
+                            "handover message too long or with more than one descriptor"
+                        )
+                    self._handle(conn, json.loads(data), fds)
+                    answer: dict[str, Any] = {"ok": True}
+                except (InvalidInputError, ValueError, TypeError, KeyError) as exc:
+                    answer = {"ok": False, "error": str(exc)}
+                finally:
+                    for fd in fds:
+                        os.close(fd)  # mapped (or refused): the descriptor is not needed
+                with contextlib.suppress(OSError):
+                    conn.sock.send(json.dumps(answer).encode())
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+                if self._by_session.get(conn.session_id) is conn:
+                    del self._by_session[conn.session_id]
+                conn.segments.clear()  # the mappings go with the last reference
+                conn.results.clear()
+            conn.sock.close()
+            logger.debug("handover connection of session %s closed", conn.session_id or "-")
+
+    def _handle(self, conn: _Connection, message: Any, fds: list[int]) -> None:
+        if not isinstance(message, dict):
+            raise InvalidInputError("a handover message must be a JSON object")
+        op = message.get("op")
+        if op == "hello":
+            session_id = str(message["session_id"])
+            if conn.session_id or not self._is_session(session_id):
+                raise InvalidInputError(f"unknown session {session_id!r} (or hello sent twice)")
+            with self._lock:
+                conn.session_id = session_id
+                self._by_session[session_id] = conn
+            return
+        if not conn.session_id:
+            raise InvalidInputError("the first handover message must be hello with a session_id")
+        segment_id = str(message["segment_id"])
+        if op == "detach":
+            with self._lock:
+                segment = conn.segments.pop(segment_id, None)
+                if segment is not None:
+                    conn.mapped_bytes -= segment.size_bytes
+                conn.results = {b: s for b, s in conn.results.items() if s != segment_id}
+            return
+        if op != "attach":
+            raise InvalidInputError(f"unknown handover op {op!r}")
+        if len(fds) != 1:
+            raise InvalidInputError("attach needs exactly one descriptor (SCM_RIGHTS)")
+        role, size = message["role"], int(message["size_bytes"])
+        if role not in ("snapshot", "result") or not segment_id:
+            raise InvalidInputError("attach needs a segment_id and a role snapshot or result")
+        block = str(message.get("block", ""))
+        if role == "result" and not block:
+            raise InvalidInputError("a result segment needs the block it receives")
+        with self._lock:
+            old = conn.segments.get(segment_id)
+            held = len(conn.segments) - (old is not None)
+            mapped = conn.mapped_bytes - (old.size_bytes if old is not None else 0)
+        if held + 1 > self._max_segments or mapped + size > self._max_mapped_bytes:
+            raise InvalidInputError(
+                f"this connection would hold more than {self._max_segments} segments or "
+                f"{self._max_mapped_bytes} bytes; send further blocks in chunks"
+            )
+        segment = map_segment(fds[0], size)
+        with self._lock:
+            old = conn.segments.pop(segment_id, None)
+            if old is not None:
+                conn.mapped_bytes -= old.size_bytes
+            conn.segments[segment_id] = segment
+            conn.mapped_bytes += segment.size_bytes
+            if role == "result":
+                conn.results[block] = segment_id
