@@ -52,7 +52,8 @@ class SolverConfig:
         symmetry_rtol: reject A when ``max|A - A^T| > symmetry_rtol * max(1, max|A|)``.
         psd_rtol: reject A when its smallest eigenvalue (estimate) is below
             ``-psd_rtol * max|lambda|``.
-        orthogonality_atol: a basis passes when ``max|Q^T Q - I| <= orthogonality_atol``.
+        orthogonality_atol: a basis passes when each column's squared norm is within this of 1
+            and a random probe shows ``|Q^T Q y - y| <= orthogonality_atol * |y|``.
         residual_rtol: a decomposition passes a random-probe check
             ``|A U y - U (lam * y)| <= residual_rtol * max|lambda| * |y|``.
     """
@@ -104,19 +105,33 @@ def canonicalize_signs(q: np.ndarray) -> np.ndarray:
     return q
 
 
+#: Tile edge of :func:`checked_symmetric`: a tile and its mirror stay in cache, which makes the
+#: transposed reads about twice as fast as whole-matrix ``A - A.T`` at n >= 512.
+_SYMMETRY_TILE = 128
+
+
 def checked_symmetric(matrix: np.ndarray, *, symmetry_rtol: float = 1e-4) -> np.ndarray:
     """Float64 ``(A + A^T) / 2`` of a finite, nearly symmetric square matrix, else InputRejected."""
     a = np.asarray(matrix, dtype=np.float64)
     if not np.isfinite(a).all():
         raise InputRejected("factor matrix holds NaN or Inf")
     scale = max(1.0, float(np.abs(a).max()))
-    asym = float(np.abs(a - a.T).max())
+    n, tile = a.shape[0], _SYMMETRY_TILE
+    out = np.empty_like(a)
+    asym = 0.0
+    for i in range(0, n, tile):
+        for j in range(i, n, tile):
+            upper, lower_t = a[i : i + tile, j : j + tile], a[j : j + tile, i : i + tile].T
+            asym = max(asym, float(np.abs(upper - lower_t).max()))
+            sym = (upper + lower_t) * 0.5
+            out[i : i + tile, j : j + tile] = sym
+            out[j : j + tile, i : i + tile] = sym.T
     if asym > symmetry_rtol * scale:
         raise InputRejected(
             f"factor matrix is not symmetric (max |A - A^T| = {asym:.3g}, "
             f"allowed {symmetry_rtol * scale:.3g})"
         )
-    return (a + a.T) * 0.5
+    return out
 
 
 def eigh_fp64(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
@@ -203,13 +218,22 @@ def _check_decomposition(a: np.ndarray, w: np.ndarray, v: np.ndarray, cfg: Solve
 
 
 def _check_orthonormal(q32: np.ndarray, atol: float) -> None:
+    """O(n^2) check that ``Q^T Q = I``: every column norm exactly, the rest by a random probe.
+
+    Passes when ``max_j |q_j^T q_j - 1| <= atol`` and ``|Q^T Q y - y| <= atol * |y|`` for a fixed
+    Gaussian ``y``. The full product ``Q^T Q`` would cost a tenth of the eigh it checks.
+    """
     if not np.isfinite(q32).all():
         raise AttemptFailed("basis is not finite")
-    gram = q32.T @ q32
-    gram[np.diag_indices_from(gram)] -= 1.0
-    err = float(np.abs(gram).max())
+    norms = np.einsum("ij,ij->j", q32, q32, dtype=np.float64)
+    err = float(np.abs(norms - 1.0).max()) if norms.size else 0.0
     if not err <= atol:
-        raise AttemptFailed(f"basis is not orthonormal (max |Q^T Q - I| = {err:.3g})")
+        raise AttemptFailed(f"basis is not orthonormal (max |q_j^T q_j - 1| = {err:.3g})")
+    y = np.random.default_rng(_PROBE_SEED).standard_normal(q32.shape[1])
+    q = q32.astype(np.float64, copy=False)
+    drift = float(np.linalg.norm(q.T @ (q @ y) - y)) / float(np.linalg.norm(y))
+    if not drift <= atol:
+        raise AttemptFailed(f"basis is not orthonormal (probe error |Q^T Q y - y| = {drift:.3g})")
 
 
 def _finite32(array: np.ndarray, what: str) -> np.ndarray:
@@ -314,7 +338,10 @@ class EighSolver:
             root = inverse_root_from_eigh(w, v, float(task.exponent), eps)
             return _Output(matrix=_finite32(root, "inverse root"))
         if basis is None:
-            shifted = a + eps * np.eye(a.shape[0]) if eps else a
+            shifted = a
+            if eps:
+                shifted = a.copy()
+                shifted[np.diag_indices_from(shifted)] += eps
             w, v = eigh_fp64(shifted, driver=driver)
             _check_decomposition(shifted, w, v, cfg)
             w = w - eps
