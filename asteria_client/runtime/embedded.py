@@ -48,6 +48,7 @@ class EmbeddedSource(PreconditionerSource):
         self._devices: dict[str, torch.device] = {}
         self._pending: list[_PendingSubmit] = []
         self._submit_errors = 0
+        self._refused: dict[str, str] = {}  # block -> why its last refused snapshot was refused
         self._closed = False
 
     @property
@@ -91,6 +92,7 @@ class EmbeddedSource(PreconditionerSource):
             )
             self._engine.submit(task)
         except AsteriaError as exc:
+            self._refused[req.block] = str(exc)
             self._submit_errors += 1
             if self._submit_errors == 1 or self._submit_errors % 1000 == 0:
                 logger.warning(
@@ -147,7 +149,7 @@ class EmbeddedSource(PreconditionerSource):
                 failures=status.failures,
                 consecutive_failures=status.consecutive_failures,
                 last_solve_s=status.last_solve_s or 0.0,
-                last_error=status.last_error or "",
+                last_error=status.last_error or self._refused.get(status.block, ""),
                 extra={
                     "state": status.state.value,
                     "queue_position": status.queue_position,
@@ -155,6 +157,8 @@ class EmbeddedSource(PreconditionerSource):
                     "age_s": status.age_s,
                 },
             )
+        for block, error in self._refused.items():  # refused before the engine ever saw it
+            out.setdefault(block, SourceRecord(last_error=error))
         return out
 
     def record(self, block: str) -> SourceRecord:

@@ -226,17 +226,21 @@ class DaemonSource(PreconditionerSource):
             arrays = segment.segment.views(specs)  # read-only use: shapes for the header
         else:
             arrays = [_host_copy(t) for t in tensors]
-        task = SolveTask(
-            block=self._prefix + request.block,
-            version=request.version,
-            kind=request.kind,
-            matrix=arrays[0],
-            exponent=request.exponent,
-            epsilon=request.epsilon,
-            basis=arrays[1] if len(arrays) > 1 else None,
-            base_version=request.base_version,
-            deadline=float(request.deadline_step),
-        )
+        try:
+            task = SolveTask(
+                block=self._prefix + request.block,
+                version=request.version,
+                kind=request.kind,
+                matrix=arrays[0],
+                exponent=request.exponent,
+                epsilon=request.epsilon,
+                basis=arrays[1] if len(arrays) > 1 else None,
+                base_version=request.base_version,
+                deadline=float(request.deadline_step),
+            )
+        except InvalidInputError as exc:  # e.g. a dtype the daemon does not take
+            self._reject_local(request.block, block, str(exc))
+            return
         with self._lock:
             block.latest = task
             block.latest_sequence = sequence
@@ -408,6 +412,14 @@ class DaemonSource(PreconditionerSource):
     def _local_name(self, wire_name: str) -> str | None:
         """The optimizer's name of a block named ``wire_name`` on the daemon, if it is ours."""
         return wire_name[len(self._prefix) :] if wire_name.startswith(self._prefix) else None
+
+    def _reject_local(self, name: str, block: _Block, message: str) -> None:
+        """A snapshot that cannot be sent at all: counted and shown like a daemon's refusal."""
+        with self._lock:
+            block.rejected += 1
+            block.last_error = message
+        if block.rejected == 1:
+            logger.warning("a snapshot of block %s cannot be sent: %s", name, message)
 
     def _reject(self, task: SolveTask, message: str) -> None:
         name = self._local_name(task.block)
