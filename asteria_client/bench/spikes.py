@@ -15,7 +15,6 @@ shows its spikes, and the embedded median within 10% of native's non-refresh med
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from asteria_client.bench import output
 from asteria_client.bench.stats import summarize
 
 logger = logging.getLogger(__name__)
@@ -199,11 +199,10 @@ def run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
         "started_unix_s": started,
         "wall_time_s": time.time() - started,
         "machine": {
-            "platform": platform.platform(),
             "processor": platform.processor(),
-            "cpus": len(os.sched_getaffinity(0)),
             "torch": torch.__version__,
-            "python": platform.python_version(),
+            **output.machine_info(),
+            "cpus": len(os.sched_getaffinity(0)),
         },
         "runs": runs,
         "checks": checks,
@@ -240,6 +239,75 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'met' if c['embedded_median_over_native_quiet_met'] else 'MISSED'})",
     ]
     return "\n".join(lines)
+
+
+def write_trace_figure(report: dict[str, Any], path: Path) -> Path:
+    """Step time against step for every run, refresh steps of native mode marked."""
+    cfg = report["config"]
+    fig, ax = output.new_figure(8.0, 4.0)
+    for run in report["runs"]:
+        times_ms = [t * 1e3 for t in run["step_times_s"]]
+        ax.plot(range(1, len(times_ms) + 1), times_ms, linewidth=0.9, label=run["label"])
+    refresh = sorted(refresh_steps(cfg["optimizer"], cfg["steps"], cfg["precondition_frequency"]))
+    for index, step in enumerate(refresh):
+        label = "refresh step (native)" if index == 0 else None
+        ax.axvline(step, color="0.8", linewidth=0.6, zorder=0, label=label)
+    if cfg["warmup_steps"]:
+        ax.axvspan(0.5, cfg["warmup_steps"] + 0.5, color="0.93", zorder=0, label="warm-up")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms, log scale)")
+    ax.set_title(
+        f"Step time per step: {cfg['optimizer']}, f={cfg['precondition_frequency']}, "
+        f"staleness budget {cfg['staleness_budget']}"
+    )
+    ax.legend(fontsize="small")
+    return output.save_figure(fig, path)
+
+
+def report_section(data: dict[str, Any]) -> str:
+    """Markdown: the step-time table, the targets and the trace figure."""
+    cfg, checks = data["config"], data["checks"]
+    lines = [
+        f"{cfg['steps']} steps per run ({data.get('schedule', 'interleaved')}), precondition "
+        f"frequency {cfg['precondition_frequency']}, staleness budget {cfg['staleness_budget']}, "
+        f"{cfg['threads']} trainer thread(s), {cfg['engine_workers']} engine worker(s); "
+        f"statistics after {cfg['warmup_steps']} warm-up steps.",
+        "",
+        "| run | median | p90 | p99 | max | p99/median | local p99 | vs AdamW (median) | max lag |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in data["runs"]:
+        lag = run["staleness"].get("max_lag_steps", "")
+        lines.append(
+            f"| {run['label']} | {run['step_time_median_s'] * 1e3:.1f} ms "
+            f"| {run['step_time_p90_s'] * 1e3:.1f} ms | {run['step_time_p99_s'] * 1e3:.1f} ms "
+            f"| {run['step_time_max_s'] * 1e3:.1f} ms | {run['p99_over_median']:.2f} "
+            f"| {run['p99_over_chunk_median']:.2f} | {run['overhead_vs_adamw_median'] * 100:+.1f}% "
+            f"| {lag} |"
+        )
+
+    def met(key: str) -> str:
+        return "met" if checks[f"{key}_met"] else "**missed**"
+
+    lines += [
+        "",
+        f"- Native refresh steps take {checks['native_refresh_over_quiet']:.2f}x the median of "
+        "its other steps.",
+        f"- Embedded p99/median {checks['embedded_p99_over_median']:.2f} (target <= "
+        f"{checks['embedded_p99_over_median_target']}: {met('embedded_p99_over_median')}; "
+        f"AdamW's own: {checks['adamw_p99_over_median']:.2f}).",
+        f"- Embedded median / native non-refresh median "
+        f"{checks['embedded_median_over_native_quiet']:.3f} (target <= "
+        f"{checks['embedded_median_over_native_quiet_target']}: "
+        f"{met('embedded_median_over_native_quiet')}).",
+        "",
+        "Local p99: the p99 of each step's time over the median of its own chunk of steps.",
+        "",
+    ]
+    lines += [f"![{Path(figure).stem}]({figure})" for figure in data.get("figures", [])]
+    return "\n".join(lines) + "\n"
 
 
 def register(subparsers: Any) -> Any:
@@ -285,9 +353,19 @@ def run_command(args: argparse.Namespace) -> int:
         device=args.device,
     )
     report = run_spikes(cfg)
+    report["quick"] = bool(args.quick)
     print(format_report(report))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+        figure = write_trace_figure(report, output.figure_path(args.json, "trace"))
+        output.write_report(args.json, report, [figure])
+        print(f"wrote {args.json} and {figure}")
     return 0
+
+
+def _plain_log_ticks(ax: Any) -> None:
+    """Label a log y-axis at 1, 2, 5 x 10^k in plain numbers."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
-from asteria_client.bench.spikes import refresh_steps
+import pytest
+
+from asteria_client.bench.spikes import refresh_steps, report_section
 from asteria_client.cli import main
 
 
@@ -14,7 +17,9 @@ def test_refresh_schedule() -> None:
     assert sorted(refresh_steps("shampoo", 25, 10)) == [1, 11, 21]
 
 
-def test_spikes_writes_runs_with_step_time_statistics(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_spikes_writes_runs_with_step_time_statistics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "spikes.json"
     code = main(
         ["bench", "spikes", "--steps", "14", "--precondition-frequency", "4", "--json", str(out)]
@@ -32,8 +37,14 @@ def test_spikes_writes_runs_with_step_time_statistics(tmp_path, capsys) -> None:
     assert embedded["staleness"]["mode"] == "embedded"
     assert embedded["staleness"]["max_lag_steps"] <= 4  # budget S=1 at f=4
     assert "embedded p99/median" in capsys.readouterr().out
+    assert report["benchmark"] == "spikes" and report["quick"] is False
+    assert report["command"] and report["machine"]["blas"] is not None
+    assert report["figures"] == ["spikes-trace.png"]
+    assert (tmp_path / "spikes-trace.png").read_bytes().startswith(b"\x89PNG")
+    section = report_section({**report, "figures": ["figures/spikes-trace.png"]})
+    assert "| soap (embedded) |" in section and "](figures/spikes-trace.png)" in section
 
 
-def test_spikes_rejects_bad_arguments(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_spikes_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "spikes", "--steps", "0"]) == 2
     assert "steps" in capsys.readouterr().err
