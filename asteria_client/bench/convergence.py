@@ -1,0 +1,430 @@
+"""`asteria bench convergence`: does the asynchrony cost convergence, and what does it buy?
+
+Trains the `asteria train` model on the Shakespeare corpus with AdamW, native Shampoo, SOAP and
+KL-Shampoo, and SOAP with its bases computed asynchronously (staleness budget S = 1, 2, 5) in the
+embedded engine and in a daemon, over several seeds. For one seed every run sees the same
+initial weights and batch stream; all are scored on the same fixed validation batches.
+
+AdamW first gets a small learning-rate sweep on the first seed; the best final validation loss
+picks its lr for every seed, and tuned AdamW's mean final validation loss is the *target*. The
+second-order optimizers use their default lr. Per configuration it reports the final validation
+loss (mean ± std over seeds), steps and training seconds to the target (the first evaluation at
+or below it, interpolated), CPU seconds of the whole run including the engine's worker processes
+(and the daemon's, for daemon runs: asynchrony is not free), the median step time, and the
+staleness observed (max lag, barrier waits, local fallbacks).
+
+Each run is its own `asteria train` process, one at a time, with the same torch thread count;
+the engine (embedded, or a fresh daemon per run) gets --engine-workers solver processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from asteria_client.bench import convergence_summary as summary
+from asteria_client.bench import output
+from asteria_client.bench.daemon import BenchDaemon
+from asteria_server.errors import AsteriaError
+
+logger = logging.getLogger(__name__)
+
+#: Peak learning rates AdamW's sweep tries (the default is 6e-3; see train/optimizers.py).
+ADAMW_LRS = (3e-3, 6e-3, 1e-2)
+#: A run taking longer than this (or RUN_TIMEOUT_S_PER_STEP per step, if more) is killed.
+RUN_TIMEOUT_S = 600.0
+RUN_TIMEOUT_S_PER_STEP = 5.0
+
+
+class ConvergenceBenchError(AsteriaError):
+    """The benchmark could not produce its target (every AdamW run failed)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One configuration compared: an optimizer, where its solves run, its staleness budget."""
+
+    name: str
+    optimizer: str
+    mode: str | None = None  # None for AdamW
+    staleness_budget: int | None = None  # async modes only
+
+    @property
+    def label(self) -> str:
+        if self.mode is None:
+            return self.optimizer
+        budget = f" S={self.staleness_budget}" if self.staleness_budget is not None else ""
+        return f"{self.optimizer} {self.mode}{budget}"
+
+
+def _all_configs() -> dict[str, RunConfig]:
+    configs = [RunConfig("adamw", "adamw")]
+    configs += [RunConfig(f"{o}-native", o, "native") for o in ("shampoo", "soap", "kl-shampoo")]
+    for mode in ("embedded", "daemon"):
+        configs += [RunConfig(f"soap-{mode}-s{s}", "soap", mode, s) for s in (1, 2, 5)]
+    return {c.name: c for c in configs}
+
+
+CONFIGS = _all_configs()
+QUICK_CONFIGS = ("adamw", "soap-native", "soap-embedded-s1", "soap-daemon-s1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvergenceConfig:
+    """The whole benchmark. ``configs`` are names in ``CONFIGS``; AdamW always runs."""
+
+    steps: int = 300
+    eval_interval: int = 25
+    eval_batches: int = 16
+    seeds: tuple[int, ...] = (0, 1, 2)
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    adamw_lrs: tuple[float, ...] = ADAMW_LRS
+    threads: int = 1
+    engine_workers: int = 1
+    device: str = "cpu"
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "eval_interval", "eval_batches", "threads", "engine_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"seeds must be distinct integers >= 0, got {self.seeds}")
+        unknown = [c for c in self.configs if c not in CONFIGS]
+        if unknown:
+            raise ValueError(f"configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+        if "adamw" not in self.configs:  # its final loss is the target
+            object.__setattr__(self, "configs", ("adamw", *self.configs))
+        if not self.adamw_lrs or not all(0 < lr < math.inf for lr in self.adamw_lrs):
+            raise ValueError(f"adamw_lrs must be positive finite numbers, got {self.adamw_lrs}")
+
+
+@dataclass
+class _Process:
+    """What one finished `asteria train` process left: exit code, times, its JSON."""
+
+    returncode: int
+    wall_s: float
+    cpu_s: float
+    result: dict[str, Any] | None
+    log_tail: str = ""
+
+
+def _train_command(
+    cfg: ConvergenceConfig, run: RunConfig, seed: int, lr: float | None
+) -> list[str]:
+    cmd = [sys.executable, "-m", "asteria_client.cli", "train", "--optimizer", run.optimizer]
+    cmd += ["--steps", str(cfg.steps), "--seed", str(seed), "--device", cfg.device]
+    cmd += ["--threads", str(cfg.threads), "--eval-interval", str(cfg.eval_interval)]
+    cmd += ["--eval-batches", str(cfg.eval_batches), "--log-interval", str(cfg.steps)]
+    if lr is not None:
+        cmd += ["--lr", repr(lr)]
+    if run.mode is not None:
+        cmd += ["--mode", run.mode]
+    if run.mode == "embedded":
+        cmd += ["--engine-workers", str(cfg.engine_workers)]
+    if run.staleness_budget is not None:
+        cmd += ["--staleness-budget", str(run.staleness_budget)]
+    return cmd
+
+
+def _run_process(cmd: list[str], env: dict[str, str], workdir: Path, timeout_s: float) -> _Process:
+    """Run ``cmd --json ...`` to the end; its CPU time comes from ``wait4``, so it includes the
+    engine workers the trainer reaped."""
+    json_path, log_path = workdir / "run.json", workdir / "run.log"
+    json_path.unlink(missing_ok=True)
+    start = time.perf_counter()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [*cmd, "--json", str(json_path)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    timed_out, reaped = False, False
+    try:
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                reaped = True
+                break
+            if time.perf_counter() - start > timeout_s:
+                timed_out = True
+                proc.send_signal(signal.SIGKILL)
+                _, status, usage = os.wait4(proc.pid, 0)
+                reaped = True
+                break
+            time.sleep(0.05)
+    finally:
+        if not reaped:  # interrupted: do not leave a trainer running
+            proc.send_signal(signal.SIGKILL)
+            os.wait4(proc.pid, 0)
+            proc.returncode = -signal.SIGKILL
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall_s = time.perf_counter() - start
+    result = json.loads(json_path.read_text()) if json_path.exists() else None
+    tail = log_path.read_text(errors="replace")[-2000:] if proc.returncode != 0 else ""
+    if timed_out:
+        tail = f"killed after {timeout_s:.0f} s\n{tail}"
+    return _Process(proc.returncode, wall_s, usage.ru_utime + usage.ru_stime, result, tail)
+
+
+def _child_env() -> dict[str, str]:
+    """This environment without ASTERIA_* (a user's ASTERIA_ADDRESS must not pick the mode)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ASTERIA_")}
+
+
+def run_one(
+    cfg: ConvergenceConfig, run: RunConfig, seed: int, lr: float | None, workdir: Path
+) -> dict[str, Any]:
+    """Train one configuration on one seed and return its measurements (see the module doc)."""
+    cmd = _train_command(cfg, run, seed, lr)
+    timeout_s = max(RUN_TIMEOUT_S, RUN_TIMEOUT_S_PER_STEP * cfg.steps)
+    env = _child_env()
+    daemon_cpu_s = None
+    if run.mode == "daemon":
+        with BenchDaemon(workers=cfg.engine_workers) as daemon:
+            proc = _run_process(cmd, {**env, "ASTERIA_ADDRESS": daemon.address}, workdir, timeout_s)
+        daemon_cpu_s = daemon.cpu_s
+    else:
+        proc = _run_process(cmd, env, workdir, timeout_s)
+    record: dict[str, Any] = {
+        "config": run.name,
+        "label": run.label,
+        "optimizer": run.optimizer,
+        "mode": run.mode,
+        "staleness_budget": run.staleness_budget,
+        "seed": seed,
+        "lr": lr,
+        "ok": proc.returncode == 0 and proc.result is not None,
+        "error": None,
+        "returncode": proc.returncode,
+        "process_wall_s": proc.wall_s,
+        "trainer_cpu_s": proc.cpu_s,
+        "daemon_cpu_s": daemon_cpu_s,
+        "cpu_s": proc.cpu_s + (daemon_cpu_s or 0.0),
+    }
+    if not record["ok"] or proc.result is None:
+        record["error"] = proc.log_tail or f"exit code {proc.returncode}, no JSON written"
+        return record
+    result = proc.result
+    steps = result["steps"]
+    record.update(
+        lr=result["config"]["resolved"]["lr"],
+        final_val_loss=result["final"]["val_loss"],
+        final_train_loss=result["final"]["train_loss"],
+        median_step_time_s=result["final"]["median_step_time_s"],
+        train_s=sum(s["step_time_s"] for s in steps),
+        evals=result["evals"],
+        train_losses=[s["loss"] for s in steps],
+        step_times_s=[s["step_time_s"] for s in steps],
+        runtime=result["optimizer"],
+        train_batches_digest=result["data"]["train_batches_digest"],
+        val_batches_digest=result["data"]["val_batches_digest"],
+    )
+    return record
+
+
+class _Progress:
+    """One log line per finished run, with an estimate of the time left."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        left_s = elapsed / self.done * (self.total - self.done)
+        outcome = (
+            f"final val {record['final_val_loss']:.4f}"
+            if record["ok"]
+            else f"FAILED ({record['error'].strip().splitlines()[-1] if record['error'] else ''})"
+        )
+        lr = f" lr {record['lr']:g}" if record["lr"] is not None else ""
+        logger.info(
+            "convergence [%d/%d] %s seed %d%s: %s, %.0f s, %.0f CPU-s; about %.0f min left",
+            self.done,
+            self.total,
+            record["label"],
+            record["seed"],
+            lr,
+            outcome,
+            record["process_wall_s"],
+            record["cpu_s"],
+            left_s / 60,
+        )
+
+
+def plan_size(cfg: ConvergenceConfig) -> int:
+    """How many training runs the benchmark makes (the sweep's best run doubles as a seed)."""
+    return len(cfg.adamw_lrs) + len(cfg.seeds) * len(cfg.configs) - 1
+
+
+def run_convergence(
+    cfg: ConvergenceConfig, *, progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Sweep AdamW's lr, then run every configuration on every seed (seed by seed, so slow
+    machine drifts spread over all configurations), then summarize."""
+    started = time.time()
+    configs = [CONFIGS[name] for name in cfg.configs]
+    report_progress = progress if progress is not None else _Progress(plan_size(cfg))
+    logger.info(
+        "convergence: %d runs of %d steps (%s; seeds %s)",
+        plan_size(cfg),
+        cfg.steps,
+        ", ".join(c.name for c in configs),
+        ",".join(map(str, cfg.seeds)),
+    )
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="asteria-convergence-") as tmp:
+        workdir = Path(tmp)
+
+        def run(config: RunConfig, seed: int, lr: float | None) -> dict[str, Any]:
+            record = run_one(cfg, config, seed, lr, workdir)
+            report_progress(record)
+            return record
+
+        sweep = [run(CONFIGS["adamw"], cfg.seeds[0], lr) for lr in cfg.adamw_lrs]
+        finished = [r for r in sweep if r["ok"]]
+        if not finished:
+            raise ConvergenceBenchError(
+                "every AdamW run of the lr sweep failed, so there is no target; first error:\n"
+                + str(sweep[0]["error"])
+            )
+        best = min(finished, key=lambda r: r["final_val_loss"])
+        adamw_lr = best["lr"]
+        for seed in cfg.seeds:
+            for config in configs:
+                if config.name == "adamw" and seed == cfg.seeds[0]:
+                    runs.append(best)
+                else:
+                    runs.append(run(config, seed, adamw_lr if config.name == "adamw" else None))
+
+    tuned = [r["final_val_loss"] for r in runs if r["config"] == "adamw" and r["ok"]]
+    target = sum(tuned) / len(tuned)
+    for record in runs:
+        summary.add_time_to_target(record, target)
+    config_dicts = [{**asdict(c), "label": c.label} for c in configs]
+    return {
+        "benchmark": "convergence",
+        "quick": cfg.quick,
+        "config": {**asdict(cfg), "seeds": list(cfg.seeds), "configs": list(cfg.configs)},
+        "started_unix_s": started,
+        "wall_time_s": time.time() - started,
+        "adamw_sweep": [
+            {"lr": r["lr"], "ok": r["ok"], "final_val_loss": r.get("final_val_loss")} for r in sweep
+        ],
+        "adamw_lr": adamw_lr,
+        "target_val_loss": target,
+        "batch_streams_identical": summary.batch_streams_identical([*sweep, *runs]),
+        "configs": config_dicts,
+        "summaries": summary.summarize_configs(runs, config_dicts),
+        "runs": runs,
+        "adamw_sweep_runs": [r for r in sweep if r is not best],
+    }
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def _csv(convert: Callable[[str], Any], what: str) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            return tuple(convert(item.strip()) for item in text.split(",") if item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+    return parse
+
+
+def register(subparsers: Any) -> Any:
+    parser = subparsers.add_parser(
+        "convergence",
+        help="convergence: AdamW vs native vs async second-order, to a common target",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"40 steps, seed 0, AdamW lr 6e-3 only, configs {','.join(QUICK_CONFIGS)} "
+        "(under 2 minutes on 2 cores)",
+    )
+    parser.add_argument("--steps", type=int, help="steps per run (default 300; quick 40)")
+    parser.add_argument(
+        "--eval-interval", type=int, metavar="STEPS", help="steps between evaluations (default 25)"
+    )
+    parser.add_argument(
+        "--eval-batches", type=int, help="fixed validation batches per evaluation (default 16)"
+    )
+    parser.add_argument(
+        "--seeds", type=_csv(int, "integers like 0,1,2"), help="comma-separated (default 0,1,2)"
+    )
+    parser.add_argument(
+        "--configs",
+        type=_csv(str, "names"),
+        help=f"comma-separated subset of {','.join(CONFIGS)} (default: all; adamw always runs)",
+    )
+    parser.add_argument(
+        "--adamw-lrs",
+        type=_csv(float, "numbers like 3e-3,6e-3"),
+        metavar="LRS",
+        help="AdamW's lr sweep (default 3e-3,6e-3,1e-2; quick 6e-3)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    parser.add_argument(
+        "--engine-workers",
+        type=int,
+        default=1,
+        help="solver processes of the embedded engine and of each daemon (default 1)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument(
+        "--json", type=Path, metavar="PATH", help="write the report here, with PNG plots beside it"
+    )
+    return run_command
+
+
+def config_from_args(args: argparse.Namespace) -> ConvergenceConfig:
+    quick = bool(args.quick)
+
+    def pick(value: Any, full: Any, fast: Any) -> Any:
+        return value if value is not None else (fast if quick else full)
+
+    return ConvergenceConfig(
+        steps=pick(args.steps, 300, 40),
+        eval_interval=pick(args.eval_interval, 25, 10),
+        eval_batches=pick(args.eval_batches, 16, 8),
+        seeds=pick(args.seeds, (0, 1, 2), (0,)),
+        configs=pick(args.configs, tuple(CONFIGS), QUICK_CONFIGS),
+        adamw_lrs=pick(args.adamw_lrs, ADAMW_LRS, (6e-3,)),
+        threads=args.threads,
+        engine_workers=args.engine_workers,
+        device=args.device,
+        quick=quick,
+    )
+
+
+def report_section(data: dict[str, Any]) -> str:
+    """Markdown for ``asteria bench report``: notes, the summary table, the figures."""
+    return summary.report_section(data)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    report = run_convergence(cfg)
+    print(summary.format_report(report))
+    if args.json is not None:
+        figures = summary.write_figures(report, args.json)
+        output.write_report(args.json, report, figures)
+        print(f"wrote {args.json} and {', '.join(str(f) for f in figures)}")
+    return 0
