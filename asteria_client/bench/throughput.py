@@ -1,0 +1,565 @@
+"""`asteria bench throughput`: how many solves per second the daemon delivers for a batch of blocks,
+against the same LAPACK calls in a bare loop with the same number of processes.
+
+For each size n and solve kind, a batch of B random SPD float32 factors (``G G^T / n`` plus a small
+ridge, like Kronecker factors) is solved round after round on both sides:
+
+- daemon: a real ``asteria-server`` (``--workers W --blas-threads 1``) on a private Unix socket;
+  one session submits all B snapshots (a new version each round) over gRPC and a results stream
+  receives them; a round is timed from the first submit to the arrival of the last result;
+- bare: W spawned processes with 1 BLAS thread each, at the daemon workers' nice value, each
+  running on its share of the same batch exactly the LAPACK/BLAS calls the engine's solver makes
+  (``scipy.linalg.eigh`` in float64 with the ``evd`` driver; for an inverse root also the one
+  ``U diag(lam^-p) U^T`` product), without Asteria's validation, copies or IPC.
+
+Rounds of the two sides alternate (the machine is shared and noisy), after one warm-up round each.
+The figure is ratio = bare median round time / daemon median round time = daemon solves/s over
+bare solves/s. Target (issue: benchmarks): ratio >= 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asteria_client.bench import output
+from asteria_client.bench.stats import summarize
+from asteria_server.engine.engine import EngineConfig
+from asteria_server.engine.tasks import SolveKind
+
+logger = logging.getLogger(__name__)
+
+RATIO_TARGET = 0.95
+#: Ridge added to every factor (relative to its unit-scale spectrum).
+RIDGE = 1e-3
+#: The engine solver's LAPACK driver for a first attempt (``solvers.eigh_fp64``).
+EIGH_DRIVER = "evd"
+#: Epsilon and exponent of the tasks (``SolveTask`` defaults: Shampoo order 2).
+EPSILON = 1e-12
+EXPONENT = 0.25
+#: How long the daemon may take to return one round, beyond its expected time.
+ROUND_SLACK_S = 120.0
+#: Largest batch the calibration may choose.
+MAX_BATCH = 4096
+#: Fewest blocks per process the calibration may choose (one straggler skews shorter rounds).
+MIN_BLOCKS_PER_WORKER = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThroughputConfig:
+    """What to measure.
+
+    Attributes:
+        sizes: factor dimensions n.
+        kinds: solve kinds to measure at each n.
+        workers: daemon solver processes, and bare processes.
+        rounds: timed rounds per side and (n, kind), after one warm-up round each.
+        target_round_s: the batch size B per n is chosen so that a bare round takes about this.
+        batch: a fixed B for every n instead (None: calibrated from ``target_round_s``).
+        bare_niceness: nice value of the bare processes (default: the daemon workers' value).
+        seed: seeds the factors.
+    """
+
+    sizes: tuple[int, ...] = (256, 512, 1024)
+    kinds: tuple[SolveKind, ...] = (SolveKind.EIGENBASIS, SolveKind.INVERSE_ROOT)
+    workers: int = 2
+    rounds: int = 5
+    target_round_s: float = 1.5
+    batch: int | None = None
+    bare_niceness: int = field(default_factory=lambda: EngineConfig().worker_niceness)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(not isinstance(n, int) or n < 2 for n in self.sizes):
+            raise ValueError(f"sizes must be integers >= 2, got {self.sizes!r}")
+        if not self.kinds:
+            raise ValueError("kinds must name at least one solve kind")
+        for name in ("workers", "rounds"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not 0 < self.target_round_s < math.inf:
+            raise ValueError(f"target_round_s must be > 0, got {self.target_round_s!r}")
+        if self.batch is not None and not 1 <= self.batch <= MAX_BATCH:
+            raise ValueError(f"batch must be in [1, {MAX_BATCH}], got {self.batch!r}")
+        if not 0 <= self.bare_niceness <= 19:
+            raise ValueError(f"bare_niceness must be in [0, 19], got {self.bare_niceness!r}")
+
+
+# --------------------------------------------------------------------------- the factors
+
+
+def make_factor(n: int, seed: int, index: int) -> np.ndarray:
+    """Factor ``index`` of a batch: float32 SPD ``G G^T / n + RIDGE I``, exactly symmetric."""
+    rng = np.random.default_rng([seed, n, index])
+    g = rng.standard_normal((n, n), dtype=np.float32)
+    a = g @ g.T
+    a = (a + a.T) * np.float32(0.5 / n)
+    a[np.diag_indices(n)] += np.float32(RIDGE)
+    return a
+
+
+def bare_solve(matrix: np.ndarray, kind: SolveKind) -> None:
+    """The LAPACK/BLAS work of one engine solve (``solvers.EighSolver``), nothing else."""
+    import scipy.linalg
+
+    work = np.array(matrix, dtype=np.float64, order="F")
+    w, v = scipy.linalg.eigh(work, driver=EIGH_DRIVER, overwrite_a=True, check_finite=False)
+    if kind is SolveKind.INVERSE_ROOT:
+        lam = np.maximum(w, 0.0) + EPSILON
+        _ = (v * np.power(lam, -EXPONENT)) @ v.T
+
+
+# --------------------------------------------------------------------------- bare processes
+
+
+def _bare_worker(conn: Connection, index: int, num_workers: int, niceness: int) -> None:
+    """A bare process: hold its share of the batch, run it when told, report the seconds."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
+    if niceness > 0:
+        os.nice(niceness)
+    share: list[np.ndarray] = []
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        if msg[0] == "load":
+            _, n, batch, seed = msg
+            share = [make_factor(n, seed, i) for i in range(index, batch, num_workers)]
+            conn.send(("loaded", len(share)))
+        else:
+            kind = SolveKind(msg[1])
+            start = time.perf_counter()
+            for matrix in share:
+                bare_solve(matrix, kind)
+            conn.send(("done", time.perf_counter() - start))
+    conn.close()
+
+
+class BarePool:
+    """W spawned processes that run the bare loop on their shares of a batch."""
+
+    def __init__(self, num_workers: int, niceness: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for index in range(num_workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_bare_worker,
+                args=(child, index, num_workers, niceness),
+                name=f"asteria-bench-bare-{index}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    def _gather(self) -> list[Any]:
+        return [conn.recv()[1] for conn in self._conns]
+
+    def load(self, n: int, batch: int, seed: int) -> None:
+        for conn in self._conns:
+            conn.send(("load", n, batch, seed))
+        self._gather()
+
+    def run_round(self, kind: SolveKind) -> float:
+        """Seconds from telling every process to start to the last one's end."""
+        start = time.perf_counter()
+        for conn in self._conns:
+            conn.send(("run", kind.value))
+        self._gather()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=10.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+
+
+# --------------------------------------------------------------------------- the daemon side
+
+
+class DaemonClient:
+    """One session on the benchmark's daemon and a thread draining its results stream."""
+
+    def __init__(self, address: str) -> None:
+        from asteria_client.transport.connection import DaemonConnection
+
+        self._conn = DaemonConnection(address)
+        self._session = self._conn.open_session()
+        self._arrivals: queue.Queue[tuple[str, int, float] | BaseException] = queue.Queue()
+        self._cancel: Callable[[], object] | None = None
+        self._cancel_set = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(
+            target=self._drain, name="asteria-bench-results", daemon=True
+        )
+        self._thread.start()
+        self._cancel_set.wait(timeout=10.0)
+
+    def _on_call(self, cancel: Callable[[], object]) -> None:
+        self._cancel = cancel
+        self._cancel_set.set()
+
+    def _drain(self) -> None:
+        try:
+            for result in self._conn.results(self._session, {}, self._on_call):
+                self._arrivals.put((result.block, result.version, time.perf_counter()))
+        except BaseException as exc:  # surfaced by run_round unless we are closing
+            if not self._closing:
+                self._arrivals.put(exc)
+
+    def run_round(
+        self, matrices: Sequence[np.ndarray], kind: SolveKind, prefix: str, version: int
+    ) -> float:
+        """Submit every matrix as block ``prefix-i`` at ``version``; seconds from the first
+        submit to the last result's arrival."""
+        from asteria_server.engine.tasks import SolveTask
+
+        names = [f"{prefix}-{i}" for i in range(len(matrices))]
+        pending = set(names)
+        start = time.perf_counter()
+        for name, matrix in zip(names, matrices, strict=True):
+            task = SolveTask(
+                block=name,
+                version=version,
+                kind=kind,
+                matrix=matrix,
+                exponent=EXPONENT,
+                epsilon=EPSILON,
+            )
+            self._conn.submit(self._session, task)
+        last = start
+        deadline = time.monotonic() + ROUND_SLACK_S
+        while pending:
+            try:
+                item = self._arrivals.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(
+                    f"the daemon returned {len(names) - len(pending)} of {len(names)} results "
+                    f"of round {version} ({prefix}) within {ROUND_SLACK_S:g} s; a solve failed "
+                    "or the daemon is stuck"
+                ) from None
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"the daemon's results stream failed: {item}") from item
+            block, got, arrived = item
+            if got == version and block in pending:
+                pending.discard(block)
+                last = arrived
+        return last - start
+
+    def close(self) -> None:
+        self._closing = True
+        if self._cancel is not None:
+            self._cancel()
+        self._thread.join(timeout=10.0)
+        try:
+            self._conn.close_session(self._session.session_id)
+        except Exception as exc:  # the daemon is stopped right after; nothing to keep
+            logger.debug("closing the benchmark session failed: %s", exc)
+        self._conn.close()
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _progress(message: str) -> None:
+    print(f"[throughput] {message}", file=sys.stderr, flush=True)
+
+
+def calibrate_batch(n: int, cfg: ThroughputConfig) -> tuple[int, float]:
+    """B for size n (a multiple of the worker count) and the measured seconds per bare solve."""
+    from threadpoolctl import threadpool_limits
+
+    matrix = make_factor(n, cfg.seed, 0)
+    with threadpool_limits(limits=1, user_api="blas"):
+        bare_solve(matrix, SolveKind.EIGENBASIS)  # warm caches and the library
+        seconds = math.inf
+        for _ in range(2):
+            start = time.perf_counter()
+            bare_solve(matrix, SolveKind.EIGENBASIS)
+            seconds = min(seconds, time.perf_counter() - start)
+    if cfg.batch is not None:
+        return cfg.batch, seconds
+    per_worker = max(MIN_BLOCKS_PER_WORKER, round(cfg.target_round_s / max(seconds, 1e-6)))
+    return min(MAX_BATCH, per_worker * cfg.workers), seconds
+
+
+def _entry(
+    n: int, kind: SolveKind, batch: int, daemon_s: list[float], bare_s: list[float]
+) -> dict[str, Any]:
+    daemon_median = summarize(daemon_s)["median"]
+    bare_median = summarize(bare_s)["median"]
+    paired = [b / d for b, d in zip(bare_s, daemon_s, strict=True)]
+    ratio = bare_median / daemon_median
+    return {
+        "n": n,
+        "kind": kind.value,
+        "batch": batch,
+        "daemon_round_s": daemon_s,
+        "bare_round_s": bare_s,
+        "daemon_median_s": daemon_median,
+        "bare_median_s": bare_median,
+        "daemon_solves_per_s": batch / daemon_median,
+        "bare_solves_per_s": batch / bare_median,
+        "ratio": ratio,
+        "paired_ratio_median": summarize(paired)["median"],
+        "paired_ratio_min": min(paired),
+        "paired_ratio_max": max(paired),
+        "target_met": ratio >= RATIO_TARGET,
+    }
+
+
+def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
+    """Measure every (n, kind) with alternating daemon and bare rounds; return the report."""
+    from asteria_client.bench.daemon import BenchDaemon
+
+    started = time.time()
+    plan = {n: calibrate_batch(n, cfg) for n in cfg.sizes}
+    for n, (batch, seconds) in plan.items():
+        _progress(f"n={n}: one bare eigh {seconds * 1e3:.1f} ms -> batch of {batch}")
+    _progress(f"starting the daemon ({cfg.workers} workers) and {cfg.workers} bare processes")
+    entries: list[dict[str, Any]] = []
+    daemon = BenchDaemon(workers=cfg.workers, blas_threads=1).start()
+    bare = None
+    client = None
+    try:
+        bare = BarePool(cfg.workers, cfg.bare_niceness)
+        client = DaemonClient(daemon.address)
+        version = 0
+        for n in cfg.sizes:
+            batch = plan[n][0]
+            matrices = [make_factor(n, cfg.seed, i) for i in range(batch)]
+            bare.load(n, batch, cfg.seed)
+            for kind in cfg.kinds:
+                prefix = f"{kind.value}-n{n}"
+                client.run_round(matrices, kind, prefix, version)  # warm-up
+                bare.run_round(kind)
+                version += 1
+                daemon_s: list[float] = []
+                bare_s: list[float] = []
+                for r in range(cfg.rounds):
+                    if r % 2 == 0:
+                        daemon_s.append(client.run_round(matrices, kind, prefix, version))
+                        bare_s.append(bare.run_round(kind))
+                    else:
+                        bare_s.append(bare.run_round(kind))
+                        daemon_s.append(client.run_round(matrices, kind, prefix, version))
+                    version += 1
+                    _progress(
+                        f"n={n} {kind.value} round {r + 1}/{cfg.rounds}: daemon "
+                        f"{daemon_s[-1]:.3f} s, bare {bare_s[-1]:.3f} s "
+                        f"(ratio {bare_s[-1] / daemon_s[-1]:.3f})"
+                    )
+                entries.append(_entry(n, kind, batch, daemon_s, bare_s))
+    finally:
+        if client is not None:
+            client.close()
+        if bare is not None:
+            bare.close()
+        daemon_cpu_s = daemon.stop()
+    config = asdict(cfg)
+    config["kinds"] = [k.value for k in cfg.kinds]
+    config["sizes"] = list(cfg.sizes)
+    return {
+        "benchmark": "throughput",
+        "config": config,
+        "ratio_target": RATIO_TARGET,
+        "ratio_definition": "bare median round time / daemon median round time "
+        "(= daemon solves/s / bare solves/s)",
+        "results": entries,
+        "daemon_cpu_s": daemon_cpu_s,
+        "wall_time_s": time.time() - started,
+    }
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _table(results: Sequence[dict[str, Any]], markdown: bool) -> list[str]:
+    head = ["n", "kind", "batch", "daemon solves/s", "bare solves/s", "ratio", "paired (min-max)"]
+    rows = [
+        [
+            str(e["n"]),
+            e["kind"],
+            str(e["batch"]),
+            f"{e['daemon_solves_per_s']:.2f}",
+            f"{e['bare_solves_per_s']:.2f}",
+            f"{e['ratio']:.3f}" + ("" if e["target_met"] else " (below target)"),
+            f"{e['paired_ratio_median']:.3f} ({e['paired_ratio_min']:.3f}-"
+            f"{e['paired_ratio_max']:.3f})",
+        ]
+        for e in results
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return lines + ["| " + " | ".join(row) + " |" for row in rows]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    return [
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+        for row in [head, *rows]
+    ]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = _table(report["results"], markdown=False)
+    lines += [
+        "",
+        f"ratio = bare median round / daemon median round (target >= {report['ratio_target']}); "
+        f"{cfg['workers']} daemon workers vs {cfg['workers']} bare processes, 1 BLAS thread "
+        f"each, {cfg['rounds']} alternating rounds; paired = per-round ratios",
+    ]
+    return "\n".join(lines)
+
+
+def write_figure(report: dict[str, Any], path: Path) -> Path:
+    """Bars of daemon and bare solves/s per (n, kind), ratio written above each pair."""
+    results = report["results"]
+    fig, ax = output.new_figure(max(6.0, 1.3 * len(results) + 2.0), 4.0)
+    x = np.arange(len(results))
+    width = 0.38
+    daemon = [e["daemon_solves_per_s"] for e in results]
+    bare = [e["bare_solves_per_s"] for e in results]
+    ax.bar(x - width / 2, daemon, width, label="daemon")
+    ax.bar(x + width / 2, bare, width, label="bare LAPACK loop")
+    for xi, e in zip(x, results, strict=True):
+        top = max(e["daemon_solves_per_s"], e["bare_solves_per_s"])
+        ax.annotate(f"{e['ratio']:.2f}", (xi, top), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"n={e['n']}\n{e['kind']}" for e in results], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("solves / s (log)")
+    ax.set_title(
+        f"Throughput, {report['config']['workers']} processes: daemon vs bare "
+        f"(ratio above, target >= {report['ratio_target']})",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    return output.save_figure(fig, path)
+
+
+def report_section(data: dict[str, Any]) -> str:
+    """A markdown section of a throughput report for ``asteria bench report``."""
+    cfg = data["config"]
+    lines = [
+        "## Throughput: daemon vs bare LAPACK loop",
+        "",
+        f"Daemon solves/s for a batch of blocks against the same LAPACK calls in a bare loop, "
+        f"{cfg['workers']} processes on each side with 1 BLAS thread, medians of "
+        f"{cfg['rounds']} alternating rounds. Ratio = daemon solves/s / bare solves/s "
+        f"(target >= {data['ratio_target']}).",
+        "",
+        *_table(data["results"], markdown=True),
+    ]
+    for figure in data.get("figures", []):
+        lines += ["", f"![throughput]({figure})"]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not sizes or any(n < 2 for n in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be integers >= 2, got {text!r}")
+    return sizes
+
+
+def register(subparsers: Any) -> Any:
+    parser = subparsers.add_parser(
+        "throughput",
+        help="daemon solves/s vs the same LAPACK calls in a bare loop",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="n in {64, 128}, short rounds (well under a minute)"
+    )
+    parser.add_argument(
+        "--sizes", type=_sizes, metavar="N,N,...", help="factor sizes (default 256,512,1024)"
+    )
+    parser.add_argument(
+        "--kind",
+        choices=["eigenbasis", "inverse_root", "both"],
+        default="both",
+        help="solve kinds to measure (default: both)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="daemon workers = bare processes (default 2)"
+    )
+    parser.add_argument("--rounds", type=int, help="timed rounds per side (default 5; quick 2)")
+    parser.add_argument(
+        "--round-s",
+        type=float,
+        metavar="S",
+        help="batch sized for bare rounds of about S seconds (default 1.5; quick 0.02)",
+    )
+    parser.add_argument("--batch", type=int, help="a fixed batch size for every n instead")
+    parser.add_argument(
+        "--bare-niceness",
+        type=int,
+        default=EngineConfig().worker_niceness,
+        help="nice value of the bare processes (default: the daemon workers' value)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the report here")
+    return run_command
+
+
+def run_command(args: argparse.Namespace) -> int:
+    kinds = (
+        (SolveKind.EIGENBASIS, SolveKind.INVERSE_ROOT)
+        if args.kind == "both"
+        else (SolveKind(args.kind),)
+    )
+    default_sizes = (64, 128) if args.quick else (256, 512, 1024)
+    cfg = ThroughputConfig(
+        sizes=args.sizes if args.sizes is not None else default_sizes,
+        kinds=kinds,
+        workers=args.workers,
+        rounds=args.rounds if args.rounds is not None else (2 if args.quick else 5),
+        target_round_s=args.round_s if args.round_s is not None else (0.02 if args.quick else 1.5),
+        batch=args.batch,
+        bare_niceness=args.bare_niceness,
+        seed=args.seed,
+    )
+    report = run_throughput(cfg)
+    report["quick"] = bool(args.quick)
+    print(format_report(report))
+    if args.json is not None:
+        figure = write_figure(report, output.figure_path(args.json, "throughput"))
+        output.write_report(args.json, report, [figure])
+        print(f"wrote {args.json}")
+    return 0
