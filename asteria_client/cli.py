@@ -301,16 +301,23 @@ one invocation (shared machines are noisy), never an absolute time to compare ac
 
 
 def register_bench(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
-    from asteria_client.bench import spikes
+    from asteria_client.bench import convergence, report, sharing, spikes, throughput, transport
 
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks (spikes)",
+        help="benchmarks (convergence, spikes, transport, throughput, sharing) and their report",
         description=BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     benches = parser.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=ArgumentParser)
-    handlers: dict[str, Handler] = {"spikes": spikes.register(benches)}
+    handlers: dict[str, Handler] = {
+        "convergence": convergence.register(benches),
+        "spikes": spikes.register(benches),
+        "sharing": sharing.register(benches),
+        "throughput": throughput.register(benches),
+        "transport": transport.register(benches),
+        "report": report.register(benches),
+    }
 
     def run_bench(args: argparse.Namespace) -> int:
         if args.bench is None:

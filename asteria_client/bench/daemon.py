@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -37,13 +37,17 @@ class BenchDaemon:
         workers: solver processes (``--workers``).
         blas_threads: BLAS threads per worker (``--blas-threads``).
         extra_args: more ``asteria-server`` flags.
-        address: ``unix:///...`` to pass as ``address=`` / ``ASTERIA_ADDRESS`` (set by ``start``).
+        listen: ``--listen`` (default: a Unix socket in a private temporary folder).
+        env: extra environment of the daemon (e.g. ``ASTERIA_TOKENS`` for TCP).
+        address: what to pass as ``address=`` / ``ASTERIA_ADDRESS`` (set by ``start``).
         cpu_s: user + system CPU seconds of the daemon and its workers (set by ``stop``).
     """
 
     workers: int = 1
     blas_threads: int = 1
     extra_args: Sequence[str] = ()
+    listen: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
     address: str = ""
     cpu_s: float | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
@@ -58,11 +62,13 @@ class BenchDaemon:
         self._dir = tempfile.TemporaryDirectory(prefix="asteria-bench-")
         root = Path(self._dir.name)
         sock, ready = root / "d" / "asteria.sock", root / "ready"
-        cmd = [sys.executable, "-m", "asteria_server", "--listen", f"unix://{sock}"]
+        listen = self.listen or f"unix://{sock}"
+        cmd = [sys.executable, "-m", "asteria_server", "--listen", listen]
         cmd += ["--workers", str(self.workers), "--blas-threads", str(self.blas_threads)]
         cmd += ["--ready-file", str(ready), *self.extra_args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASTERIA_")}
         env.setdefault("ASTERIA_LOG_LEVEL", "WARNING")
+        env.update(self.env)
         log = (root / "daemon.log").open("wb")
         self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -73,7 +79,8 @@ class BenchDaemon:
                 text = (root / "daemon.log").read_text(errors="replace")
                 raise DaemonStartError(f"the benchmark's daemon did not start:\n{text}")
             time.sleep(0.05)
-        self.address = f"unix://{sock}"
+        # The serving line names the address (with the port a TCP ``:0`` got).
+        self.address = ready.read_text().split("serving on ", 1)[1].split()[0]
         return self
 
     def stop(self) -> float:

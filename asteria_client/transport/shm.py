@@ -22,7 +22,7 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,6 +71,7 @@ class ClientSegment:
     segment: Segment
     role: str  # "snapshot" or "result"
     block: str  # the block's name on the daemon
+    _views: dict[tuple[ArraySpec, ...], list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, role: str, block: str, specs: Sequence[ArraySpec]) -> ClientSegment:
@@ -83,10 +84,16 @@ class ClientSegment:
     def write_tensors(self, specs: Sequence[ArraySpec], tensors: Sequence[torch.Tensor]) -> int:
         """Copy ``tensors`` (any device) into the segment through torch views of it, under the
         seqlock; returns the sequence that announces them."""
-        views = [torch.from_numpy(v) for v in self.segment.views(specs)]
+        key = tuple(specs)
+        views = self._views.get(key)
+        if views is None:  # made once per layout: a block's snapshots keep theirs
+            views = self._views[key] = [torch.from_numpy(v) for v in self.segment.views(specs)]
         self.segment.begin_write()
         for view, tensor in zip(views, tensors, strict=True):
-            view.copy_(tensor.detach())
+            if tensor.device.type == "cpu":  # NumPy's copy has less fixed cost than torch's
+                np.copyto(view.numpy(), tensor.detach().numpy(), casting="no")
+            else:  # one device-to-host copy straight into the segment
+                view.copy_(tensor.detach())
         return self.segment.end_write()
 
     def read(self, specs: Sequence[ArraySpec], sequence: int) -> list[np.ndarray] | None:
@@ -98,6 +105,7 @@ class ClientSegment:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
+        self._views.clear()
         self.segment.close()
 
 
