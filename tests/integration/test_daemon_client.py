@@ -36,13 +36,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     stop_daemon(d)
 
 
-@pytest.fixture(autouse=True)
-def _no_asteria_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("ASTERIA_"):
-            monkeypatch.delenv(name)
-
-
 def small_model() -> torch.nn.Module:
     """Square layers (see test_embedded_runtime.small_model: rectangular factors have an
     arbitrary null-space basis, so native and daemon would legitimately diverge)."""

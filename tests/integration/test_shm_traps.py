@@ -48,12 +48,6 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     stop_daemon(d)
 
 
-@pytest.fixture(autouse=True)
-def _no_asteria_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("ASTERIA_ADDRESS", "ASTERIA_TRANSPORT", "ASTERIA_JOB", "ASTERIA_TLS_CA"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def spd(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, n + 8, generator=g)

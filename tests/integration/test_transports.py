@@ -39,12 +39,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     stop_daemon(d)
 
 
-@pytest.fixture(autouse=True)
-def _no_asteria_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("ASTERIA_ADDRESS", "ASTERIA_TRANSPORT", "ASTERIA_JOB", "ASTERIA_TLS_CA"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def make_source(transport: str, daemon: Daemon) -> PreconditionerSource:
     if transport == "embedded":
         return EmbeddedSource(EngineConfig(num_workers=1))
