@@ -422,9 +422,5 @@ def report_section(data: dict[str, Any]) -> str:
 def run_command(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     report = run_convergence(cfg)
-    print(summary.format_report(report))
-    if args.json is not None:
-        figures = summary.write_figures(report, args.json)
-        output.write_report(args.json, report, figures)
-        print(f"wrote {args.json} and {', '.join(str(f) for f in figures)}")
+    output.publish(report, summary.format_report(report), args.json, summary.write_figures)
     return 0

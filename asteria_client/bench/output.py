@@ -20,6 +20,7 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,28 @@ def write_report(path: Path, report: dict[str, Any], figures: list[Path]) -> Non
     report["figures"] = [os.path.relpath(f, path.parent) for f in figures]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
+def plain_log_ticks(ax: Any) -> None:
+    """Label a log y-axis at 1, 2, 5 x 10^k in plain numbers."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def publish(
+    report: dict[str, Any],
+    text: str,
+    json_path: Path | None,
+    figures: Callable[[dict[str, Any], Path], list[Path]],
+) -> None:
+    """The end of every benchmark: print its table; with ``--json``, draw its figures beside the
+    JSON file and write the report (:func:`write_report`)."""
+    print(text)
+    if json_path is None:
+        return
+    paths = figures(report, json_path)
+    write_report(json_path, report, paths)
+    print(f"wrote {json_path} and {len(paths)} figure(s)")

@@ -330,7 +330,7 @@ def write_figures(report: dict[str, Any], json_path: Path) -> list[Path]:
     ax.set_xticks(xs, labels)
     ax.set_xlabel("training processes on one daemon (N)")
     ax.set_yscale("log")
-    _plain_log_ticks(ax)
+    output.plain_log_ticks(ax)
     positive = [v * 1e3 for v in p50 + p99 if v > 0]
     if positive:  # bars on a log axis start where the axis does: start below the smallest
         ax.set_ylim(bottom=min(positive) / 3)
@@ -445,18 +445,5 @@ def run_command(args: argparse.Namespace) -> int:
         daemon_workers=args.daemon_workers,
     )
     report = run_sharing(cfg, quick=args.quick)
-    print(format_report(report))
-    if args.json is not None:
-        figures = write_figures(report, args.json)
-        output.write_report(args.json, report, figures)
-        print(f"wrote {args.json} and {len(figures)} figures")
+    output.publish(report, format_report(report), args.json, write_figures)
     return 0
-
-
-def _plain_log_ticks(ax: Any) -> None:
-    """Label a log y-axis at 1, 2, 5 x 10^k in plain numbers."""
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(ScalarFormatter())
-    ax.yaxis.set_minor_formatter(NullFormatter())

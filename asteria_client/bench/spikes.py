@@ -255,7 +255,7 @@ def write_trace_figure(report: dict[str, Any], path: Path) -> Path:
     if cfg["warmup_steps"]:
         ax.axvspan(0.5, cfg["warmup_steps"] + 0.5, color="0.93", zorder=0, label="warm-up")
     ax.set_yscale("log")
-    _plain_log_ticks(ax)
+    output.plain_log_ticks(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms, log scale)")
     ax.set_title(
@@ -354,18 +354,10 @@ def run_command(args: argparse.Namespace) -> int:
     )
     report = run_spikes(cfg)
     report["quick"] = bool(args.quick)
-    print(format_report(report))
-    if args.json is not None:
-        figure = write_trace_figure(report, output.figure_path(args.json, "trace"))
-        output.write_report(args.json, report, [figure])
-        print(f"wrote {args.json} and {figure}")
+    output.publish(
+        report,
+        format_report(report),
+        args.json,
+        lambda r, path: [write_trace_figure(r, output.figure_path(path, "trace"))],
+    )
     return 0
-
-
-def _plain_log_ticks(ax: Any) -> None:
-    """Label a log y-axis at 1, 2, 5 x 10^k in plain numbers."""
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(ScalarFormatter())
-    ax.yaxis.set_minor_formatter(NullFormatter())

@@ -557,9 +557,10 @@ def run_command(args: argparse.Namespace) -> int:
     )
     report = run_throughput(cfg)
     report["quick"] = bool(args.quick)
-    print(format_report(report))
-    if args.json is not None:
-        figure = write_figure(report, output.figure_path(args.json, "throughput"))
-        output.write_report(args.json, report, [figure])
-        print(f"wrote {args.json}")
+    output.publish(
+        report,
+        format_report(report),
+        args.json,
+        lambda r, path: [write_figure(r, output.figure_path(path, "throughput"))],
+    )
     return 0

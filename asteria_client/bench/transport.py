@@ -303,11 +303,10 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     report = run_transport(sizes, repeats)
     report["quick"] = bool(args.quick)
-    print(format_table(report))
-    for line in _verdicts(report):
-        print(line)
-    if args.json is not None:
-        figure = _figure(report, output.figure_path(args.json, "bars"))
-        output.write_report(args.json, report, [figure])
-        print(f"wrote {args.json}")
+    output.publish(
+        report,
+        "\n".join([format_table(report), *_verdicts(report)]),
+        args.json,
+        lambda r, path: [_figure(r, output.figure_path(path, "bars"))],
+    )
     return 0
