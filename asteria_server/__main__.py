@@ -74,6 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     add(
+        "--max-upload-bytes",
+        type=int,
+        metavar="B",
+        help=(
+            "snapshot bytes received at once, all clients together; an upload waits for room, "
+            "then fails RESOURCE_EXHAUSTED (default 2 GiB)"
+        ),
+    )
+    add(
+        "--upload-wait-s",
+        type=float,
+        metavar="S",
+        help="how long an upload may wait for room in --max-upload-bytes (default 5)",
+    )
+    add(
         "--max-shm-segments",
         type=int,
         metavar="N",

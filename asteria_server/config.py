@@ -115,6 +115,10 @@ class DaemonConfig:
         shared_memory: offer same-host clients the shared-memory transport (Unix socket only):
             a segment-handover socket ``<socket>.shm`` next to the gRPC socket.
         max_shm_segments: shared-memory segments one client connection may hand over.
+        max_upload_bytes: snapshot bytes the daemon receives at once, all clients together (in
+            chunks, or copied out of shared memory); an upload waits for room up to
+            ``upload_wait_s``, then fails RESOURCE_EXHAUSTED, and one larger than this fails.
+        upload_wait_s: how long an upload may wait for room in ``max_upload_bytes``.
     """
 
     listen: str = field(default_factory=default_listen)
@@ -134,6 +138,8 @@ class DaemonConfig:
     ready_file: str | None = None
     shared_memory: bool = True
     max_shm_segments: int = 4096
+    max_upload_bytes: int = 2 << 30
+    upload_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         address = parse_listen(self.listen)
@@ -152,7 +158,8 @@ class DaemonConfig:
                 f"({self.chunk_bytes + 4096}) so a chunk and its framing fit, "
                 f"got {self.max_message_bytes}"
             )
-        for name in ("grace_period_s", "keepalive_time_s", "keepalive_timeout_s"):
+        _check_int("max_upload_bytes", self.max_upload_bytes, 1)
+        for name in ("grace_period_s", "keepalive_time_s", "keepalive_timeout_s", "upload_wait_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ValueError(f"DaemonConfig.{name} must be a number, got {value!r}")
@@ -252,6 +259,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "ready_file": str,
     "shared_memory": _as_bool,
     "max_shm_segments": int,
+    "max_upload_bytes": int,
+    "upload_wait_s": _as_float,
 }
 _FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)}
 assert set(_PARSERS) | {"tokens"} == _FIELDS, "every DaemonConfig field needs a parser"

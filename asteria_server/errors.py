@@ -41,6 +41,13 @@ class ResultTimeoutError(AsteriaError, TimeoutError):
     """A bounded wait for a fresher result ran out."""
 
 
+class DaemonBusyError(AsteriaError):
+    """The daemon has no room for this snapshot now (its upload budget is full).
+
+    Nothing is wrong with the snapshot: skip it and send the block's next one.
+    """
+
+
 class AuthenticationError(AsteriaError):
     """A daemon refused the caller's credentials (unknown tenant or wrong token)."""
 

@@ -56,7 +56,12 @@ from asteria_client.transport.shm import (
 from asteria_server.engine.engine import EngineStats
 from asteria_server.engine.registry import BlockStatus
 from asteria_server.engine.tasks import SolveResult, SolveTask
-from asteria_server.errors import AsteriaError, InvalidInputError, UnknownSessionError
+from asteria_server.errors import (
+    AsteriaError,
+    DaemonBusyError,
+    InvalidInputError,
+    UnknownSessionError,
+)
 from asteria_server.protocol.convert import snapshot_specs
 from asteria_server.protocol.shm import ArraySpec, SegmentRef, SharedMemoryUnavailableError
 
@@ -65,7 +70,13 @@ logger = logging.getLogger(__name__)
 #: Result latencies kept for ``result_latencies()`` (the newest ones).
 LATENCY_WINDOW = 100_000
 #: Transport counters in ``stats()``.
-_COUNTERS = ("shm_snapshots", "chunked_snapshots", "shm_results", "shm_results_overwritten")
+_COUNTERS = (
+    "shm_snapshots",
+    "chunked_snapshots",
+    "shm_results",
+    "shm_results_overwritten",
+    "submits_busy",
+)
 #: Submit times kept per block for latency measurement (versions awaiting a result).
 _SUBMIT_TIMES_KEPT = 16
 
@@ -308,6 +319,10 @@ class DaemonSource(PreconditionerSource):
             except InvalidInputError as exc:
                 self._reject(task, str(exc))
                 continue
+            except DaemonBusyError:  # no room on the daemon now: the block's next one will go
+                self._counts["submits_busy"] += 1
+                self._unanswered(block)
+                continue
             except AsteriaError as exc:
                 self._lost(session, exc)
                 return
@@ -427,9 +442,14 @@ class DaemonSource(PreconditionerSource):
             block = self._blocks[name or task.block]
             block.rejected += 1
             block.last_error = message
-            block.sent_version = block.received_version  # nothing of it will come back
             if block.rejected == 1:
                 logger.warning("the daemon refused a snapshot of block %s: %s", name, message)
+        self._unanswered(block)
+
+    def _unanswered(self, block: _Block) -> None:
+        """Nothing will come back for the snapshot just sent: ``wait`` must not wait for it."""
+        with self._lock:
+            block.sent_version = block.received_version
             self._lock.notify_all()
 
     # ------------------------------------------------------------------ the session

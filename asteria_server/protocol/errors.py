@@ -8,7 +8,7 @@ of :data:`STATUS_TABLE` round-trips: ``from_status(*to_status(exc))`` has the cl
   as ``INVALID_ARGUMENT`` and comes back as ``InvalidInputError``).
 - Anything else, a bug included, becomes ``INTERNAL``. Only Asteria errors carry their message
   (those are written to be safe to show); any other exception's text stays in the server's log.
-- A code not in the table (``INTERNAL``, ``UNKNOWN``, ``CANCELLED``, ``RESOURCE_EXHAUSTED``, ...,
+- A code not in the table (``INTERNAL``, ``UNKNOWN``, ``CANCELLED``, ...,
   also those gRPC raises itself) comes back as :class:`EngineUnavailableError`, so a client that
   degrades on unavailability keeps training.
 """
@@ -21,6 +21,7 @@ from asteria_server.errors import (
     AsteriaError,
     AuthenticationError,
     BlockFailedError,
+    DaemonBusyError,
     EngineUnavailableError,
     InvalidInputError,
     ResultTimeoutError,
@@ -44,6 +45,8 @@ STATUS_TABLE: tuple[tuple[type[AsteriaError], grpc.StatusCode], ...] = (
     (BlockFailedError, grpc.StatusCode.FAILED_PRECONDITION),
     # A solve failed after its retries; the last good result stays in use.
     (SolverError, grpc.StatusCode.ABORTED),
+    # No room for this upload now (the daemon's upload budget is full): send the next snapshot.
+    (DaemonBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
 _CODE_OF: dict[type, grpc.StatusCode] = dict(STATUS_TABLE)

@@ -212,6 +212,8 @@ async def start(config: DaemonConfig) -> RunningDaemon:
                 chunk_bytes=config.chunk_bytes,
                 max_message_bytes=config.max_message_bytes,
                 max_matrix_n=config.max_matrix_n,
+                max_upload_bytes=config.max_upload_bytes,
+                upload_wait_s=config.upload_wait_s,
             ),
             max_sessions=config.max_sessions,
             handover=handover,

@@ -30,6 +30,7 @@ from asteria_server.engine import PreconditionerEngine, SolveKind, SolveResult, 
 from asteria_server.engine.tasks import SubmitOutcome
 from asteria_server.errors import (
     AuthenticationError,
+    DaemonBusyError,
     EngineUnavailableError,
     InvalidInputError,
     UnknownSessionError,
@@ -39,6 +40,7 @@ from asteria_server.protocol.errors import to_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import ArraySpec, SegmentRef
+from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ class ServiceLimits:
     chunk_bytes: int
     max_message_bytes: int
     max_matrix_n: int
+    max_upload_bytes: int = 2 << 30
+    upload_wait_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._registered: dict[str, dict[str, tuple[int, SolveKind]]] = {}
         self._stopping = asyncio.Event()
         self._handover = handover
+        self._uploads = UploadBudget(limits.max_upload_bytes)
 
     def has_session(self, session_id: str) -> bool:
         """Whether ``session_id`` is open (the segment handover asks, from its threads)."""
@@ -244,18 +249,35 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             )
             session = self._session(receiver.session_id)
             self._check_registered(session.tenant, receiver.header)
-            async for message in request_iterator:
-                receiver.feed(message)
-            if receiver.shm is None:
-                task = receiver.finish(tenant=session.tenant)
-            else:
-                task = await self._from_segment(receiver, session)
+            num_bytes = sum(spec.num_bytes for spec in receiver.specs)
+            what = f"SubmitSnapshot of block {receiver.header.block!r}"
+            async with self._uploads.hold(
+                num_bytes, wait_s=self._upload_wait_s(context), what=what
+            ):
+                async for message in request_iterator:
+                    receiver.feed(message)
+                if receiver.shm is None:
+                    task = receiver.finish(tenant=session.tenant)
+                else:
+                    task = await self._from_segment(receiver, session)
             if task is None:  # the client already wrote a newer snapshot over this one
                 return convert.outcome_to_proto(SubmitOutcome.STALE_IGNORED)
             outcome = self._engine.submit(task)
-        except (InvalidInputError, UnknownSessionError, EngineUnavailableError) as exc:
+        except (
+            InvalidInputError,
+            UnknownSessionError,
+            EngineUnavailableError,
+            DaemonBusyError,
+        ) as exc:
             await _abort(context, exc)
         return convert.outcome_to_proto(outcome)
+
+    def _upload_wait_s(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
+        """How long an upload may wait for room: the configured wait, within its deadline."""
+        remaining = context.time_remaining()
+        if remaining is None:
+            return self._limits.upload_wait_s
+        return max(0.0, min(self._limits.upload_wait_s, 0.8 * remaining))
 
     async def _from_segment(
         self, receiver: convert.SnapshotReceiver, session: Session

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -297,3 +298,48 @@ def test_tcp_without_tokens_is_refused(tmp_path: Path) -> None:
         timeout=START_TIMEOUT_S,
     )
     assert out.returncode == 2 and "no tenant tokens" in out.stderr
+
+
+def test_the_upload_budget_refuses_oversized_and_busies_concurrent_uploads(
+    tmp_path: Path,
+) -> None:
+    """A 16 KiB budget: a 32x32 float32 snapshot (4 KiB) fits; one of 96x96 (36 KiB) is refused;
+    while a slow client holds 12 KiB, another 8 KiB upload gets RESOURCE_EXHAUSTED."""
+    d = start_daemon(tmp_path, "--max-upload-bytes", "16384", "--upload-wait-s", "0.3")
+    try:
+        stub = d.stub()
+        session = stub.OpenSession(pb.OpenSessionRequest(), timeout=CALL_TIMEOUT_S).session_id
+
+        def snapshot(block: str, n: int, pause_s: float = 0.0) -> Iterator[Any]:
+            task = SolveTask(
+                block=block,
+                version=0,
+                kind=SolveKind.INVERSE_ROOT,
+                matrix=spd(n, 0).astype(np.float32),
+            )
+            messages = list(convert.snapshot_messages(task, session_id=session, chunk_bytes=2048))
+            yield messages[0]
+            yield messages[1]
+            time.sleep(pause_s)  # hold the budget with a half-sent snapshot
+            yield from messages[2:]
+
+        assert stub.SubmitSnapshot(snapshot("fits", 32), timeout=CALL_TIMEOUT_S).outcome == (
+            pb.SUBMIT_OUTCOME_QUEUED
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.SubmitSnapshot(snapshot("big", 96), timeout=CALL_TIMEOUT_S)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_upload_bytes" in (refused.value.details() or "")
+
+        slow = stub.SubmitSnapshot.future(snapshot("slow", 55, pause_s=2.0), timeout=30)
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as busy:
+            stub.SubmitSnapshot(snapshot("second", 45), timeout=CALL_TIMEOUT_S)
+        assert busy.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert slow.result().outcome == pb.SUBMIT_OUTCOME_QUEUED
+        # Room again once the slow upload finished.
+        assert stub.SubmitSnapshot(snapshot("second", 45), timeout=CALL_TIMEOUT_S).outcome == (
+            pb.SUBMIT_OUTCOME_QUEUED
+        )
+    finally:
+        stop_daemon(d)
