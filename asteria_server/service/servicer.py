@@ -188,7 +188,12 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     ) -> pb.CloseSessionResponse:
         try:
             self._session(request.session_id)
-        except UnknownSessionError as exc:
+            if request.forget_blocks:
+                raise InvalidInputError(
+                    "CloseSession(forget_blocks=true) is not supported yet: the session stays "
+                    "open and its blocks cached; close it with forget_blocks=false"
+                )
+        except (UnknownSessionError, InvalidInputError) as exc:
             await _abort(context, exc)
         del self._sessions[request.session_id]
         if self._handover is not None:

@@ -343,3 +343,12 @@ def test_the_upload_budget_refuses_oversized_and_busies_concurrent_uploads(
         )
     finally:
         stop_daemon(d)
+
+
+def test_forgetting_blocks_on_close_is_refused_not_silently_ignored(daemon: Daemon) -> None:
+    stub = daemon.stub()
+    session = open_session(stub)
+    close = pb.CloseSessionRequest(session_id=session, forget_blocks=True)
+    details = expect_code(grpc.StatusCode.INVALID_ARGUMENT, stub.CloseSession, close)
+    assert "not supported yet" in details
+    stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=CALL_TIMEOUT_S)

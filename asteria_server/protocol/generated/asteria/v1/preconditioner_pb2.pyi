@@ -297,7 +297,10 @@ class CloseSessionRequest(_message.Message):
     session_id: _builtins.str
     """The session to close."""
     forget_blocks: _builtins.bool
-    """True drops the session's blocks and results now; false keeps them cached for a restart."""
+    """True asks to drop the session's blocks and results now; false keeps them cached for a
+    restart. Not supported yet: a daemon answers INVALID_ARGUMENT and keeps the session open, so
+    a caller never believes blocks were dropped that were not.
+    """
     def __init__(
         self,
         *,
