@@ -27,22 +27,31 @@ def test_spikes_writes_runs_with_step_time_statistics(
     assert code == 0
     report = json.loads(out.read_text())
     runs = {(r["optimizer"], r["mode"]): r for r in report["runs"]}
-    assert set(runs) == {("adamw", "n/a"), ("soap", "native"), ("soap", "embedded")}
+    assert set(runs) == {
+        ("adamw", "n/a"),
+        ("soap", "native"),
+        ("soap", "embedded"),
+        ("soap", "daemon"),
+    }
     for run in runs.values():
         for key in ("step_time_median_s", "step_time_p99_s", "step_time_max_s"):
             assert math.isfinite(run[key]) and run[key] > 0
         assert run["step_time_median_s"] <= run["step_time_p99_s"] <= run["step_time_max_s"]
         assert len(run["step_times_s"]) == 14
-    embedded = runs[("soap", "embedded")]
-    assert embedded["staleness"]["mode"] == "embedded"
-    assert embedded["staleness"]["max_lag_steps"] <= 4  # budget S=1 at f=4
-    assert "embedded p99/median" in capsys.readouterr().out
+    for mode in ("embedded", "daemon"):
+        run = runs[("soap", mode)]
+        assert run["staleness"]["mode"] == mode
+        assert run["staleness"]["max_lag_steps"] <= 4  # budget S=1 at f=4
+    assert runs[("soap", "daemon")]["staleness"]["source"]["transport"] == "shm"
+    printed = capsys.readouterr().out
+    assert "embedded p99/median" in printed and "daemon p99/median" in printed
     assert report["benchmark"] == "spikes" and report["quick"] is False
     assert report["command"] and report["machine"]["blas"] is not None
     assert report["figures"] == ["spikes-trace.png"]
     assert (tmp_path / "spikes-trace.png").read_bytes().startswith(b"\x89PNG")
     section = report_section({**report, "figures": ["figures/spikes-trace.png"]})
-    assert "| soap (embedded) |" in section and "](figures/spikes-trace.png)" in section
+    assert "| soap (embedded) |" in section and "| soap (daemon) |" in section
+    assert "](figures/spikes-trace.png)" in section
 
 
 def test_spikes_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
