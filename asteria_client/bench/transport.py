@@ -269,7 +269,7 @@ def report_section(data: dict[str, Any]) -> str:
     ]
     for figure in data.get("figures", []):
         lines += ["", f"![transport]({figure})"]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def register(subparsers: Any) -> Any:
