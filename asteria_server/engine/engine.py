@@ -178,6 +178,8 @@ class PreconditionerEngine:
         self._closed = False
         self._broken: str | None = None
         self._results_epoch = 0
+        #: tenant -> block -> the results epoch at which the block's newest result arrived.
+        self._result_epochs: dict[str, dict[str, int]] = {}
         self._pool = WorkerPool(self.config.pool_config())
         self._thread = threading.Thread(
             target=self._dispatch_loop, name="asteria-engine-dispatch", daemon=True
@@ -228,6 +230,14 @@ class PreconditionerEngine:
     def results_epoch(self) -> int:
         """A counter that grows whenever a block gets a newer result (cheap to poll)."""
         return self._results_epoch
+
+    def blocks_with_results_since(self, epoch: int, tenant: str = DEFAULT_TENANT) -> list[str]:
+        """The tenant's blocks whose newest result arrived after ``results_epoch`` was ``epoch``
+        (``-1``: every block with a result). Costs a scan of one dict, not a status build, so a
+        stream can ask after every result."""
+        with self._cond:
+            epochs = self._result_epochs.get(tenant, {})
+            return [block for block, at in epochs.items() if at > epoch]
 
     def wait_result(
         self, block: str, min_version: int, timeout_s: float, tenant: str = DEFAULT_TENANT
@@ -382,6 +392,8 @@ class PreconditionerEngine:
         if event.result is not None:
             if self._coord.complete(task, event.result):
                 self._results_epoch += 1
+                tenant_epochs = self._result_epochs.setdefault(task.tenant, {})
+                tenant_epochs[task.block] = self._results_epoch
         else:
             self._coord.fail(task, event.error or "unknown worker failure")
 

@@ -327,8 +327,9 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         while not self._stopping.is_set() and session.session_id in self._sessions:
             now_epoch = self._engine.results_epoch
             if now_epoch != epoch:
+                changed = self._engine.blocks_with_results_since(epoch, tenant)
                 epoch = now_epoch
-                blocks = wanted or {s.block for s in self._engine.status(tenant)}
+                blocks = [b for b in changed if b in wanted] if wanted else changed
                 for block in sorted(blocks):
                     result = self._engine.latest_result(
                         block, tenant, newer_than=sent.get(block, -1)
