@@ -5,8 +5,9 @@ For each size n and solve kind, a batch of B random SPD float32 factors (``G G^T
 ridge, like Kronecker factors) is solved round after round on both sides:
 
 - daemon: a real ``asteria-server`` (``--workers W --blas-threads 1``) on a private Unix socket;
-  one session submits all B snapshots (a new version each round) over gRPC and a results stream
-  receives them; a round is timed from the first submit to the arrival of the last result;
+  one session submits all B snapshots (a new version each round) and a results stream receives
+  them, over shared memory as a client on the same host does by default (``--transport grpc``:
+  in gRPC chunks); a round is timed from the first submit to the arrival of the last result;
 - bare: W spawned processes with 1 BLAS thread each, at the daemon workers' nice value, each
   running on its share of the same batch exactly the LAPACK/BLAS calls the engine's solver makes
   (``scipy.linalg.eigh`` in float64 with the ``evd`` driver; for an inverse root also the one
@@ -73,6 +74,7 @@ class ThroughputConfig:
         batch: a fixed B for every n instead (None: calibrated from ``target_round_s``).
         bare_niceness: nice value of the bare processes (default: the daemon workers' value).
         seed: seeds the factors.
+        transport: ``shm`` (shared memory, a same-host client's default) or ``grpc``.
     """
 
     sizes: tuple[int, ...] = (256, 512, 1024)
@@ -83,8 +85,11 @@ class ThroughputConfig:
     batch: int | None = None
     bare_niceness: int = field(default_factory=lambda: EngineConfig().worker_niceness)
     seed: int = 0
+    transport: str = "shm"
 
     def __post_init__(self) -> None:
+        if self.transport not in ("shm", "grpc"):
+            raise ValueError(f"transport must be shm or grpc, got {self.transport!r}")
         if not self.sizes or any(not isinstance(n, int) or n < 2 for n in self.sizes):
             raise ValueError(f"sizes must be integers >= 2, got {self.sizes!r}")
         if not self.kinds:
@@ -208,11 +213,19 @@ class BarePool:
 class DaemonClient:
     """One session on the benchmark's daemon and a thread draining its results stream."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, shared_memory: bool = True) -> None:
         from asteria_client.transport.connection import DaemonConnection
+        from asteria_client.transport.shm import HandoverChannel
 
         self._conn = DaemonConnection(address)
         self._session = self._conn.open_session()
+        self._channel = (
+            HandoverChannel(self._session.shm_socket, self._session.session_id)
+            if shared_memory
+            else None
+        )
+        self._segments: dict[str, tuple[Any, Any]] = {}  # block -> (snapshot, result) segments
+        self._by_id: dict[str, Any] = {}
         self._arrivals: queue.Queue[tuple[str, int, float] | BaseException] = queue.Queue()
         self._cancel: Callable[[], object] | None = None
         self._cancel_set = threading.Event()
@@ -227,9 +240,39 @@ class DaemonClient:
         self._cancel = cancel
         self._cancel_set.set()
 
+    def _read_result(self, ref: Any, specs: Any) -> Any:
+        return self._by_id[ref.segment_id].read(specs, ref.sequence)
+
+    def _segments_of(self, task: Any) -> Any:
+        """The block's snapshot and result segments, made and handed over on first use."""
+        from asteria_client.transport.shm import ClientSegment, result_capacity
+        from asteria_server.protocol.convert import snapshot_specs
+
+        found = self._segments.get(task.block)
+        if found is None:
+            assert self._channel is not None
+            snap = ClientSegment.create("snapshot", task.block, snapshot_specs(task))
+            result = ClientSegment.create("result", task.block, result_capacity(task.n, task.kind))
+            for seg in (snap, result):
+                self._channel.attach(seg)
+                self._by_id[seg.segment_id] = seg
+            found = self._segments[task.block] = (snap, result)
+        return found
+
+    def _submit(self, task: Any) -> None:
+        from asteria_server.protocol.convert import snapshot_specs
+
+        if self._channel is None:
+            self._conn.submit(self._session, task)
+            return
+        snap, _ = self._segments_of(task)
+        sequence = snap.segment.write(snapshot_specs(task), [task.matrix])
+        self._conn.submit(self._session, task, shm=snap.ref(sequence))
+
     def _drain(self) -> None:
+        reader = self._read_result if self._channel is not None else None
         try:
-            for result in self._conn.results(self._session, {}, self._on_call):
+            for result in self._conn.results(self._session, {}, self._on_call, reader=reader):
                 self._arrivals.put((result.block, result.version, time.perf_counter()))
         except BaseException as exc:  # surfaced by run_round unless we are closing
             if not self._closing:
@@ -254,7 +297,7 @@ class DaemonClient:
                 exponent=EXPONENT,
                 epsilon=EPSILON,
             )
-            self._conn.submit(self._session, task)
+            self._submit(task)
         last = start
         deadline = time.monotonic() + ROUND_SLACK_S
         while pending:
@@ -284,6 +327,10 @@ class DaemonClient:
         except Exception as exc:  # the daemon is stopped right after; nothing to keep
             logger.debug("closing the benchmark session failed: %s", exc)
         self._conn.close()
+        if self._channel is not None:
+            self._channel.close()
+        for seg in self._by_id.values():
+            seg.close()
 
 
 # --------------------------------------------------------------------------- the run
@@ -351,7 +398,7 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     client = None
     try:
         bare = BarePool(cfg.workers, cfg.bare_niceness)
-        client = DaemonClient(daemon.address)
+        client = DaemonClient(daemon.address, shared_memory=cfg.transport == "shm")
         version = 0
         for n in cfg.sizes:
             batch = plan[n][0]
@@ -533,6 +580,12 @@ def register(subparsers: Any) -> Any:
         default=EngineConfig().worker_niceness,
         help="nice value of the bare processes (default: the daemon workers' value)",
     )
+    parser.add_argument(
+        "--transport",
+        choices=["shm", "grpc"],
+        default="shm",
+        help="how the client reaches the daemon (default shm, a same-host client's default)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the report here")
     return run_command
@@ -554,6 +607,7 @@ def run_command(args: argparse.Namespace) -> int:
         batch=args.batch,
         bare_niceness=args.bare_niceness,
         seed=args.seed,
+        transport=args.transport,
     )
     report = run_throughput(cfg)
     report["quick"] = bool(args.quick)
