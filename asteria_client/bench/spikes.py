@@ -336,14 +336,18 @@ def report_section(data: dict[str, Any]) -> str:
         f"{checks['embedded_median_over_native_quiet']:.3f} (target <= "
         f"{checks['embedded_median_over_native_quiet_target']}: "
         f"{met('embedded_median_over_native_quiet')}).",
-        f"- Daemon p99/median {checks['daemon_p99_over_median']:.2f} "
-        f"({met('daemon_p99_over_median')}); daemon median / native non-refresh median "
-        f"{checks['daemon_median_over_native_quiet']:.3f} "
-        f"({met('daemon_median_over_native_quiet')}).",
         "",
         "Local p99: the p99 of each step's time over the median of its own chunk of steps.",
         "",
     ]
+    if "daemon_p99_over_median" in checks:  # reports from before the daemon run lack it
+        lines.insert(
+            -3,
+            f"- Daemon p99/median {checks['daemon_p99_over_median']:.2f} "
+            f"({met('daemon_p99_over_median')}); daemon median / native non-refresh median "
+            f"{checks['daemon_median_over_native_quiet']:.3f} "
+            f"({met('daemon_median_over_native_quiet')}).",
+        )
     lines += [f"![{Path(figure).stem}]({figure})" for figure in data.get("figures", [])]
     return "\n".join(lines) + "\n"
 
