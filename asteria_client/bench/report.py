@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 SECTION_ORDER = ("convergence", "spikes", "transport", "throughput", "sharing")
 TITLES = {
     "convergence": "Convergence: validation loss against steps and wall-clock time",
-    "spikes": "Step-time spikes: AdamW vs native vs embedded",
+    "spikes": "Step-time spikes: AdamW vs native, embedded and daemon second-order",
     "transport": "Transport: moving snapshots and results",
-    "throughput": "Throughput: solves per second",
+    "throughput": "Throughput: daemon solves/s against a bare LAPACK loop",
     "sharing": "Sharing: N training processes on one daemon",
 }
 DEFAULT_RESULTS = Path("runs/bench")

@@ -515,11 +515,10 @@ def report_section(data: dict[str, Any]) -> str:
     """A markdown section of a throughput report for ``asteria bench report``."""
     cfg = data["config"]
     lines = [
-        "## Throughput: daemon vs bare LAPACK loop",
-        "",
         f"Daemon solves/s for a batch of blocks against the same LAPACK calls in a bare loop, "
         f"{cfg['workers']} processes on each side with 1 BLAS thread, medians of "
-        f"{cfg['rounds']} alternating rounds. Ratio = daemon solves/s / bare solves/s "
+        f"{cfg['rounds']} alternating rounds, client over {cfg.get('transport', 'grpc')}. "
+        "Ratio = daemon solves/s / bare solves/s "
         f"(target >= {data['ratio_target']}).",
         "",
         *_table(data["results"], markdown=True),
