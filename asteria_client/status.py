@@ -21,6 +21,7 @@ from asteria_client.transport.connection import DaemonClientConfig, DaemonConnec
 from asteria_server.engine.engine import EngineStats
 from asteria_server.engine.registry import BlockStatus
 from asteria_server.errors import AsteriaError, InvalidInputError
+from asteria_server.protocol.stats import TransportStats
 
 if TYPE_CHECKING:
     from asteria_client.cli import ArgumentParser, Handler
@@ -43,7 +44,12 @@ CALL_TIMEOUT_S = 5.0
 _JOB = "asteria-status"
 
 
-def status_document(address: str, stats: EngineStats, blocks: list[BlockStatus]) -> dict[str, Any]:
+def status_document(
+    address: str,
+    stats: EngineStats,
+    blocks: list[BlockStatus],
+    transport: TransportStats | None = None,
+) -> dict[str, Any]:
     """The JSON document of ``asteria status --json``."""
     rows = []
     for block in sorted(blocks, key=lambda b: (b.tenant, b.block)):
@@ -66,6 +72,7 @@ def status_document(address: str, stats: EngineStats, blocks: list[BlockStatus])
         "results_discarded": stats.results_discarded,
         "closed": stats.closed,
         "broken_reason": stats.broken_reason,
+        "transport": None if transport is None else transport.to_dict(),
         "blocks": rows,
     }
 
@@ -94,8 +101,17 @@ _COLUMNS = (
 )
 
 
-def format_table(address: str, stats: EngineStats, blocks: list[BlockStatus]) -> str:
-    """The human-readable report: two summary lines, then one row per block."""
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
+
+
+def format_table(
+    address: str,
+    stats: EngineStats,
+    blocks: list[BlockStatus],
+    transport: TransportStats | None = None,
+) -> str:
+    """The human-readable report: the summary lines, then one row per block."""
     lines = [
         f"daemon {address}  incarnation {stats.incarnation_id}  uptime {stats.uptime_s:.1f} s"
         + ("  (shutting down)" if stats.closed else ""),
@@ -103,6 +119,13 @@ def format_table(address: str, stats: EngineStats, blocks: list[BlockStatus]) ->
         f"{stats.worker_restarts} restarted; queue depth {stats.queue_depth}; "
         f"solves {stats.solves_done} done, {stats.solves_failed} failed",
     ]
+    if transport is not None:
+        t = transport
+        lines.append(
+            f"shared memory: {t.shm_connections} clients, {t.shm_segments} segments "
+            f"({_mib(t.shm_mapped_bytes)}); uploads: {_mib(t.upload_bytes_in_flight)} of "
+            f"{_mib(t.upload_budget_bytes)} in flight, {t.uploads_waiting} waiting"
+        )
     if stats.broken_reason:
         lines.append(f"BROKEN: {stats.broken_reason}")
     if not blocks:
@@ -143,13 +166,13 @@ class StatusReader:
         self._conn = DaemonConnection(address, tenant=tenant, token=token, job=_JOB, config=config)
         self._session_id: str | None = None
 
-    def read(self) -> tuple[EngineStats, list[BlockStatus]]:
+    def read(self) -> tuple[EngineStats, list[BlockStatus], TransportStats | None]:
         """Raises an AsteriaError when the daemon cannot be reached or refuses the tenant."""
         for attempt in range(2):
             if self._session_id is None:
                 self._session_id = self._conn.open_session().session_id
             try:
-                return self._conn.status(self._session_id)
+                return self._conn.status_report(self._session_id)
             except AsteriaError:
                 self._session_id = None  # e.g. the daemon restarted: one new session, once
                 if attempt == 1:
@@ -207,7 +230,7 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                stats, blocks = reader.read()
+                stats, blocks, transport = reader.read()
             except AsteriaError as exc:
                 print(
                     f"{PROG} status: cannot reach the daemon at {address}: {exc}", file=sys.stderr
@@ -216,11 +239,12 @@ def run_status(args: argparse.Namespace) -> int:
                     return EXIT_FAILED
             else:
                 if args.json:
-                    print(json.dumps(status_document(address, stats, blocks)), flush=True)
+                    document = status_document(address, stats, blocks, transport)
+                    print(json.dumps(document), flush=True)
                 else:
                     if args.watch is not None and sys.stdout.isatty():
                         print("\x1b[H\x1b[2J", end="")
-                    print(format_table(address, stats, blocks), flush=True)
+                    print(format_table(address, stats, blocks, transport), flush=True)
             first = False
             if args.watch is None:
                 return EXIT_OK

@@ -23,6 +23,7 @@ from asteria_server.protocol.errors import from_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef
+from asteria_server.protocol.stats import TransportStats
 
 #: Largest gRPC message this client sends or accepts (a 1 MiB chunk plus framing fits).
 MAX_MESSAGE_BYTES = 8 << 20
@@ -194,13 +195,22 @@ class DaemonConnection:
     def status(
         self, session_id: str = "", *, timeout_s: float | None = None
     ) -> tuple[EngineStats, list[BlockStatus]]:
+        """The engine's numbers and the session's tenant's blocks."""
+        stats, blocks, _ = self.status_report(session_id, timeout_s=timeout_s)
+        return stats, blocks
+
+    def status_report(
+        self, session_id: str = "", *, timeout_s: float | None = None
+    ) -> tuple[EngineStats, list[BlockStatus], TransportStats | None]:
+        """:meth:`status` and the daemon's data-path numbers (None from an older daemon)."""
         request = pb.StatusRequest(session_id=session_id)
         timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
         try:
             reply = self._stub.Status(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise _error(exc) from None
-        return convert.status_from_proto(reply)
+        stats, blocks = convert.status_from_proto(reply)
+        return stats, blocks, convert.transport_stats_from_proto(reply)
 
     def results(
         self,

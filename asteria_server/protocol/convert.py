@@ -36,6 +36,7 @@ from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, Submi
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.shm import ArraySpec, SegmentRef
+from asteria_server.protocol.stats import TransportStats
 
 #: Copies announced arrays out of a shared-memory segment: ``reader(ref, specs)`` returns them,
 #: or None when a newer write replaced them (the announcement is then skipped).
@@ -708,11 +709,30 @@ def engine_stats_from_proto(message: pb.EngineStats) -> EngineStats:
     )
 
 
-def status_to_proto(stats: EngineStats, blocks: Iterable[BlockStatus]) -> pb.StatusResponse:
-    """The Status answer for engine-wide ``stats`` and the caller's ``blocks``."""
+def status_to_proto(
+    stats: EngineStats, blocks: Iterable[BlockStatus], transport: TransportStats | None = None
+) -> pb.StatusResponse:
+    """The Status answer for engine-wide ``stats``, the caller's ``blocks`` and the daemon's
+    ``transport`` numbers."""
     return pb.StatusResponse(
         engine=engine_stats_to_proto(stats),
         blocks=[block_status_to_proto(b) for b in blocks],
+        transport=None if transport is None else pb.TransportStats(**transport.to_dict()),
+    )
+
+
+def transport_stats_from_proto(message: pb.StatusResponse) -> TransportStats | None:
+    """The data-path numbers of a Status answer (None from a daemon that does not send them)."""
+    if not message.HasField("transport"):
+        return None
+    t = message.transport
+    return TransportStats(
+        shm_connections=t.shm_connections,
+        shm_segments=t.shm_segments,
+        shm_mapped_bytes=t.shm_mapped_bytes,
+        upload_bytes_in_flight=t.upload_bytes_in_flight,
+        upload_budget_bytes=t.upload_budget_bytes,
+        uploads_waiting=t.uploads_waiting,
     )
 
 

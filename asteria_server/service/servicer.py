@@ -40,6 +40,7 @@ from asteria_server.protocol.errors import to_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import ArraySpec, SegmentRef
+from asteria_server.protocol.stats import TransportStats
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
 
@@ -374,9 +375,9 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StatusResponse:
-        stats = self._engine.stats()
-        if not request.session_id:
-            return convert.status_to_proto(stats, [])  # no credentials: engine-wide numbers only
+        stats, transport = self._engine.stats(), self._transport_stats()
+        if not request.session_id:  # no credentials: daemon-wide numbers only
+            return convert.status_to_proto(stats, [], transport)
         try:
             session = self._session(request.session_id)
             if request.tenant and request.tenant != session.tenant:
@@ -385,4 +386,15 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 )
         except (UnknownSessionError, AuthenticationError) as exc:
             await _abort(context, exc)
-        return convert.status_to_proto(stats, self._engine.status(session.tenant))
+        return convert.status_to_proto(stats, self._engine.status(session.tenant), transport)
+
+    def _transport_stats(self) -> TransportStats:
+        shm = self._handover.stats() if self._handover is not None else {}
+        return TransportStats(
+            shm_connections=shm.get("connections", 0),
+            shm_segments=shm.get("segments", 0),
+            shm_mapped_bytes=shm.get("mapped_bytes", 0),
+            upload_bytes_in_flight=self._uploads.in_use_bytes,
+            upload_budget_bytes=self._uploads.limit_bytes,
+            uploads_waiting=self._uploads.waiting,
+        )

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -166,6 +167,31 @@ def test_a_client_cannot_truncate_a_segment_the_daemon_maps(daemon: Daemon) -> N
     finally:
         source.close()
     assert daemon.proc.poll() is None
+
+
+def test_status_shows_the_segments_and_the_upload_budget(
+    daemon: Daemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asteria_client.cli import main
+
+    source = DaemonSource(daemon.target)
+    try:
+        assert source.wait_connected(WAIT_S)
+        source.submit(root_request("st", 0, 64, 0))
+        assert source.wait("st", 0, WAIT_S) is not None
+        capsys.readouterr()
+        assert main(["status", "--address", daemon.target, "--json"]) == 0
+        transport = json.loads(capsys.readouterr().out)["transport"]
+        assert transport["shm_connections"] == 1 and transport["shm_segments"] == 2
+        assert transport["shm_mapped_bytes"] == sum(
+            seg.segment.size_bytes for seg in source._segments.values()
+        )
+        assert transport["upload_budget_bytes"] == 2 << 30
+        assert transport["upload_bytes_in_flight"] == 0 and transport["uploads_waiting"] == 0
+        assert main(["status", "--address", daemon.target]) == 0
+        assert "shared memory: 1 clients, 2 segments" in capsys.readouterr().out
+    finally:
+        source.close()
 
 
 # ---------------------------------------------------------------------------------- space

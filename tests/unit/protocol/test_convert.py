@@ -613,3 +613,20 @@ def test_streams_cross_a_real_grpc_channel() -> None:
             assert result.tenant == "from-session"
     finally:
         server.stop(None)
+
+
+def test_transport_stats_round_trip_and_are_absent_from_older_daemons() -> None:
+    from asteria_server.protocol.stats import TransportStats
+
+    stats = _engine_stats()
+    transport = TransportStats(
+        shm_connections=2,
+        shm_segments=44,
+        shm_mapped_bytes=3 << 20,
+        upload_bytes_in_flight=4096,
+        upload_budget_bytes=2 << 30,
+        uploads_waiting=1,
+    )
+    message = _status_wire(convert.status_to_proto(stats, [], transport))
+    assert convert.transport_stats_from_proto(message) == transport
+    assert convert.transport_stats_from_proto(convert.status_to_proto(stats, [])) is None

@@ -997,6 +997,48 @@ class BlockStatus(_message.Message):
 Global___BlockStatus: _TypeAlias = BlockStatus  # noqa: Y015
 
 @_typing.final
+class TransportStats(_message.Message):
+    """The daemon's data path: shared-memory handovers and snapshot uploads, right now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHM_CONNECTIONS_FIELD_NUMBER: _builtins.int
+    SHM_SEGMENTS_FIELD_NUMBER: _builtins.int
+    SHM_MAPPED_BYTES_FIELD_NUMBER: _builtins.int
+    UPLOAD_BYTES_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    UPLOAD_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    UPLOADS_WAITING_FIELD_NUMBER: _builtins.int
+    shm_connections: _builtins.int
+    """Clients connected to the segment-handover socket."""
+    shm_segments: _builtins.int
+    """Segments those clients handed over (each one mapping in the daemon)."""
+    shm_mapped_bytes: _builtins.int
+    """Their total size in bytes."""
+    upload_bytes_in_flight: _builtins.int
+    """Snapshot bytes being received now, in chunks or copied out of segments."""
+    upload_budget_bytes: _builtins.int
+    """The limit on those (the daemon's max_upload_bytes)."""
+    uploads_waiting: _builtins.int
+    """Uploads waiting for room in that budget."""
+    def __init__(
+        self,
+        *,
+        shm_connections: _builtins.int = ...,
+        shm_segments: _builtins.int = ...,
+        shm_mapped_bytes: _builtins.int = ...,
+        upload_bytes_in_flight: _builtins.int = ...,
+        upload_budget_bytes: _builtins.int = ...,
+        uploads_waiting: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shm_connections", b"shm_connections", "shm_mapped_bytes", b"shm_mapped_bytes", "shm_segments", b"shm_segments", "upload_budget_bytes", b"upload_budget_bytes", "upload_bytes_in_flight", b"upload_bytes_in_flight", "uploads_waiting", b"uploads_waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransportStats: _TypeAlias = TransportStats  # noqa: Y015
+
+@_typing.final
 class StatusResponse(_message.Message):
     """The daemon's status."""
 
@@ -1004,6 +1046,7 @@ class StatusResponse(_message.Message):
 
     ENGINE_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def engine(self) -> Global___EngineStats:
         """Engine-wide numbers."""
@@ -1012,15 +1055,20 @@ class StatusResponse(_message.Message):
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockStatus]:
         """One entry per block the caller may see."""
 
+    @_builtins.property
+    def transport(self) -> Global___TransportStats:
+        """The data path; unset by daemons that predate it."""
+
     def __init__(
         self,
         *,
         engine: Global___EngineStats | None = ...,
         blocks: _abc.Iterable[Global___BlockStatus] | None = ...,
+        transport: Global___TransportStats | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "transport", b"transport"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "engine", b"engine"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "engine", b"engine", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
