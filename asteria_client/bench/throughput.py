@@ -245,14 +245,12 @@ class DaemonClient:
 
     def _segments_of(self, task: Any) -> Any:
         """The block's snapshot and result segments, made and handed over on first use."""
-        from asteria_client.transport.shm import ClientSegment, result_capacity
-        from asteria_server.protocol.convert import snapshot_specs
+        from asteria_client.transport.shm import segments_for
 
         found = self._segments.get(task.block)
         if found is None:
             assert self._channel is not None
-            snap = ClientSegment.create("snapshot", task.block, snapshot_specs(task))
-            result = ClientSegment.create("result", task.block, result_capacity(task.n, task.kind))
+            snap, result = segments_for(task)
             for seg in (snap, result):
                 self._channel.attach(seg)
                 self._by_id[seg.segment_id] = seg

@@ -44,7 +44,7 @@ from asteria_client.bench import grpc_sink, output
 from asteria_client.bench.daemon import BenchDaemon
 from asteria_client.bench.stats import percentile
 from asteria_client.transport.connection import DaemonConnection, SessionInfo
-from asteria_client.transport.shm import ClientSegment, HandoverChannel, result_capacity
+from asteria_client.transport.shm import HandoverChannel, segments_for
 from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask
 from asteria_server.protocol.convert import SegmentReader, array_chunks, snapshot_specs
 from asteria_server.protocol.shm import ArraySpec, SegmentRef
@@ -131,8 +131,7 @@ def _measure_size(ends: _Endpoints, n: int, repeats: int, held: dict[str, int]) 
     block = f"bench-transport-{n}"
     task = SolveTask(block=block, version=0, kind=SolveKind.INVERSE_ROOT, matrix=matrix)
     specs = snapshot_specs(task)
-    snap = ClientSegment.create("snapshot", block, specs)
-    result_seg = ClientSegment.create("result", block, result_capacity(n, SolveKind.INVERSE_ROOT))
+    snap, result_seg = segments_for(task)
     ends.channel.attach(snap)
     ends.channel.attach(result_seg)
     tensor = torch.from_numpy(matrix)

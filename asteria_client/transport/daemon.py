@@ -47,12 +47,7 @@ from asteria_client.runtime.source import (
     result_from_engine,
 )
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
-from asteria_client.transport.shm import (
-    ClientSegment,
-    HandoverChannel,
-    result_capacity,
-    snapshot_capacity,
-)
+from asteria_client.transport.shm import ClientSegment, HandoverChannel, segments_for
 from asteria_server.engine.engine import EngineStats
 from asteria_server.engine.registry import BlockStatus
 from asteria_server.engine.tasks import SolveResult, SolveTask
@@ -363,12 +358,8 @@ class DaemonSource(PreconditionerSource):
         """
         if not self._want_shm or block.shm_error or self._channel is None:
             return False
-        itemsize = max(a.dtype.itemsize for a in (task.matrix, task.basis) if a is not None)
         try:
-            snap = ClientSegment.create(
-                "snapshot", task.block, snapshot_capacity(task.n, task.kind, itemsize)
-            )
-            result = ClientSegment.create("result", task.block, result_capacity(task.n, task.kind))
+            snap, result = segments_for(task)
         except SharedMemoryUnavailableError as exc:
             block.shm_error = str(exc)
             logger.warning("block %s goes over gRPC: %s", task.block, exc)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asteria_server.engine.tasks import SolveKind
+from asteria_server.engine.tasks import SolveKind, SolveTask
 from asteria_server.protocol.shm import (
     ArraySpec,
     Segment,
@@ -107,6 +107,21 @@ class ClientSegment:
             os.close(self.fd)
         self._views.clear()
         self.segment.close()
+
+
+def segments_for(task: SolveTask) -> tuple[ClientSegment, ClientSegment]:
+    """A block's snapshot and result segments, sized for the largest snapshot (at the dtype of
+    ``task``'s arrays) and the largest result of its kind. Raises
+    SharedMemoryUnavailableError when they cannot be made here."""
+    itemsize = max(a.dtype.itemsize for a in (task.matrix, task.basis) if a is not None)
+    snapshot = snapshot_capacity(task.n, task.kind, itemsize)
+    snap = ClientSegment.create("snapshot", task.block, snapshot)
+    try:
+        result = ClientSegment.create("result", task.block, result_capacity(task.n, task.kind))
+    except BaseException:
+        snap.close()
+        raise
+    return snap, result
 
 
 class HandoverChannel:
