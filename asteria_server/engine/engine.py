@@ -36,6 +36,7 @@ from asteria_server.engine.workers import (
     PoolConfig,
     PoolEvent,
     WorkerPool,
+    check_cpu_affinity,
     default_num_workers,
 )
 from asteria_server.errors import EngineUnavailableError
@@ -63,6 +64,9 @@ class EngineConfig:
         seconds_per_n3: a known cost-model constant; set, it skips calibration (tests).
         start_method: ``"subprocess"`` (default), ``"spawn"`` or ``"forkserver"``.
         worker_start_timeout_s: a worker not ready this long after its start is replaced.
+        cpu_affinity: CPUs the solver workers may run on (None, the default: this process's);
+            a trainer pinned to one core gives the workers the others, so no solve takes the
+            step's core. Stored as a sorted tuple; every CPU must be one this process may use.
         test_fault_prefix: TEST-ONLY fault injection by block name (see ``engine.faults``);
             None, the default, disables it.
     """
@@ -78,9 +82,15 @@ class EngineConfig:
     seconds_per_n3: float | None = None
     start_method: str = "subprocess"
     worker_start_timeout_s: float = 60.0
+    cpu_affinity: tuple[int, ...] | None = None
     test_fault_prefix: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "cpu_affinity",
+            check_cpu_affinity("EngineConfig.cpu_affinity", self.cpu_affinity),
+        )
         for name in (
             "num_workers",
             "blas_threads",
@@ -128,6 +138,7 @@ class EngineConfig:
             start_timeout_s=self.worker_start_timeout_s,
             start_method=self.start_method,
             solver=SolverConfig(max_attempts=self.max_attempts, blas_threads=None),
+            cpu_affinity=self.cpu_affinity,
             test_fault_prefix=self.test_fault_prefix,
         )
 

@@ -15,6 +15,7 @@ next to the pipes, exactly like a ``multiprocessing.Process.sentinel``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -24,6 +25,8 @@ import sys
 from typing import Any, Protocol
 
 from asteria_server.engine.solvers import SolverConfig
+
+logger = logging.getLogger(__name__)
 
 #: how workers can be started; "subprocess" is the default (see the module docstring).
 START_METHODS = ("subprocess", "spawn", "forkserver")
@@ -94,13 +97,33 @@ def _lower_priority(pid: int | None, niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, niceness)
 
 
+def _pin(pid: int | None, cpus: tuple[int, ...] | None) -> None:
+    """Restrict a worker to ``cpus`` (e.g. the cores a pinned trainer leaves free).
+
+    Set from the parent right after the start, while the child is still importing: the solving
+    (main) thread, and any thread the child starts later, inherit the mask.
+    """
+    if pid is None or cpus is None:
+        return
+    try:
+        os.sched_setaffinity(pid, cpus)
+    except OSError as exc:  # a CPU went offline, or the cpuset shrank since the config
+        logger.warning("could not pin solver worker %d to CPUs %s: %s", pid, list(cpus), exc)
+
+
 def start_worker(
-    method: str, blas_threads: int, solver: SolverConfig, name: str, niceness: int = 0
+    method: str,
+    blas_threads: int,
+    solver: SolverConfig,
+    name: str,
+    niceness: int = 0,
+    cpu_affinity: tuple[int, ...] | None = None,
 ) -> tuple[Any, mpc.Connection]:
     """Start one worker; returns its handle and the parent's end of its pipe.
 
     ``niceness`` > 0 lowers the worker's CPU priority: on a host whose cores are all busy, the
-    scheduler then runs the training step first and the solve in what is left.
+    scheduler then runs the training step first and the solve in what is left. ``cpu_affinity``
+    (None: the parent's CPUs) confines the worker to those CPUs.
     """
     if method == "subprocess":
         parent_sock, child_sock = socket.socketpair()
@@ -120,6 +143,7 @@ def start_worker(
             child_sock.close()
         conn = mpc.Connection(parent_sock.detach())
         _lower_priority(popen.pid, niceness)
+        _pin(popen.pid, cpu_affinity)
         conn.send((blas_threads, solver))  # the worker's configuration, before any task
         return SubprocessWorker(popen), conn
 
@@ -133,4 +157,5 @@ def start_worker(
     process.start()
     child_conn.close()
     _lower_priority(process.pid, niceness)
+    _pin(process.pid, cpu_affinity)
     return process, parent_conn

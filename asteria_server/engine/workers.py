@@ -63,6 +63,27 @@ def default_num_workers() -> int:
     return max(1, cpus - 1)
 
 
+def check_cpu_affinity(owner: str, value: object) -> tuple[int, ...] | None:
+    """``value`` as a sorted tuple of CPU numbers this process may use, or None; a ValueError
+    naming ``owner`` (e.g. ``PoolConfig.cpu_affinity``) and the value otherwise."""
+    if value is None:
+        return None
+    usable = sorted(os.sched_getaffinity(0))
+    if not isinstance(value, tuple | list | set | frozenset) or not value:
+        raise ValueError(f"{owner} must be None or a non-empty tuple of CPU numbers, got {value!r}")
+    cpus = list(value)
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus):
+        raise ValueError(f"{owner} must hold CPU numbers (ints >= 0), got {value!r}")
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"{owner} names a CPU twice: {value!r}")
+    unusable = sorted(set(cpus) - set(usable))
+    if unusable:
+        raise ValueError(
+            f"{owner}={value!r} names CPU(s) {unusable} this process may not use (usable: {usable})"
+        )
+    return tuple(sorted(cpus))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PoolConfig:
     """Configuration of :class:`WorkerPool`.
@@ -79,6 +100,8 @@ class PoolConfig:
             (see the module docstring and :mod:`asteria_server.engine.launch`).
         solver: tolerances and numeric retries of the solver inside each worker.
         segment_prefix: name prefix of the pool's shared-memory segments.
+        cpu_affinity: CPUs the workers may run on (None: the parent's); e.g. the cores a
+            trainer pinned to core 0 leaves free, so that solves never share its core.
         test_fault_prefix: TEST-ONLY fault injection (see :mod:`asteria_server.engine.faults`);
             None, the default, disables it.
     """
@@ -92,9 +115,13 @@ class PoolConfig:
     start_method: str = "subprocess"
     solver: SolverConfig = field(default_factory=SolverConfig)
     segment_prefix: str = SEGMENT_PREFIX
+    cpu_affinity: tuple[int, ...] | None = None
     test_fault_prefix: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "cpu_affinity", check_cpu_affinity("PoolConfig.cpu_affinity", self.cpu_affinity)
+        )
         if not isinstance(self.niceness, int) or not 0 <= self.niceness <= 19:
             raise ValueError(
                 f"PoolConfig.niceness must be an int in [0, 19], got {self.niceness!r}"
@@ -198,6 +225,7 @@ class WorkerPool:
             self.config.solver,
             f"asteria-solver-{slot.index}",
             self.config.niceness,
+            self.config.cpu_affinity,
         )
         slot.process, slot.conn, slot.ready = process, parent_conn, False
         slot.started_at, slot.sent_at = time.monotonic(), None

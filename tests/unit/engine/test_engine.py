@@ -348,6 +348,12 @@ def test_killed_worker_and_exit_leave_no_tracker_complaints(tmp_path: Path) -> N
         ("seconds_per_n3", -1.0),
         ("start_method", "fork"),
         ("test_fault_prefix", ""),
+        ("cpu_affinity", ()),
+        ("cpu_affinity", "0"),
+        ("cpu_affinity", (-1,)),
+        ("cpu_affinity", (True,)),
+        ("cpu_affinity", (0, 0)),
+        ("cpu_affinity", (100_000,)),
     ],
 )
 def test_engine_config_validation_names_field_and_value(field: str, value: object) -> None:
@@ -360,3 +366,24 @@ def test_engine_config_defaults() -> None:
     config = EngineConfig()
     assert config.num_workers >= 1 and config.blas_threads == 1
     assert config.test_fault_prefix is None and config.start_method == "subprocess"
+    assert config.cpu_affinity is None and config.pool_config().cpu_affinity is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPUs")
+@pytest.mark.parametrize("start_method", ["subprocess", "spawn"])
+def test_cpu_affinity_confines_the_workers(start_method: str) -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    solver_cpus = usable[1:]  # as a trainer pinned to the first CPU would leave them
+    config = EngineConfig(
+        num_workers=1,
+        calibrate=False,
+        cpu_affinity=list(reversed(solver_cpus)),  # any order and sequence type
+        start_method=start_method,
+    )
+    assert config.cpu_affinity == tuple(solver_cpus)
+    with PreconditionerEngine(config) as engine:
+        engine.submit(root_task("pinned", 1))
+        assert engine.wait_result("pinned", 1, WAIT_S) is not None  # it still solves
+        (pid,) = engine.worker_pids()
+        assert os.sched_getaffinity(pid) == set(solver_cpus)
+    assert os.sched_getaffinity(0) == set(usable)  # the parent keeps its own CPUs
