@@ -306,7 +306,8 @@ class Trainer:
                     step=step,
                     steps=cfg.steps,
                     train_loss=loss_value,
-                    val_loss=self.evals[-1].val_loss,
+                    # only a loss measured at this step: an older one would read as current
+                    val_loss=self.evals[-1].val_loss if self.evals[-1].step == step else None,
                     step_time_s=typical_s,
                     eta_s=typical_s * (cfg.steps - step),
                 )

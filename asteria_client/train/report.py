@@ -141,11 +141,14 @@ def format_progress(
     step_time_s: float,
     eta_s: float,
 ) -> str:
-    """One progress line: ``step 100/500  loss 2.4312  val 2.4511  41.8 ms/step  eta 0:17``."""
-    val = f"{val_loss:.4f}" if val_loss is not None else "-"
+    """One progress line: ``step 100/500  loss 2.4312  val 2.4511  41.8 ms/step  eta 0:17``.
+
+    ``val_loss`` is None at steps without an evaluation: the line then has no ``val`` field.
+    """
+    val = f"val {val_loss:.4f}  " if val_loss is not None else ""
     width = len(str(steps))
     return (
-        f"step {step:>{width}}/{steps}  loss {train_loss:.4f}  val {val}  "
+        f"step {step:>{width}}/{steps}  loss {train_loss:.4f}  {val}"
         f"{step_time_s * 1e3:.1f} ms/step  eta {_format_duration(eta_s)}"
     )
 

