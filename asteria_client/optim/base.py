@@ -21,12 +21,14 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
+from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
 from asteria_client.runtime.source import (
     NativeSource,
     PreconditionerRequest,
@@ -48,6 +50,8 @@ from asteria_server.errors import (
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "asteria.optim/1"
+#: A block whose solve is estimated above this many seconds is named in a construction warning.
+COSTLY_SOLVE_S = 10.0
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -147,8 +151,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         engine_config: EngineConfig | None = None,
         source: PreconditionerSource | None = None,
         address: str | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        self._unnamed = 0
+        self._namer = ParamNamer(model_names(model))
+        self._positional_warned = 0  # positional names already warned about
         self._warned: set[str] = set()
         self.mode: Mode = resolve_mode(mode)
         self.staleness = StalenessPolicy(
@@ -166,26 +172,29 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         defaults["large_dim_policy"] = parse_enum(
             LargeDimPolicy, defaults["large_dim_policy"], "large_dim_policy"
         )
-        super().__init__(params, defaults)
+        if defaults.get("max_dim_ratio") is not None:
+            check_range("max_dim_ratio", defaults["max_dim_ratio"], 0.0, math.inf)
+        self._plans: dict[str, BlockingPlan] = {}
+        super().__init__(named_param_groups(params, self._namer), defaults)
         self._source = (
             source if source is not None else make_source(self.mode, engine_config, address=address)
         )
-        self._plans: dict[str, BlockingPlan] = {}
         self.skipped_steps = 0
+        self._warn_costly_blocks()
 
     # ------------------------------------------------------------------ parameters and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        super().add_param_group(self._namer.named_group(param_group, "the param group"))
         group = self.param_groups[-1]
-        if "param_names" not in group:
-            group["param_names"] = []
-            for _ in group["params"]:
-                group["param_names"].append(f"param{self._unnamed}")
-                self._unnamed += 1
-            self._warn_once(
-                "unnamed",
-                "parameters were given without names; optimizer state is keyed by position "
-                "('param0', ...). Pass model.named_parameters() to key checkpoints by name.",
+        if self._namer.num_positional > self._positional_warned:
+            self._positional_warned = self._namer.num_positional
+            warnings.warn(
+                "parameters were given without names, so Asteria keys their optimizer state by "
+                "position ('param0', 'param1', ...): a checkpoint then depends on the order of "
+                "the parameters. Pass model.named_parameters() (or named groups), model=model, "
+                "or call optimizer.attach(model) before the first step to key it by name.",
+                UserWarning,
+                stacklevel=4,
             )
         for name, p in zip(group["param_names"], group["params"], strict=True):
             if p.dtype not in SUPPORTED_DTYPES:
@@ -210,10 +219,43 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         plan = self._plans.get(name)
         if plan is None:
             plan = plan_blocking(
-                param.shape, int(group["max_preconditioner_dim"]), group["large_dim_policy"]
+                param.shape,
+                int(group["max_preconditioner_dim"]),
+                group["large_dim_policy"],
+                group.get("max_dim_ratio"),
             )
             self._plans[name] = plan
         return plan
+
+    def _warn_costly_blocks(self) -> None:
+        """Warn once, at construction, when a block's solve is estimated to take long."""
+        seconds_per_n3 = self._source.seconds_per_n3()
+        costly = []
+        for name, p, group in self.named_params():
+            plan = self.plan(name, p, group)
+            sizes = {
+                size
+                for tile in plan.tiles
+                for size, pre in zip(tile.shape, tile.preconditioned, strict=True)
+                if pre
+            }
+            if sizes and (cost := seconds_per_n3 * max(sizes) ** 3) > COSTLY_SOLVE_S:
+                costly.append((cost, name, tuple(p.shape), max(sizes)))
+        if not costly:
+            return
+        costly.sort(reverse=True)
+        listed = "; ".join(
+            f"{name} {shape}: {n}x{n} factor, ~{cost:.0f} s" for cost, name, shape, n in costly[:3]
+        )
+        more = f" (and {len(costly) - 3} more)" if len(costly) > 3 else ""
+        warnings.warn(
+            f"{len(costly)} parameter(s) have factors whose eigendecomposition is estimated to "
+            f"take over {COSTLY_SOLVE_S:.0f} s on one core each: {listed}{more}. Lower "
+            "max_preconditioner_dim (tiles), pass large_dim_policy='identity' or a smaller "
+            "max_dim_ratio to leave such dims unpreconditioned, or expect slow refreshes.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     # ------------------------------------------------------------------ the step
     def _first_bad_gradient(self) -> str | None:
@@ -306,6 +348,19 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     #: True when a block cannot be used before its first result (a SOAP / KL-Shampoo basis).
     needs_first_result = False
 
+    def _needs_first(self) -> bool:
+        """Whether a block must wait for its first result before the tile can step.
+
+        Only at S = 0 (and in native mode): there the optimizer must equal native mode, which
+        starts from the first eigenbasis. With a budget S >= 1 a SOAP / KL-Shampoo tile starts
+        in the identity basis (plain Adam in the parameter's coordinates; the moments are
+        rotated into the first basis when it arrives), and the budget bounds how long that may
+        last, as for any other result: the first steps never stall on a solve.
+        """
+        return self.needs_first_result and (
+            self._source.synchronous or self.staleness.budget_intervals == 0
+        )
+
     def _make_request(
         self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
     ) -> PreconditionerRequest:
@@ -354,7 +409,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             if block is None:
                 continue
             newest = tile_state["submitted"][dim]
-            required = self.staleness.required_version(newest, frequency, self.needs_first_result)
+            required = self.staleness.required_version(newest, frequency, self._needs_first())
             installed = tile_state["versions"][dim]
             if installed >= required:
                 self._record_lag(block, max(0, newest - installed))
@@ -390,7 +445,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 " s); computing it locally. Further fallbacks are counted in "
                 "preconditioner_status(), not logged.",
             )
-        elif tile_state["versions"][dim] >= 0 or not self.needs_first_result:
+        elif tile_state["versions"][dim] >= 0 or not self._needs_first():
             return None  # native: the failure was recorded at submit; keep the last good result
         try:
             return compute_locally(self._make_request(tile_state, dim, step, group))
@@ -425,6 +480,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         without that hook's warning for models whose inputs need no gradient (token ids).
         """
         self.detach()
+        self._adopt_names(model)
 
         def on_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
             self.pump()
@@ -440,6 +496,34 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._hooks.append(model.register_forward_hook(on_model_forward))
         for child in model.children():
             self._hooks.append(child.register_forward_hook(on_forward))
+
+    def _adopt_names(self, model: torch.nn.Module) -> None:
+        """Replace positional names (``param0``, ...) with ``model``'s names, before any state
+        exists; after the first step the state stays keyed as it is."""
+        if not self._namer.positional_ids:
+            return
+        names = model_names(model)
+        if any(self.state.get(p) for _, p, _ in self.named_params()):
+            if any(id(p) in names for p in self._positional_params()):
+                self._warn_once(
+                    "rename",
+                    "attach(model) came after the first step: optimizer state stays keyed by "
+                    "position ('param0', ...); attach before the first step to key it by name",
+                )
+            return
+        for group in self.param_groups:
+            group["param_names"] = [
+                names.get(id(p), n) if id(p) in self._namer.positional_ids else n
+                for n, p in zip(group["param_names"], group["params"], strict=True)
+            ]
+        self._namer.positional_ids -= set(names)
+        self._plans.clear()
+        all_names = [n for g in self.param_groups for n in g["param_names"]]
+        if len(all_names) != len(set(all_names)):
+            raise InvalidInputError("parameter names must be unique across param groups")
+
+    def _positional_params(self) -> list[torch.Tensor]:
+        return [p for _, p, _ in self.named_params() if id(p) in self._namer.positional_ids]
 
     def detach(self) -> None:
         for handle in self._hooks:

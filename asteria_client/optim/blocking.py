@@ -11,6 +11,16 @@ The rules (DESIGN.md, "The math"):
 4. A merged dimension larger than ``max_preconditioner_dim`` is either split into near-equal tiles
    (``LargeDimPolicy.TILE``) or left unpreconditioned (``LargeDimPolicy.IDENTITY``, as SOAP does
    for vocabulary dimensions).
+5. **No factor far more expensive than the update it serves.** A merged dimension ``n`` above
+   ``ALWAYS_PRECONDITIONED_DIM`` (1024) is left unpreconditioned when it exceeds
+   ``max_dim_ratio`` times the product of the other merged dimensions ``m``. One solve costs about
+   ``n^3`` flops while one step's update of the parameter costs about ``n * m * n`` (the rotation by
+   the ``n x n`` basis), so the solve is worth about ``n / m`` steps of the parameter's own work;
+   the default ratio (16) keeps that below 16 steps — less than two steps per step at the default
+   refresh interval of 10. A ``(12000, 3)`` weight thus keeps its ``3 x 3`` factor and Adam's
+   diagonal on the long side, instead of two ``6000 x 6000`` factors that take minutes to
+   decompose. Dims up to 1024 decompose in about a tenth of a second and are always kept.
+   ``max_dim_ratio=None`` turns the rule off.
 
 Each tile is then an independent tensor of order k with one factor matrix per preconditioned
 dimension. A ``BlockingPlan`` is a pure description; ``split`` and ``merge`` move data between the
@@ -26,6 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+#: Dims up to this size are always preconditioned (when within max_preconditioner_dim).
+ALWAYS_PRECONDITIONED_DIM = 1024
+#: Default of the ``max_dim_ratio`` rule (rule 5 of the module docstring).
+DEFAULT_MAX_DIM_RATIO = 16.0
 
 
 class LargeDimPolicy(enum.Enum):
@@ -123,14 +138,24 @@ def _chunks(size: int, max_dim: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def _too_costly(dim: int, others: int, max_dim_ratio: float | None) -> bool:
+    """Rule 5: a factor whose solve would cost far more than the update it serves."""
+    if max_dim_ratio is None or dim <= ALWAYS_PRECONDITIONED_DIM:
+        return False
+    return dim > max_dim_ratio * others
+
+
 def plan_blocking(
     shape: Sequence[int],
     max_preconditioner_dim: int,
     large_dim_policy: LargeDimPolicy = LargeDimPolicy.TILE,
+    max_dim_ratio: float | None = None,
 ) -> BlockingPlan:
     """Decide the tiles of a parameter of ``shape``. See the module docstring for the rules."""
     if max_preconditioner_dim < 1:
         raise ValueError(f"max_preconditioner_dim must be >= 1, got {max_preconditioner_dim}")
+    if max_dim_ratio is not None and not max_dim_ratio > 0:
+        raise ValueError(f"max_dim_ratio must be > 0 or None, got {max_dim_ratio!r}")
     param_shape = tuple(int(d) for d in shape)
     core = [d for d in param_shape if d != 1]
     numel = math.prod(param_shape)
@@ -143,8 +168,12 @@ def plan_blocking(
     merged_shape = tuple(_merge_dims(core, max_preconditioner_dim))
     per_dim: list[list[tuple[int, int]]] = []
     preconditioned: list[bool] = []
+    merged_numel = math.prod(merged_shape)
     for d in merged_shape:
-        if d <= max_preconditioner_dim:
+        if _too_costly(d, merged_numel // d, max_dim_ratio):
+            per_dim.append([(0, d)])
+            preconditioned.append(False)
+        elif d <= max_preconditioner_dim:
             per_dim.append([(0, d)])
             preconditioned.append(True)
         elif large_dim_policy is LargeDimPolicy.TILE:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
-from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
+from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
 from asteria_client.optim.updates import adam_direction, apply_update
 from asteria_client.runtime.source import PreconditionerResult
@@ -81,6 +81,7 @@ class KLShampoo(AsteriaOptimizer):
         precondition_frequency: int = 10,
         max_preconditioner_dim: int = 10000,
         large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
+        max_dim_ratio: float | None = DEFAULT_MAX_DIM_RATIO,
         mode: Mode | str | None = None,
         nonfinite: str = "raise",
         **kwargs: Any,
@@ -96,6 +97,7 @@ class KLShampoo(AsteriaOptimizer):
             "precondition_frequency": precondition_frequency,
             "max_preconditioner_dim": max_preconditioner_dim,
             "large_dim_policy": large_dim_policy,
+            "max_dim_ratio": max_dim_ratio,
         }
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
-from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy
+from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
 from asteria_client.runtime.source import PreconditionerResult
 
@@ -41,11 +41,17 @@ class SOAP(AsteriaOptimizer):
         precondition_frequency: steps between basis refreshes.
         max_preconditioner_dim: largest factor dimension; see :mod:`blocking`.
         large_dim_policy: ``"tile"`` (default) or ``"identity"`` for dims above the limit.
+        max_dim_ratio: dims above 1024 and above this many times the parameter's other dims are
+            left unpreconditioned (their solve would cost far more than the update it serves);
+            ``None`` preconditions them. See :mod:`blocking`.
+        model: the model the parameters belong to: names unnamed parameters (checkpoints).
         correct_bias: Adam bias correction of the step size.
         mode: where bases are computed: ``"embedded"`` (default without ``ASTERIA_ADDRESS``:
             an engine in this process, worker processes), ``"native"`` (in step, on the
             parameter's device; the baseline), ``"daemon"`` (the node daemon).
         staleness_budget: S, the refresh intervals a basis may lag behind native (0 = sync).
+            With S >= 1 the first steps use the identity basis (plain Adam) until the first
+            basis arrives, at most S intervals later; S = 0 waits for it, as native mode does.
         barrier_timeout_s: the longest wait for a late result before computing it locally.
         engine_config: :class:`~asteria_server.engine.EngineConfig` of the embedded engine.
         nonfinite: ``"raise"`` (default) or ``"skip"`` steps whose gradients hold NaN/Inf.
@@ -63,6 +69,7 @@ class SOAP(AsteriaOptimizer):
         precondition_frequency: int = 10,
         max_preconditioner_dim: int = 10000,
         large_dim_policy: LargeDimPolicy | str = LargeDimPolicy.TILE,
+        max_dim_ratio: float | None = DEFAULT_MAX_DIM_RATIO,
         correct_bias: bool = True,
         mode: Mode | str | None = None,
         nonfinite: str = "raise",
@@ -80,6 +87,7 @@ class SOAP(AsteriaOptimizer):
             "precondition_frequency": precondition_frequency,
             "max_preconditioner_dim": max_preconditioner_dim,
             "large_dim_policy": large_dim_policy,
+            "max_dim_ratio": max_dim_ratio,
             "correct_bias": correct_bias,
         }
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)

@@ -62,6 +62,9 @@ class EmbeddedSource(PreconditionerSource):
         self._pending.append(_PendingSubmit(request, self._shadow.to_host(request.matrix), basis))
         self.pump()
 
+    def seconds_per_n3(self) -> float:
+        return self._engine.stats().seconds_per_n3  # calibrated when the engine started
+
     def results_epoch(self) -> int | None:
         return self._engine.results_epoch
 
