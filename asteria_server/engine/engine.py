@@ -23,6 +23,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 
@@ -30,7 +31,13 @@ from asteria_server.engine.coordinator import Coordinator
 from asteria_server.engine.registry import BlockStatus
 from asteria_server.engine.scheduler import CostModel
 from asteria_server.engine.solvers import SolverConfig
-from asteria_server.engine.tasks import DEFAULT_TENANT, SolveResult, SolveTask, SubmitOutcome
+from asteria_server.engine.tasks import (
+    DEFAULT_TENANT,
+    SolveKind,
+    SolveResult,
+    SolveTask,
+    SubmitOutcome,
+)
 from asteria_server.engine.workers import (
     START_METHODS,
     PoolConfig,
@@ -166,11 +173,46 @@ class EngineStats:
         return asdict(self)
 
 
+@dataclass(frozen=True, kw_only=True)
+class FinishedSolve:
+    """How one dispatched task ended, for an observer such as the daemon's metrics.
+
+    Attributes:
+        tenant: the block's tenant.
+        kind: what was computed; ``refresh`` tells a QR refresh from a full eigh.
+        refresh: True for an EIGENBASIS task that refreshed a given basis.
+        n: the factor's dimension.
+        ok: a result came back (False: the solve failed for good, after its retries).
+        solve_s: seconds the successful solve took in its worker; None when it failed.
+        wait_s: seconds from the snapshot's submission to its dispatch to a worker.
+        run_s: seconds from dispatch to the end (transfers and worker retries included).
+    """
+
+    tenant: str
+    kind: SolveKind
+    refresh: bool
+    n: int
+    ok: bool
+    solve_s: float | None
+    wait_s: float
+    run_s: float
+
+
+#: Called on the dispatcher thread with the engine's lock held: it must be quick and must not
+#: call the engine.
+SolveObserver = Callable[[FinishedSolve], None]
+
+
 class PreconditionerEngine:
     """Asynchronous inverse roots and eigenbases for many blocks; see the module docstring."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, observer: SolveObserver | None = None
+    ) -> None:
         self.config = config if config is not None else EngineConfig()
+        self._observer = observer
+        #: job id -> (dispatched at, seconds it waited in the queue); kept only with an observer.
+        self._dispatched: dict[int, tuple[float, float]] = {}
         self.incarnation_id = uuid.uuid4().hex
         self._started = time.monotonic()
         if self.config.seconds_per_n3 is not None:
@@ -370,6 +412,8 @@ class PreconditionerEngine:
                             break
                         self._next_job += 1
                         self._jobs[self._next_job] = entry.task
+                        if self._observer is not None:
+                            self._dispatched[self._next_job] = self._dispatch_times(entry.task)
                         batch.append((self._next_job, entry.task))
                 failed = []
                 for job_id, task in batch:  # copies into shared memory: outside the lock
@@ -382,6 +426,7 @@ class PreconditionerEngine:
                     for job_id, task, why in failed:
                         self._jobs.pop(job_id, None)
                         self._coord.fail(task, f"block {task.block!r}: {why}")
+                        self._observe(job_id, task, None)
                     for event in events:
                         self._record(event)
                     if self._pool.broken_reason is not None and self._broken is None:
@@ -400,6 +445,7 @@ class PreconditionerEngine:
 
     def _record(self, event: PoolEvent) -> None:
         task = self._jobs.pop(event.job_id, event.task)
+        failed_before = self._coord.solves_failed
         if event.result is not None:
             if self._coord.complete(task, event.result):
                 self._results_epoch += 1
@@ -407,8 +453,38 @@ class PreconditionerEngine:
                 tenant_epochs[task.block] = self._results_epoch
         else:
             self._coord.fail(task, event.error or "unknown worker failure")
+        # complete() turns a malformed result into a failure: count what the coordinator counted.
+        ok = self._coord.solves_failed == failed_before
+        self._observe(event.job_id, task, event.result if ok else None)
+
+    def _dispatch_times(self, task: SolveTask) -> tuple[float, float]:
+        now = time.monotonic()
+        submitted = self._coord.registry.submitted_at(task.tenant, task.block)
+        return now, 0.0 if submitted is None else max(0.0, now - submitted)
+
+    def _observe(self, job_id: int, task: SolveTask, result: SolveResult | None) -> None:
+        times = self._dispatched.pop(job_id, None)
+        if self._observer is None or times is None:
+            return
+        dispatched_at, wait_s = times
+        record = FinishedSolve(
+            tenant=task.tenant,
+            kind=task.kind,
+            refresh=task.is_refresh,
+            n=task.n,
+            ok=result is not None,
+            solve_s=None if result is None else result.solve_time_s,
+            wait_s=wait_s,
+            run_s=max(0.0, time.monotonic() - dispatched_at),
+        )
+        try:
+            self._observer(record)
+        except Exception:  # an observer's bug must not stop the dispatcher
+            logger.exception("the solve observer failed; it is no longer called")
+            self._observer = None
 
     def _fail_all_queued(self, why: str) -> None:
+        self._dispatched.clear()
         for job_id in list(self._jobs):  # first the running ones: that unblocks their successors
             task = self._jobs.pop(job_id)
             self._coord.fail(task, f"block {task.block!r}: engine stopped: {why}")

@@ -223,6 +223,11 @@ class CoherenceRegistry:
         rec = self._records.get((tenant, block))
         return -1 if rec is None else rec.submitted_version
 
+    def submitted_at(self, tenant: str, block: str) -> float | None:
+        """When the block's newest snapshot was submitted (the registry's clock), or None."""
+        rec = self._records.get((tenant, block))
+        return None if rec is None else rec.submitted_at
+
     def consecutive_failures(self, tenant: str, block: str) -> int:
         rec = self._records.get((tenant, block))
         return 0 if rec is None else rec.consecutive_failures
