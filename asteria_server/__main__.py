@@ -1,12 +1,32 @@
-"""`asteria-server`: the per-node preconditioner daemon: parse, load config, set up logging, run."""
+"""`asteria-server`: the per-node preconditioner daemon: parse, load config, set up logging, run.
+
+Two more things it does without serving, both on the same configuration as the daemon itself so
+that what a supervisor checks is what it runs: ``--check-config`` (load, validate, print the
+effective settings, exit) and ``--health-check`` (ask the daemon this configuration describes for
+its standard gRPC health status: the probe of systemd, Kubernetes, Slurm scripts and the
+container image, none of which then needs a client with torch).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from datetime import UTC, datetime
+from pathlib import Path
 
-from asteria_server.config import LOG_LEVELS, default_listen, env_name, load_config
+from asteria_server.config import (
+    DEFAULT_METRICS_HOST,
+    LOG_LEVELS,
+    DaemonConfig,
+    LogFormat,
+    TcpAddress,
+    default_listen,
+    effective_settings,
+    env_name,
+    load_config,
+)
 
 DESCRIPTION = """\
 Asteria's per-node preconditioner daemon. Training processes on this node stream Kronecker factor
@@ -19,8 +39,13 @@ these flags (flags win). Every setting has the same name in all three: --chunk-b
 (tenant = "token") or ASTERIA_TOKENS="tenant1=tok1,tenant2=tok2"; without tokens only tenant
 "local" with an empty token is accepted, and only on a Unix socket.
 
-Once serving it prints one line: `asteria-server serving on ADDRESS incarnation=ID workers=N`.
-SIGTERM or SIGINT shuts it down gracefully (exit status 0).
+Once serving it prints one line: `asteria-server serving on ADDRESS incarnation=ID workers=N
+pid=PID` (and ` metrics=URL` with --metrics-listen). SIGTERM or SIGINT shuts it down gracefully
+(exit status 0).
+
+--check-config loads and validates the settings, prints them (tokens redacted) with an estimate of
+the memory the daemon may use, and exits: 0 when valid, 2 when not. --health-check asks the daemon
+at the configured address for its health: exit 0 when it is SERVING, 1 otherwise.
 """
 
 
@@ -94,23 +119,136 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="shared-memory segments one client may hand over (default 4096)",
     )
+    add(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help=(
+            "serve Prometheus metrics at http://HOST:PORT/metrics; ':PORT' means "
+            f"{DEFAULT_METRICS_HOST}:PORT, name a host (0.0.0.0) to be scraped from elsewhere "
+            "(default: off)"
+        ),
+    )
+    add(
+        "--log-format",
+        type=str.lower,
+        choices=[f.value for f in LogFormat],
+        help="text (default) or json: one object a line (time, level, event, tenant, job, block)",
+    )
+    add(
+        "--socket-group-access",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=(
+            "make the Unix socket 0660 so members of the daemon's group connect (its directory "
+            "0750; needs tenant tokens) (default: off, 0600)"
+        ),
+    )
+    modes = parser.add_argument_group("checks (run instead of the daemon)")
+    modes.add_argument(
+        "--check-config",
+        action="store_true",
+        help="load and validate the settings, print them (tokens redacted) and exit",
+    )
+    modes.add_argument(
+        "--health-check",
+        action="store_true",
+        help="ask the daemon at the configured address for its health; exit 0 when SERVING",
+    )
+    modes.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="how long --health-check waits for an answer (default 5)",
+    )
     parser.epilog = f"Environment: {env_name('<option>')} for any option, and {env_name('tokens')}."
     return parser
+
+
+#: Record attributes that a structured log line carries when a call site names them (``extra=``).
+LOG_FIELDS = ("tenant", "job", "rank", "block")
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line: time (UTC, ISO 8601), level, logger, event and, where the call
+    site gave them, tenant, job, rank and block; an exception as its formatted traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        time = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        doc: dict[str, object] = {
+            "time": time.replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        for name in LOG_FIELDS:
+            value = record.__dict__.get(name)
+            if value is not None:
+                doc[name] = value
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, ensure_ascii=False, default=str)
+
+
+def setup_logging(config: DaemonConfig) -> None:
+    """The daemon's one log handler, on stderr, in the configured format."""
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format is LogFormat.JSON:
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
+
+
+def health_check(config: DaemonConfig, timeout_s: float) -> int:
+    """Check the standard health service of the daemon ``config`` describes; 0 when SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address = config.address
+    target = address.target
+    if isinstance(address, TcpAddress) and address.host in ("0.0.0.0", "::"):
+        loopback = "127.0.0.1" if address.host == "0.0.0.0" else "::1"
+        target = TcpAddress(loopback, address.port).target
+    if isinstance(address, TcpAddress) and config.tls_cert is not None:
+        # A self-signed certificate is its own root; a CA-signed one needs the CA's probe.
+        roots = Path(config.tls_cert).read_bytes()
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=roots))
+    else:
+        channel = grpc.insecure_channel(target)
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            print(
+                f"asteria-server: no healthy daemon at {target}: "
+                f"{code.name if code else 'error'}: {exc.details()}",
+                file=sys.stderr,
+            )
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{target} {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     config_file = args.pop("config")
+    check_config, check_health = args.pop("check_config"), args.pop("health_check")
+    health_timeout_s = args.pop("health_timeout_s")
     try:
         config = load_config(config_file=config_file, overrides=args)
     except ValueError as exc:
         print(f"asteria-server: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    if check_config:
+        print(effective_settings(config), end="")
+        return 0
+    if check_health:
+        return health_check(config, health_timeout_s)
+    setup_logging(config)
     # Imported here so `--help` and config errors stay fast.
     from asteria_server.service.server import StartupError, run
 

@@ -6,11 +6,17 @@ variables (read here and nowhere else), then command-line flags. Every field has
 three: ``chunk_bytes`` is TOML ``chunk_bytes``, env ``ASTERIA_CHUNK_BYTES`` and flag
 ``--chunk-bytes``. Tenant tokens come from a TOML ``[tenants]`` table (``name = "token"``) or
 ``ASTERIA_TOKENS="tenant1=tok1,tenant2=tok2"``; they are never printed.
+
+:func:`effective_settings` renders a loaded config for ``asteria-server --check-config`` (tokens
+redacted), with :func:`memory_estimate_bytes`: the ceiling that a supervisor's memory limit
+(systemd ``MemoryMax=``, a Kubernetes memory limit) should stay above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
 import ipaddress
 import math
 import os
@@ -25,6 +31,18 @@ from asteria_server.engine.workers import default_num_workers
 ENV_PREFIX = "ASTERIA_"
 #: Level names ``--log-level`` accepts.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: The host of a ``--metrics-listen`` given as ``:PORT``: metrics stay on this host unless a
+#: host is named.
+DEFAULT_METRICS_HOST = "127.0.0.1"
+
+
+class LogFormat(enum.Enum):
+    """How the daemon writes its log lines."""
+
+    #: ``time LEVEL logger: message``, for people.
+    TEXT = "text"
+    #: One JSON object a line: time, level, logger, event and, where known, tenant, job, block.
+    JSON = "json"
 
 
 def default_listen() -> str:
@@ -69,6 +87,18 @@ class TcpAddress:
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
+
+
+def parse_metrics_listen(text: str) -> TcpAddress:
+    """``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` (``127.0.0.1:PORT``); port 0 picks a free one."""
+    where = f"DaemonConfig.metrics_listen must be HOST:PORT or :PORT (loopback), got {text!r}"
+    if not isinstance(text, str) or text.startswith("unix:"):
+        raise ValueError(where)
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]") or DEFAULT_METRICS_HOST
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(where)
+    return TcpAddress(host, int(port))
 
 
 def parse_listen(listen: str) -> UnixAddress | TcpAddress:
@@ -119,6 +149,13 @@ class DaemonConfig:
             chunks, or copied out of shared memory); an upload waits for room up to
             ``upload_wait_s``, then fails RESOURCE_EXHAUSTED, and one larger than this fails.
         upload_wait_s: how long an upload may wait for room in ``max_upload_bytes``.
+        metrics_listen: serve Prometheus metrics over HTTP at ``HOST:PORT`` (``:PORT`` means
+            ``127.0.0.1:PORT``); None (default): no metrics endpoint.
+        log_format: :class:`LogFormat` (TOML, env and flags give its value, ``text``/``json``).
+        socket_group_access: make the Unix socket (and its ``.shm`` socket) 0660 instead of 0600,
+            so members of the daemon's group connect; the directory must then be 0750 (the
+            daemon refuses a group-writable one). Needs tenant tokens: without them every group
+            member would be the same anonymous tenant.
     """
 
     listen: str = field(default_factory=default_listen)
@@ -140,9 +177,39 @@ class DaemonConfig:
     max_shm_segments: int = 4096
     max_upload_bytes: int = 2 << 30
     upload_wait_s: float = 5.0
+    metrics_listen: str | None = None
+    log_format: LogFormat = LogFormat.TEXT
+    socket_group_access: bool = False
 
     def __post_init__(self) -> None:
         address = parse_listen(self.listen)
+        if self.metrics_listen is not None:
+            parse_metrics_listen(self.metrics_listen)
+        if isinstance(self.log_format, str):
+            with contextlib.suppress(ValueError):  # reported below with the accepted values
+                object.__setattr__(self, "log_format", LogFormat(self.log_format.lower()))
+        if not isinstance(self.log_format, LogFormat):
+            raise ValueError(
+                f"DaemonConfig.log_format must be one of {[f.value for f in LogFormat]}, "
+                f"got {self.log_format!r}"
+            )
+        if not isinstance(self.socket_group_access, bool):
+            raise ValueError(
+                "DaemonConfig.socket_group_access must be true or false, "
+                f"got {self.socket_group_access!r}"
+            )
+        if self.socket_group_access:
+            if not isinstance(address, UnixAddress):
+                raise ValueError(
+                    "DaemonConfig.socket_group_access applies to a Unix socket, "
+                    f"not to listen {self.listen!r}"
+                )
+            if not self.tokens:
+                raise ValueError(
+                    "DaemonConfig.socket_group_access lets every member of the daemon's group "
+                    "connect, but no tenant tokens are configured, so they would all be one "
+                    "anonymous tenant. Add a [tenants] table or set ASTERIA_TOKENS"
+                )
         for name in ("workers", "blas_threads", "max_message_bytes", "chunk_bytes"):
             _check_int(name, getattr(self, name), 1)
         _check_int("max_matrix_n", self.max_matrix_n, 1)
@@ -205,6 +272,80 @@ class DaemonConfig:
         """True when tenant ``local`` may connect with an empty token (no tokens, Unix socket)."""
         return not self.tokens and isinstance(self.address, UnixAddress)
 
+    @property
+    def metrics_address(self) -> TcpAddress | None:
+        return None if self.metrics_listen is None else parse_metrics_listen(self.metrics_listen)
+
+    @property
+    def socket_mode(self) -> int:
+        """The mode of the Unix socket and of its ``.shm`` handover socket."""
+        return 0o660 if self.socket_group_access else 0o600
+
+
+#: Resident memory of one Python process with NumPy and SciPy loaded (daemon or worker), rounded up.
+PROCESS_BASE_BYTES = 160 << 20
+#: Peak bytes per n² of one solve in a worker: the fp64 copy and LAPACK's evd workspace (~3 n²
+#: doubles), the shared-memory input and the fp32 result.
+SOLVE_BYTES_PER_N2 = 40
+
+
+def memory_estimate_bytes(config: DaemonConfig) -> int:
+    """The most the daemon and its workers hold at once, cached results aside.
+
+    ``max_upload_bytes`` of snapshots being received, plus, per worker, a process and one solve
+    of the largest accepted factor (``max_matrix_n``). Each block also keeps its newest result
+    and at most one queued snapshot (about ``8 n²`` bytes for both): add that for the blocks
+    the node's jobs have when choosing a memory limit.
+    """
+    per_worker = PROCESS_BASE_BYTES + SOLVE_BYTES_PER_N2 * config.max_matrix_n**2
+    return PROCESS_BASE_BYTES + config.max_upload_bytes + config.workers * per_worker
+
+
+def effective_settings(config: DaemonConfig) -> str:
+    """The config as ``key = value`` lines (TOML), tokens redacted, then the memory estimate."""
+    lines = []
+    for f in dataclasses.fields(config):
+        if f.name == "tokens":
+            continue
+        value = getattr(config, f.name)
+        if f.name == "metrics_listen" and config.metrics_address is not None:
+            value = config.metrics_address.target  # ":PORT" shown as the host it means
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if value is None:
+            lines.append(f"# {f.name} is not set")
+        elif isinstance(value, bool):
+            lines.append(f"{f.name} = {str(value).lower()}")
+        elif isinstance(value, str):
+            lines.append(f"{f.name} = {_toml_string(value)}")
+        else:
+            lines.append(f"{f.name} = {value!r}")
+    lines.append("")
+    lines.append("[tenants]  # tokens are never printed")
+    lines.extend(f'{_toml_key(tenant)} = "<redacted>"' for tenant in sorted(config.tokens))
+    if not config.tokens:
+        lines.append(
+            "# none: only tenant 'local' with an empty token, on a Unix socket"
+            if config.allows_anonymous()
+            else "# none"
+        )
+    lines.append("")
+    mib = memory_estimate_bytes(config) / (1 << 20)
+    lines.append(
+        f"# memory: at most ~{mib:.0f} MiB for uploads, the daemon and {config.workers} worker(s) "
+        f"solving n={config.max_matrix_n}; add ~8 n^2 bytes per cached block"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _toml_key(key: str) -> str:
+    bare = key and all(c.isalnum() or c in "-_" for c in key) and key.isascii()
+    return key if bare else _toml_string(key)
+
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -261,6 +402,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_shm_segments": int,
     "max_upload_bytes": int,
     "upload_wait_s": _as_float,
+    "metrics_listen": str,
+    "log_format": str.lower,
+    "socket_group_access": _as_bool,
 }
 _FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)}
 assert set(_PARSERS) | {"tokens"} == _FIELDS, "every DaemonConfig field needs a parser"

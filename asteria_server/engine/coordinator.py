@@ -94,6 +94,7 @@ class Coordinator:
         self.scheduler.finish(task.tenant, task.block, measured_s)
         self.solves_failed += 1
         marked = self.registry.on_failure(task.tenant, task.block, task.version, message)
+        where = {"tenant": task.tenant, "block": task.block}  # fields of structured logs
         if marked:
             logger.warning(
                 "block %r (tenant %r) marked FAILED after %d consecutive failed solves; "
@@ -102,11 +103,13 @@ class Coordinator:
                 task.tenant,
                 self.registry.max_consecutive_failures,
                 message,
+                extra=where,
             )
         elif self.registry.consecutive_failures(task.tenant, task.block) == 1:
-            logger.info("solve failed: %s", message)  # repeats of a streak are logged at debug
+            # repeats of a streak are logged at debug
+            logger.info("solve failed: %s", message, extra=where)
         else:
-            logger.debug("solve failed: %s", message)
+            logger.debug("solve failed: %s", message, extra=where)
 
     def take(self, tenant: str, block: str) -> SolveResult | None:
         return self.registry.take(tenant, block)

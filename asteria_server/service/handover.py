@@ -61,6 +61,7 @@ class SegmentHandover:
         is_session: whether a session id names an open session.
         max_segments: segments one connection may hold (each is one mapping in the daemon).
         max_mapped_bytes: bytes one connection may have mapped.
+        mode: the socket's file mode (0600; 0660 when the daemon's group may connect).
     """
 
     def __init__(
@@ -70,8 +71,10 @@ class SegmentHandover:
         is_session: Callable[[str], bool],
         max_segments: int = 4096,
         max_mapped_bytes: int = 64 << 30,
+        mode: int = 0o600,
     ) -> None:
         self.path = path
+        self._mode = mode
         self._is_session = is_session
         self._max_segments = max_segments
         self._max_mapped_bytes = max_mapped_bytes
@@ -92,7 +95,7 @@ class SegmentHandover:
             listener.bind(str(self.path))
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
+        os.chmod(self.path, self._mode)
         listener.listen(64)
         self._listener = listener
         thread = threading.Thread(target=self._accept_loop, name="asteria-handover", daemon=True)

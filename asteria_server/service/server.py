@@ -5,8 +5,8 @@ calls are accepted, in-flight calls get ``grace_period_s`` to finish, the engine
 processes and shared memory go with it), and the socket, lock and ready files are removed.
 
 A Unix socket lives in a directory of mode 0700 (created if missing; an existing one must be ours
-and not writable by others), has mode 0600, and is guarded by ``<socket>.lock`` (``flock``): a
-second daemon on the same path fails with the pid of the first.
+and not writable by others), has mode 0600 (0660 with ``socket_group_access``), and is guarded
+by ``<socket>.lock`` (``flock``): a second daemon on the same path fails with the pid of the first.
 """
 
 from __future__ import annotations
@@ -21,17 +21,21 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from asteria_server.config import DaemonConfig, TcpAddress, UnixAddress
 from asteria_server.engine import EngineConfig, PreconditionerEngine
+from asteria_server.engine.engine import SolveObserver
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.servicer import Authenticator, PreconditionerServicer, ServiceLimits
+
+if TYPE_CHECKING:
+    from asteria_server.service.metrics import DaemonMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +181,11 @@ def _credentials(config: DaemonConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)])
 
 
-async def start(config: DaemonConfig) -> RunningDaemon:
-    """Bind, start the engine and the server; raises StartupError with a clear message."""
+async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) -> RunningDaemon:
+    """Bind, start the engine and the server; raises StartupError with a clear message.
+
+    ``observer`` is told how every solve ended (the metrics endpoint counts them).
+    """
     address = config.address
     lock: SocketLock | None = None
     if isinstance(address, UnixAddress):
@@ -191,6 +198,7 @@ async def start(config: DaemonConfig) -> RunningDaemon:
         engine = await asyncio.to_thread(
             PreconditionerEngine,
             EngineConfig(num_workers=config.workers, blas_threads=config.blas_threads),
+            observer=observer,
         )
     except BaseException:
         if lock is not None:
@@ -204,6 +212,7 @@ async def start(config: DaemonConfig) -> RunningDaemon:
                 address.path.with_name(address.path.name + ".shm"),
                 is_session=lambda session_id: servicer.has_session(session_id),
                 max_segments=config.max_shm_segments,
+                mode=config.socket_mode,
             )
         servicer = PreconditionerServicer(
             engine,
@@ -232,7 +241,7 @@ async def start(config: DaemonConfig) -> RunningDaemon:
             if handover is not None:
                 handover.start()
         if isinstance(address, UnixAddress):
-            os.chmod(address.path, 0o600)
+            os.chmod(address.path, config.socket_mode)
             target = address.target
         else:
             assert isinstance(address, TcpAddress)
@@ -255,11 +264,20 @@ async def serve(config: DaemonConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    daemon = await start(config)
+    metrics, metrics_url = _start_metrics(config)
+    try:
+        daemon = await start(config, observer=None if metrics is None else metrics.observe)
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     line = (
         f"asteria-server serving on {daemon.target} incarnation={daemon.engine.incarnation_id} "
         f"workers={config.workers} pid={os.getpid()}"
     )
+    if metrics is not None:
+        metrics.bind(daemon.engine, daemon.servicer)
+        line += f" metrics={metrics_url}"
     if config.ready_file:
         tmp = f"{config.ready_file}.tmp"
         with open(tmp, "w") as f:
@@ -271,7 +289,27 @@ async def serve(config: DaemonConfig) -> int:
         await stop.wait()
     finally:
         await daemon.stop()
+        if metrics is not None:
+            await asyncio.to_thread(metrics.close)
     return 0
+
+
+def _start_metrics(config: DaemonConfig) -> tuple[DaemonMetrics | None, str]:
+    """The metrics endpoint, serving before the engine starts (so a taken port fails fast)."""
+    address = config.metrics_address
+    if address is None:
+        return None, ""
+    from asteria_server.service.metrics import DaemonMetrics
+
+    metrics = DaemonMetrics(blas_threads=config.blas_threads)
+    try:
+        url = metrics.serve(address)
+    except OSError as exc:
+        raise StartupError(
+            f"cannot serve metrics on {address.target}: {exc.strerror or exc}; choose another "
+            "--metrics-listen port"
+        ) from exc
+    return metrics, url
 
 
 def run(config: DaemonConfig) -> int:

@@ -143,6 +143,13 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         """Whether ``session_id`` is open (the segment handover asks, from its threads)."""
         return session_id in self._sessions
 
+    def sessions_by_tenant(self) -> dict[str, int]:
+        """Open sessions per tenant (the metrics endpoint asks, from its own thread)."""
+        counts: dict[str, int] = {}
+        for session in tuple(self._sessions.values()):  # one C-level copy: no GIL switch inside
+            counts[session.tenant] = counts.get(session.tenant, 0) + 1
+        return counts
+
     def stop_streams(self) -> None:
         """End every StreamResults stream at its next poll (daemon shutdown)."""
         self._stopping.set()
@@ -165,14 +172,28 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         try:
             tenant = self._auth.tenant_of(request.tenant, request.token)
         except AuthenticationError as exc:
-            logger.warning("refused a session for tenant %r: wrong token", request.tenant)
+            logger.warning(
+                "refused a session for tenant %r: wrong token",
+                request.tenant,
+                extra={"tenant": request.tenant, "job": request.job},
+            )
             await _abort(context, exc)
         session = Session(uuid.uuid4().hex, tenant, request.job, request.rank, self._clock())
         self._sessions[session.session_id] = session
         while len(self._sessions) > self._max_sessions:
             _, dropped = self._sessions.popitem(last=False)
-            logger.warning("session limit reached: dropped the oldest (tenant %r)", dropped.tenant)
-        logger.info("session opened: tenant %r job %r rank %d", tenant, request.job, request.rank)
+            logger.warning(
+                "session limit reached: dropped the oldest (tenant %r)",
+                dropped.tenant,
+                extra={"tenant": dropped.tenant, "job": dropped.job},
+            )
+        logger.info(
+            "session opened: tenant %r job %r rank %d",
+            tenant,
+            request.job,
+            request.rank,
+            extra={"tenant": tenant, "job": request.job, "rank": request.rank},
+        )
         return pb.OpenSessionResponse(
             session_id=session.session_id,
             incarnation_id=self._engine.incarnation_id,
@@ -375,7 +396,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StatusResponse:
-        stats, transport = self._engine.stats(), self._transport_stats()
+        stats, transport = self._engine.stats(), self.transport_stats()
         if not request.session_id:  # no credentials: daemon-wide numbers only
             return convert.status_to_proto(stats, [], transport)
         try:
@@ -388,7 +409,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             await _abort(context, exc)
         return convert.status_to_proto(stats, self._engine.status(session.tenant), transport)
 
-    def _transport_stats(self) -> TransportStats:
+    def transport_stats(self) -> TransportStats:
+        """The data path's numbers now (shared memory, uploads); for Status and metrics."""
         shm = self._handover.stats() if self._handover is not None else {}
         return TransportStats(
             shm_connections=shm.get("connections", 0),

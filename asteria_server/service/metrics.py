@@ -1,0 +1,312 @@
+"""The daemon's Prometheus metrics (``asteria-server --metrics-listen HOST:PORT``).
+
+Two sources feed one registry of the daemon's own, never ``prometheus_client``'s global one
+(an engine embedded in a training process that exports metrics of its own cannot clash with it):
+
+- :class:`_StatusCollector` reads what the daemon keeps anyway — engine stats, every block's
+  status, the sessions, the shared-memory and upload numbers — when Prometheus scrapes. Nothing on
+  the submit or solve path pays for these, and they cannot drift from what ``asteria status``
+  shows.
+- Counters and histograms that the engine's observer feeds as each dispatched solve ends (on the
+  dispatcher thread; ``prometheus_client`` metrics are thread-safe): solves and failures by kind
+  and size, solve seconds, queue wait, CPU-seconds per tenant.
+
+Staleness is reported as a distribution per tenant — gauge histograms of every block's lag, in
+steps and in seconds, at scrape time — never one series per block: a job has thousands of
+blocks, and a series each would cost Prometheus more than the daemon. Every label has a bounded
+set of values: tenants come from the token table (or the one anonymous tenant), kinds and size
+buckets are the fixed lists below.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeHistogramMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from asteria_server import __version__
+from asteria_server.config import TcpAddress
+from asteria_server.engine import BlockStatus, PreconditionerEngine
+from asteria_server.engine.engine import FinishedSolve
+from asteria_server.protocol.stats import TransportStats
+
+logger = logging.getLogger(__name__)
+
+#: Upper bounds of the ``size`` label (the factor dimension n); larger ones are ``>8192``.
+SIZE_BOUNDS = (128, 256, 512, 1024, 2048, 4096, 8192)
+#: Values of the ``kind`` label: what a solve computed.
+KINDS = ("inverse_root", "eigenbasis", "refresh")
+SOLVE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0, 120.0, 300.0, 600.0)  # fmt: skip
+WAIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                  10.0, 30.0, 60.0, 120.0)  # fmt: skip
+LAG_STEPS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
+LAG_SECONDS_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def size_bucket(n: int) -> str:
+    """The ``size`` label of an n×n factor: ``<=128`` … ``<=8192``, ``>8192``."""
+    for bound in SIZE_BOUNDS:
+        if n <= bound:
+            return f"<={bound}"
+    return f">{SIZE_BOUNDS[-1]}"
+
+
+def kind_label(record: FinishedSolve) -> str:
+    """``inverse_root``, ``eigenbasis`` (a full eigh) or ``refresh`` (one QR power step)."""
+    return "refresh" if record.refresh else record.kind.value
+
+
+def lag_seconds(block: BlockStatus) -> float:
+    """How long the block's newest snapshot has waited for its result (0 once it has one)."""
+    if block.staleness_steps <= 0 or block.submitted_age_s is None:
+        return 0.0
+    return block.submitted_age_s
+
+
+class DaemonSources(Protocol):
+    """What the collector reads at scrape time (the servicer provides both)."""
+
+    def transport_stats(self) -> TransportStats: ...
+
+    def sessions_by_tenant(self) -> Mapping[str, int]: ...
+
+
+class DaemonMetrics:
+    """The daemon's registry, its solve observer and its HTTP endpoint."""
+
+    def __init__(self, *, blas_threads: int = 1) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._blas_threads = blas_threads
+        self.solves = Counter(
+            "asteria_solves",
+            "Solves that produced a result, by what they computed and the factor size n.",
+            ["kind", "size"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "asteria_solve_failures",
+            "Solves that failed for good (after retries), by kind and factor size n.",
+            ["kind", "size"],
+            registry=self.registry,
+        )
+        self.solve_seconds = Histogram(
+            "asteria_solve_duration_seconds",
+            "Seconds a successful solve took in its worker process.",
+            ["kind"],
+            buckets=SOLVE_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "asteria_queue_wait_seconds",
+            "Seconds a snapshot waited from its submission until a worker took it.",
+            ["tenant"],
+            buckets=WAIT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.cpu_seconds = Counter(
+            "asteria_tenant_cpu_seconds",
+            "Worker CPU-seconds spent on the tenant's solves (solve time x BLAS threads; a "
+            "failed solve counts its time from dispatch to failure).",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.collector = _StatusCollector()
+        self.registry.register(self.collector)
+        ProcessCollector(registry=self.registry)
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def observe(self, record: FinishedSolve) -> None:
+        """The engine's observer: one dispatched solve ended."""
+        kind, size = kind_label(record), size_bucket(record.n)
+        if record.ok and record.solve_s is not None:
+            self.solves.labels(kind, size).inc()
+            self.solve_seconds.labels(kind).observe(record.solve_s)
+            busy_s = record.solve_s
+        else:
+            self.failures.labels(kind, size).inc()
+            busy_s = record.run_s
+        self.queue_wait.labels(record.tenant).observe(record.wait_s)
+        self.cpu_seconds.labels(record.tenant).inc(busy_s * self._blas_threads)
+
+    def bind(self, engine: PreconditionerEngine, sources: DaemonSources) -> None:
+        """Start reading the running daemon's numbers at scrape time."""
+        self.collector.bind(engine, sources)
+
+    def serve(self, address: TcpAddress) -> str:
+        """Serve ``/metrics`` over HTTP in a thread; returns its URL (with the bound port).
+
+        Raises OSError when the address cannot be bound.
+        """
+        self._http, self._thread = start_http_server(
+            address.port, addr=address.host, registry=self.registry
+        )
+        port = self._http.server_address[1]
+        url = f"http://{TcpAddress(address.host, port).target}/metrics"
+        logger.info("metrics served at %s", url)
+        return url
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint (idempotent)."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+class _StatusCollector(Collector):
+    """Reads engine stats, block status, sessions and the data path at scrape time."""
+
+    def __init__(self) -> None:
+        self._engine: PreconditionerEngine | None = None
+        self._sources: DaemonSources | None = None
+
+    def bind(self, engine: PreconditionerEngine, sources: DaemonSources) -> None:
+        self._engine, self._sources = engine, sources
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # names are only known once bound; nothing to check them against
+
+    def collect(self) -> Iterator[Metric]:
+        engine, sources = self._engine, self._sources
+        if engine is None or sources is None:
+            return
+        stats = engine.stats()
+        blocks = engine.status()
+        transport = sources.transport_stats()
+        sessions = sources.sessions_by_tenant()
+
+        yield InfoMetricFamily(
+            "asteria_daemon",
+            "The daemon's incarnation (a new one after every restart) and version.",
+            value={"incarnation": stats.incarnation_id, "version": __version__},
+        )
+        yield _gauge("asteria_uptime_seconds", "Seconds since the engine started.", stats.uptime_s)
+        yield _gauge(
+            "asteria_engine_broken",
+            "1 when the engine stopped working (the daemon then reports NOT_SERVING).",
+            1.0 if stats.broken_reason is not None else 0.0,
+        )
+        workers = GaugeMetricFamily(
+            "asteria_workers", "Solver worker processes, busy or idle.", labels=["state"]
+        )
+        workers.add_metric(["busy"], stats.workers_busy)
+        workers.add_metric(["idle"], stats.workers_idle)
+        yield workers
+        yield CounterMetricFamily(
+            "asteria_worker_restarts",
+            "Worker processes replaced after a crash, a hung solve or a failed start.",
+            value=stats.worker_restarts,
+        )
+        yield CounterMetricFamily(
+            "asteria_results_discarded",
+            "Results computed but dropped because a newer one of the block was already there.",
+            value=stats.results_discarded,
+        )
+        yield _gauge(
+            "asteria_queue_depth", "Snapshots queued for a worker, all tenants.", stats.queue_depth
+        )
+        by_state = GaugeMetricFamily(
+            "asteria_blocks",
+            "Blocks the daemon holds, by tenant and state (idle, queued, running, failed).",
+            labels=["tenant", "state"],
+        )
+        counts: dict[tuple[str, str], int] = defaultdict(int)
+        for block in blocks:
+            counts[(block.tenant, block.state.value)] += 1
+        for (tenant, state), count in sorted(counts.items()):
+            by_state.add_metric([tenant, state], count)
+        yield by_state
+        session_gauge = GaugeMetricFamily(
+            "asteria_sessions", "Open sessions, by tenant.", labels=["tenant"]
+        )
+        for tenant, count in sorted(sessions.items()):
+            session_gauge.add_metric([tenant], count)
+        yield session_gauge
+        yield _gauge(
+            "asteria_shm_connections",
+            "Clients connected to the shared-memory handover socket.",
+            transport.shm_connections,
+        )
+        yield _gauge(
+            "asteria_shm_segments",
+            "Shared-memory segments clients handed over (each mapped in the daemon).",
+            transport.shm_segments,
+        )
+        yield _gauge(
+            "asteria_shm_mapped_bytes",
+            "Bytes of the shared-memory segments mapped.",
+            transport.shm_mapped_bytes,
+        )
+        yield _gauge(
+            "asteria_upload_bytes_in_flight",
+            "Snapshot bytes being received now (counted against max_upload_bytes).",
+            transport.upload_bytes_in_flight,
+        )
+        yield _gauge(
+            "asteria_upload_budget_bytes",
+            "The daemon's max_upload_bytes.",
+            transport.upload_budget_bytes,
+        )
+        yield _gauge(
+            "asteria_uploads_waiting",
+            "Uploads waiting for room in the upload budget.",
+            transport.uploads_waiting,
+        )
+        steps: dict[str, list[float]] = defaultdict(list)
+        seconds: dict[str, list[float]] = defaultdict(list)
+        for block in blocks:
+            steps[block.tenant].append(float(max(0, block.staleness_steps)))
+            seconds[block.tenant].append(lag_seconds(block))
+        yield _gauge_histogram(
+            "asteria_block_lag_steps",
+            "Blocks by lag in steps: newest submitted version minus newest computed one "
+            "(a block never computed: its submitted version + 1).",
+            steps,
+            LAG_STEPS_BUCKETS,
+        )
+        yield _gauge_histogram(
+            "asteria_block_lag_seconds",
+            "Blocks by how long their newest snapshot has waited for its result (0: it has it).",
+            seconds,
+            LAG_SECONDS_BUCKETS,
+        )
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _gauge_histogram(
+    name: str,
+    documentation: str,
+    values_by_tenant: Mapping[str, list[float]],
+    bounds: Sequence[float],
+) -> GaugeHistogramMetricFamily:
+    family = GaugeHistogramMetricFamily(name, documentation, labels=["tenant"])
+    for tenant, values in sorted(values_by_tenant.items()):
+        values = sorted(values)
+        buckets = [(floatToGoString(b), float(bisect.bisect_right(values, b))) for b in bounds]
+        buckets.append(("+Inf", float(len(values))))
+        family.add_metric([tenant], buckets, gsum_value=float(sum(values)))
+    return family
