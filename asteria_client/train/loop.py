@@ -10,6 +10,7 @@ they are also the same across seeds).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import logging
 import math
@@ -26,6 +27,7 @@ import torch
 from asteria_client.optim.base import Mode, resolve_mode
 from asteria_client.train.config import Schedule, TrainConfig
 from asteria_client.train.corpus import Corpus, load_corpus
+from asteria_client.train.cpu import flush_denormal
 from asteria_client.train.model import GPT, GPTConfig
 from asteria_client.train.optimizers import OptimizerSettings, build_optimizer
 from asteria_client.train.report import (
@@ -35,6 +37,7 @@ from asteria_client.train.report import (
     describe_environment,
     format_progress,
 )
+from asteria_client.train.sweep import LrSweep, run_lr_sweep
 from asteria_server.engine.workers import default_num_workers
 from asteria_server.errors import AsteriaError, InvalidInputError, NonFiniteGradientError
 
@@ -147,19 +150,43 @@ def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
 
 
 def run_training(cfg: TrainConfig) -> TrainResult:
-    """Train, evaluate every ``eval_interval`` steps and at the end, write ``json_path`` if set."""
+    """Train, evaluate every ``eval_interval`` steps and at the end, write ``json_path`` if set.
+
+    With ``lr_sweep``, first the sweep (:mod:`asteria_client.train.sweep`), then the full run
+    with its best lr. ``flush_denormal`` holds for the whole call, then torch's default (off)
+    is back; so is the thread count.
+    """
     device = resolve_device(cfg.device)
     threads_before = torch.get_num_threads()
-    threads = cfg.num_threads if cfg.num_threads is not None else trainer_threads(cfg, device)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        with Trainer(cfg, device=device) as trainer:
-            while not trainer.done:
-                trainer.step()
-            result = trainer.result()
-    finally:
-        torch.set_num_threads(threads_before)
+    # Before any torch op: the intra-op threads started later copy the mode (see train.cpu).
+    with flush_denormal(cfg.flush_denormal) as flushing:
+        threads = cfg.num_threads if cfg.num_threads is not None else trainer_threads(cfg, device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            corpus = load_corpus()
+            sweep: LrSweep | None = None
+            run_cfg = cfg
+            if cfg.lr_sweep is not None:
+                sweep = run_lr_sweep(cfg, device=device, corpus=corpus)
+                for line in sweep.format_table().splitlines():
+                    logger.info(line)
+                logger.info("picked lr %g for the full run of %d steps", sweep.best_lr, cfg.steps)
+                run_cfg = dataclasses.replace(
+                    cfg, lr=sweep.best_lr, lr_sweep=None, sweep_steps=None
+                )
+            with Trainer(run_cfg, device=device, corpus=corpus) as trainer:
+                while not trainer.done:
+                    trainer.step()
+                result = trainer.result()
+        finally:
+            torch.set_num_threads(threads_before)
+    result = dataclasses.replace(
+        result,
+        config=cfg,  # as given (lr None with a sweep); "resolved" has the lr used
+        resolved={**result.resolved, "flush_denormal": flushing},
+        lr_sweep=None if sweep is None else sweep.to_json_dict(),
+    )
     if cfg.json_path is not None:
         result.write_json(cfg.json_path)
     return result
@@ -213,6 +240,7 @@ class Trainer:
             precondition_frequency=cfg.precondition_frequency,
             staleness_budget=cfg.staleness_budget,
             engine_workers=cfg.engine_workers,
+            engine_cpu_affinity=cfg.engine_cpu_affinity,
         )
         self.optimizer = build_optimizer(self.model, settings)
         attach = getattr(self.optimizer, "attach", None)

@@ -77,6 +77,7 @@ class OptimizerSettings:
     precondition_frequency: int | None = None
     staleness_budget: int | None = None
     engine_workers: int | None = None
+    engine_cpu_affinity: tuple[int, ...] | None = None  # the embedded engine's solver CPUs
 
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -113,8 +114,13 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings) -> torch.opti
         extra["precondition_frequency"] = settings.precondition_frequency
     if settings.staleness_budget is not None:
         extra["staleness_budget"] = settings.staleness_budget
+    engine: dict[str, Any] = {}
     if settings.engine_workers is not None:
-        extra["engine_config"] = EngineConfig(num_workers=settings.engine_workers)
+        engine["num_workers"] = settings.engine_workers
+    if settings.engine_cpu_affinity is not None:
+        engine["cpu_affinity"] = settings.engine_cpu_affinity
+    if engine:
+        extra["engine_config"] = EngineConfig(**engine)
     optimizer_class = _import_asteria_optimizer(settings.kind)
     try:
         return optimizer_class(groups, lr=settings.lr, weight_decay=settings.weight_decay, **extra)

@@ -3,14 +3,18 @@
 The JSON layout (all times in seconds, losses in nats per character)::
 
     {
-      "config":      the TrainConfig as given, plus "resolved" (lr, warmup_steps, device used),
+      "config":      the TrainConfig as given, plus "resolved" (lr, warmup_steps, device used,
+                     flush_denormal: whether subnormals were flushed to zero, as asked and
+                     as the CPU allows),
       "steps":       [{"step", "loss", "step_time_s", "lr"}, ...]  one per optimizer step,
       "evals":       [{"step", "val_loss", "elapsed_s", "wall_s"}, ...]  step 0 is before training,
       "final":       {"val_loss", "train_loss", "total_time_s", "median_step_time_s"},
       "data":        corpus and batch-stream facts (sizes, digests of the batches used),
       "model":       {"num_params"},
       "environment": {"torch", "python", "platform", "device", "num_threads", ...}
-      "optimizer":   Asteria's runtime_stats() plus block counts (empty for adamw)
+      "optimizer":   Asteria's runtime_stats() plus block counts (empty for adamw),
+      "lr_sweep":    null, or with --lr-sweep {"steps", "best_lr", "runs": [{"lr", "val_loss",
+                     "train_loss", "train_time_s", "diverged"}, ...]} (losses null if diverged)
     }
 
 ``step_time_s`` covers forward, backward, gradient clipping and ``optimizer.step()``.
@@ -66,6 +70,7 @@ class TrainResult:
     model: dict[str, Any]
     environment: dict[str, Any]
     optimizer: dict[str, Any] = field(default_factory=dict)
+    lr_sweep: dict[str, Any] | None = None
 
     @property
     def final_val_loss(self) -> float:
@@ -95,6 +100,7 @@ class TrainResult:
             "model": self.model,
             "environment": self.environment,
             "optimizer": self.optimizer,
+            "lr_sweep": self.lr_sweep,
         }
 
     def write_json(self, path: Path) -> None:

@@ -80,6 +80,14 @@ def tiny_config(**overrides: Any) -> TrainConfig:
         ("optimizer", "sgd"),
         ("mode", "remote"),
         ("weight_decay", -0.1),
+        ("flush_denormal", "yes"),
+        ("lr_sweep", ()),
+        ("lr_sweep", (1e-3, -1e-3)),
+        ("lr_sweep", (1e-3, float("inf"))),
+        ("lr_sweep", (1e-3, "3e-3")),
+        ("lr_sweep", (1e-3, 1e-3)),
+        ("sweep_steps", 10),  # without lr_sweep
+        ("engine_cpu_affinity", (0,)),  # adamw has no engine
     ],
 )
 def test_config_rejects_bad_values_by_field(field: str, value: object) -> None:
@@ -94,6 +102,18 @@ def test_config_accepts_enum_values_as_strings_and_resolves_defaults() -> None:
     assert cfg.resolved_lr == optimizers.DEFAULT_LR[OptimizerKind.SOAP]
     assert cfg.resolved_warmup_steps == 10
     assert set(optimizers.DEFAULT_LR) == set(OptimizerKind)
+
+
+def test_config_checks_the_sweep_against_the_run() -> None:
+    assert TrainConfig(lr_sweep=[1e-3, 3e-3], steps=500).resolved_sweep_steps == 100
+    assert TrainConfig(lr_sweep=(1e-3,), steps=40).resolved_sweep_steps == 40
+    assert TrainConfig(lr_sweep=[1e-3, 3e-3]).lr_sweep == (1e-3, 3e-3)
+    with pytest.raises(ValueError, match=r"TrainConfig.lr_sweep=.*cannot be combined with lr"):
+        TrainConfig(lr=1e-3, lr_sweep=(1e-3, 3e-3))
+    with pytest.raises(ValueError, match=r"TrainConfig.sweep_steps=50 must be at most steps"):
+        TrainConfig(lr_sweep=(1e-3,), sweep_steps=50, steps=20)
+    with pytest.raises(ValueError, match=r"TrainConfig.engine_cpu_affinity=.*may not use"):
+        TrainConfig(optimizer="soap", engine_cpu_affinity=(100_000,))
 
 
 def test_adamw_refuses_preconditioner_settings() -> None:
@@ -210,6 +230,40 @@ def test_a_short_run_writes_the_documented_json(tmp_path: Path) -> None:
     assert record["environment"]["device"] == "cpu"
 
 
+def test_flush_denormal_is_on_by_default_recorded_and_undone(tmp_path: Path) -> None:
+    tiny = torch.full((4,), 1e-39)  # a subnormal float32
+    on = run_training(tiny_config(steps=2, json_path=tmp_path / "on.json"))
+    off = run_training(tiny_config(steps=2, flush_denormal=False))
+    record = json.loads((tmp_path / "on.json").read_text())
+    assert record["config"]["flush_denormal"] is True
+    assert record["config"]["resolved"]["flush_denormal"] is True  # x86 and ARM both can
+    assert on.resolved["flush_denormal"] is True and off.resolved["flush_denormal"] is False
+    assert bool((tiny * 1.0 != 0).all())  # torch's default (keep them) is back after a run
+
+
+def test_lr_sweep_trains_each_lr_briefly_and_runs_with_the_best(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    lrs = (1e-4, 1e-2, 1e30)  # too small to learn in 12 steps, good, divergent
+    path = tmp_path / "swept.json"
+    cfg = tiny_config(steps=20, lr_sweep=lrs, sweep_steps=12, warmup_steps=2, json_path=path)
+    with caplog.at_level(logging.INFO, logger="asteria_client.train"):
+        result = run_training(cfg)
+    sweep = json.loads(path.read_text())["lr_sweep"]
+    assert sweep == result.lr_sweep and sweep["steps"] == 12
+    runs = {run["lr"]: run for run in sweep["runs"]}
+    assert list(runs) == list(lrs)
+    assert runs[1e30]["diverged"] and runs[1e30]["val_loss"] is None
+    assert runs[1e-2]["val_loss"] < runs[1e-4]["val_loss"]
+    assert sweep["best_lr"] == 1e-2 == result.resolved["lr"]
+    assert result.config.lr is None and result.config.lr_sweep == lrs
+    assert len(result.steps) == 20 and result.steps[-1].lr == pytest.approx(1e-3)  # full run
+    # The sweep's best short run is the full run's first 12 steps' twin: same start, same batches.
+    reference = run_training(tiny_config(steps=12, lr=1e-2, warmup_steps=2, eval_interval=12))
+    assert runs[1e-2]["val_loss"] == pytest.approx(reference.final_val_loss)
+    assert "<- best" in caplog.text and "picked lr 0.01" in caplog.text
+
+
 def test_the_loss_goes_down() -> None:
     result = run_training(tiny_config(steps=30, eval_interval=30, lr=1e-2, warmup_steps=3))
     losses = [r.loss for r in result.steps]
@@ -270,6 +324,13 @@ _PROGRESS = re.compile(r"^step +(\d+)/\d+ .*$")
         (["train", "--warmup-steps", "50", "--steps", "10"], "--warmup-steps"),
         (["train", "--n-head", "3"], "--n-embd"),
         (["train", "--threads", "0"], "--threads"),
+        (["train", "--lr-sweep", "1e-3,abc"], "--lr-sweep"),
+        (["train", "--lr-sweep", "1e-3,-1"], "--lr-sweep"),
+        (["train", "--lr-sweep", ""], "--lr-sweep"),
+        (["train", "--lr-sweep", "1e-3,1e-3"], "--lr-sweep"),
+        (["train", "--lr-sweep", "1e-3", "--lr", "1e-3"], "--lr-sweep"),
+        (["train", "--sweep-steps", "5"], "--sweep-steps"),
+        (["train", "--lr-sweep", "1e-3", "--sweep-steps", "0"], "--sweep-steps"),
         (["bogus"], "COMMAND"),
     ],
 )
@@ -305,6 +366,25 @@ def test_cli_train_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert torch.get_num_threads() == 1  # restored after the run
 
 
+def test_cli_flags_for_flush_denormal_and_the_sweep_reach_the_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.json"
+    argv = ["train", "--steps", "4", "--eval-interval", "4", "--json", str(path), *TINY_ARGS]
+    assert cli.main([*argv, "--no-flush-denormal"]) == 0
+    record = json.loads(path.read_text())
+    assert record["config"]["flush_denormal"] is False and record["lr_sweep"] is None
+    assert cli.main([*argv, "--lr-sweep", "3e-3,1e-2", "--sweep-steps", "3"]) == 0
+    record = json.loads(path.read_text())
+    assert record["config"]["flush_denormal"] is True
+    assert record["config"]["lr_sweep"] == [3e-3, 1e-2] and record["config"]["sweep_steps"] == 3
+    assert [run["lr"] for run in record["lr_sweep"]["runs"]] == [3e-3, 1e-2]
+    assert record["config"]["resolved"]["lr"] == record["lr_sweep"]["best_lr"]
+    assert f"lr sweep: picked {record['lr_sweep']['best_lr']:g} of 0.003, 0.01" in (
+        capsys.readouterr().out
+    )
+
+
 def test_a_missing_optimizer_is_a_clear_failure(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -320,4 +400,5 @@ def test_a_missing_optimizer_is_a_clear_failure(
 def test_config_fields_and_cli_flags_stay_in_step() -> None:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     untouched_by_cli = {"min_lr_ratio", "grad_clip", "dropout"}  # fixed for fair comparisons
-    assert set(cli._TRAIN_FIELDS) == fields - untouched_by_cli
+    set_by_benchmarks = {"engine_cpu_affinity"}  # bench spikes pins the solver workers
+    assert set(cli._TRAIN_FIELDS) == fields - untouched_by_cli - set_by_benchmarks
