@@ -22,6 +22,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -179,6 +180,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._source = (
             source if source is not None else make_source(self.mode, engine_config, address=address)
         )
+        # Workers and connections go when the optimizer is collected, even without close():
+        # the finalizer holds the source, never the optimizer.
+        self._finalizer = weakref.finalize(self, self._source.close)
         self.skipped_steps = 0
         self._warn_costly_blocks()
 
@@ -481,16 +485,24 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         """
         self.detach()
         self._adopt_names(model)
+        # The hooks hold the optimizer weakly: a model must not keep a dropped optimizer (and
+        # its worker processes) alive.
+        optimizer = weakref.ref(self)
+
+        def pump() -> None:
+            opt = optimizer()
+            if opt is not None:
+                opt.pump()
 
         def on_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            self.pump()
+            pump()
 
         def on_model_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            self.pump()
+            pump()
             outputs = output if isinstance(output, tuple | list) else (output,)
             for tensor in outputs:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad: self.pump())
+                    tensor.register_hook(lambda grad: pump())
                     break
 
         self._hooks.append(model.register_forward_hook(on_model_forward))
@@ -666,9 +678,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     def close(self) -> None:
-        """Release the preconditioner source (worker processes, connections). Idempotent."""
+        """Release the preconditioner source (worker processes, connections). Idempotent.
+
+        Also done when the optimizer is garbage-collected, and at interpreter exit."""
         self.detach()
-        self._source.close()
+        self._finalizer()
 
     def __enter__(self) -> AsteriaOptimizer:
         return self

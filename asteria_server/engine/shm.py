@@ -1,23 +1,21 @@
-"""Shared-memory segments between the engine and its worker processes, with explicit ownership.
+"""Memory segments between the engine and its solver worker processes: anonymous memfds.
 
-**Ownership.** The engine process (the *owner*) creates every segment, reserves its space, and is
-the only one that ever unlinks it: in :meth:`OwnedSegment.destroy`, when a segment is replaced by
-a larger one, and when the pool closes. Workers only *map* segments by name
-(:func:`attach_segment`) and close their mapping; they never unlink.
+**Why memfd, not named ``/dev/shm`` segments.** A named POSIX segment outlives a process that is
+killed (SIGKILL, OOM) and must be unlinked by somebody; CPython's resource tracker does that for
+the creator and prints "leaked shared_memory objects" warnings when a training process is
+interrupted, and attaching from another interpreter registers the name a second time (the
+tracker trap). A memfd has no name in any filesystem: it lives while a process holds its fd or a
+mapping, so nothing is left behind by any kind of exit, nothing needs unlinking, and no tracker
+is involved. It is also not limited by the size of ``/dev/shm`` (containers default to 64 MB);
+it is charged to the process's memory like any allocation.
 
-**The CPython resource-tracker trap.** Before Python 3.13, merely attaching to a segment with
-``SharedMemory(name)`` registers it with the resource tracker, which unlinks every registered name
-when it shuts down. Worker processes started with ``spawn``/``forkserver`` share the owner's
-tracker, whose registry is a *set*: the worker's registration is a duplicate of the owner's and is
-removed by the owner's unlink, so it is harmless. What would be harmful is the usual workaround
-of unregistering in the worker: that would erase the *owner's* entry from the shared set (the
-owner's crash would then leak the segment, and its unlink would make the tracker complain).
-So on 3.11/3.12 workers attach and deliberately do not unregister; on 3.13+ they attach with
-``track=False``. If the owner dies without closing, the tracker unlinks its segments.
+**Ownership.** The engine process (the *owner*) creates every segment and reserves its space;
+the worker receives the fd over its pipe (``SCM_RIGHTS``, see :func:`send_segment_fds`), maps it
+and closes the fd. Either side's mapping keeps the memory alive; it is freed when both are gone.
 
-**Space.** ``/dev/shm`` is a tmpfs that may be small (containers default to 64 MB). Writing to a
-segment with no room behind it kills the writer with SIGBUS, so the owner reserves the space with
-``posix_fallocate`` at creation and fails with a clear error instead.
+**Space.** Writing to a memfd page that cannot be backed kills the writer with SIGBUS, so the
+owner reserves the space with ``posix_fallocate`` at creation and fails with a clear error
+instead.
 """
 
 from __future__ import annotations
@@ -25,17 +23,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import mmap
+import multiprocessing.connection as mpc
 import os
 import secrets
-import sys
-from multiprocessing import shared_memory
+from multiprocessing import reduction
 from typing import Any
 
 import numpy as np
 
 from asteria_server.errors import EngineUnavailableError
 
-#: Segment names start with this, followed by the owner's pid, so leaks are attributable.
+#: Segment names (visible as ``/memfd:<name>`` in ``/proc/PID/fd``) start with this, then the
+#: owner's pid, so a segment is attributable in diagnostics.
 SEGMENT_PREFIX = "asteria_"
 
 
@@ -65,74 +64,84 @@ def permutation_offset(n: int) -> int:
     return 4 * n * n + 4 * n
 
 
-def _reserve(shm: shared_memory.SharedMemory, size: int) -> None:
-    fd = getattr(shm, "_fd", -1)
-    if fd < 0 or not hasattr(os, "posix_fallocate"):
-        return
+def _reserve(fd: int, size: int) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            return  # the filesystem cannot reserve; proceed without the guarantee
+            return  # the kernel cannot reserve; proceed without the guarantee
         raise
 
 
 class OwnedSegment:
-    """A segment this process created and will unlink. Not thread-safe."""
+    """A memfd segment this process created and maps. Not thread-safe."""
 
     def __init__(self, size: int, *, prefix: str = SEGMENT_PREFIX) -> None:
         if size < 1:
             raise ValueError(f"OwnedSegment size must be >= 1 byte, got {size}")
-        name = f"{prefix}{os.getpid()}_{secrets.token_hex(5)}"
-        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-            name=name, create=True, size=size
-        )
-        try:
-            _reserve(self._shm, size)
-        except OSError as exc:
-            self.destroy()
-            raise EngineUnavailableError(
-                f"cannot reserve {size / 2**20:.1f} MiB of shared memory for a solver worker "
-                f"({exc.strerror}); free space in /dev/shm or enlarge it (docker: --shm-size, "
-                "Kubernetes: an emptyDir with medium Memory)"
-            ) from exc
-        self.name = self._shm.name
+        self.name = f"{prefix}{os.getpid()}_{secrets.token_hex(5)}"
         self.size = size
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            _reserve(fd, size)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            raise EngineUnavailableError(
+                f"cannot reserve {size / 2**20:.1f} MiB of memory for a solver worker "
+                f"({exc.strerror}); free memory or lower the largest factor size "
+                "(max_preconditioner_dim)"
+            ) from exc
+        self._fd = fd
 
     @property
     def alive(self) -> bool:
-        return self._shm is not None
+        return self._mmap is not None
+
+    @property
+    def fd(self) -> int:
+        """The memfd, to hand to a worker (:func:`send_segment_fds`)."""
+        if self._mmap is None:
+            raise EngineUnavailableError(f"shared memory segment {self.name} was destroyed")
+        return self._fd
 
     def view(self, shape: tuple[int, ...], dtype: Any, offset: int = 0) -> np.ndarray:
         """A NumPy view into the segment (drop it before :meth:`destroy`)."""
-        if self._shm is None:
+        if self._mmap is None:
             raise EngineUnavailableError(f"shared memory segment {self.name} was destroyed")
-        return np.ndarray(shape, dtype=dtype, buffer=self._shm.buf, offset=offset)
+        return np.ndarray(shape, dtype=dtype, buffer=self._mmap, offset=offset)
 
     def destroy(self) -> None:
-        """Unmap and unlink (idempotent)."""
-        shm, self._shm = self._shm, None
-        if shm is None:
+        """Close the fd and unmap (idempotent); the memory goes with the workers' mappings."""
+        mapping, self._mmap = self._mmap, None
+        if mapping is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            shm.unlink()  # first: the name must go even if a stray view keeps the mapping alive
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
         with contextlib.suppress(BufferError):  # a view still exists: unmapped when it dies
-            shm.close()
+            mapping.close()
 
 
-def release_segment(shm: shared_memory.SharedMemory) -> None:
-    """Unmap an attached segment (never unlink: the owner does). Tolerates live views."""
-    with contextlib.suppress(BufferError):  # a view still exists: unmapped when it dies
-        shm.close()
+def send_segment_fds(conn: mpc.Connection, fds: list[int]) -> None:
+    """Pass segment fds to the worker at the other end of ``conn`` (a Unix socket pair).
+
+    Sent right after the message that announces them; the worker reads that message, then
+    :func:`receive_segment_fds`. ``Connection`` reads exactly the bytes of each message, so the
+    one byte that carries the fds is never consumed by an ordinary ``recv``.
+    """
+    for fd in fds:
+        reduction.send_handle(conn, fd, 0)  # the pid is unused on Linux
+
+
+def receive_segment_fds(conn: mpc.Connection, count: int) -> list[int]:
+    return [reduction.recv_handle(conn) for _ in range(count)]
 
 
 class MappedSegment:
-    """An owner's segment mapped straight from ``/dev/shm`` (Linux), invisible to any resource
-    tracker: what a worker started as a fresh interpreter uses, since it shares no tracker with
-    the owner and ``SharedMemory(name)`` would start one of its own that unlinks at exit."""
+    """A worker's mapping of a segment received as an fd (the fd is closed once mapped)."""
 
-    def __init__(self, name: str) -> None:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    def __init__(self, name: str, fd: int) -> None:
         try:
             self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
         finally:
@@ -141,30 +150,18 @@ class MappedSegment:
         self.buf = memoryview(self._mmap)
 
     def close(self) -> None:
-        self.buf.release()  # BufferError while a NumPy view exists, as with SharedMemory
+        self.buf.release()  # BufferError while a NumPy view exists
         self._mmap.close()
 
 
-SHM_DIR = "/dev/shm"
-
-
-def attach_segment(name: str, *, untracked: bool = False) -> Any:
-    """Map an owner's segment in a worker. The caller closes it and never unlinks it.
-
-    ``untracked``: the worker does not share the owner's resource tracker (a fresh interpreter);
-    map the segment without registering it anywhere.
-    """
-    if untracked and os.path.isdir(SHM_DIR):
-        return MappedSegment(name)
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg,unused-ignore]
-    # 3.11/3.12: registers with the owner's (shared) tracker; deliberately NOT unregistered, see
-    # the module docstring.
-    return shared_memory.SharedMemory(name=name)
+def release_segment(shm: MappedSegment) -> None:
+    """Unmap a worker's mapping. Tolerates live views."""
+    with contextlib.suppress(BufferError):  # a view still exists: unmapped when it dies
+        shm.close()
 
 
 def segment_view(
-    shm: shared_memory.SharedMemory, shape: tuple[int, ...], dtype: Any, offset: int = 0
+    shm: MappedSegment, shape: tuple[int, ...], dtype: Any, offset: int = 0
 ) -> np.ndarray:
-    """A NumPy view into an attached segment."""
+    """A NumPy view into a worker's mapping."""
     return np.ndarray(shape, dtype=dtype, buffer=shm.buf, offset=offset)

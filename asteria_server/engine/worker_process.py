@@ -2,8 +2,8 @@
 
 :func:`worker_main` is the entry point the pool starts with ``spawn``/``forkserver``. Messages on
 its pipe are small dicts (see ``WorkerPool._send``); the factor and the result travel through the
-shared-memory segments the pool owns (this side only maps them, see
-:mod:`asteria_server.engine.shm`). The layout of the output segment is fixed: the float32 n×n
+memfd segments the pool owns, whose fds follow a message marked ``"fds"`` (this side maps them,
+see :mod:`asteria_server.engine.shm`). The layout of the output segment is fixed: the float32 n×n
 matrix, then float32 eigenvalues, then the int64 permutation, then the float32 n×n rotation.
 
 Replies: ``("ready", pid)`` once at start, then per task ``("done", job, meta)`` or
@@ -25,9 +25,10 @@ from threadpoolctl import threadpool_limits
 
 from asteria_server.engine import faults
 from asteria_server.engine.shm import (
-    attach_segment,
+    MappedSegment,
     eigenvalues_offset,
     permutation_offset,
+    receive_segment_fds,
     release_segment,
     rotation_offset,
     segment_view,
@@ -36,25 +37,28 @@ from asteria_server.engine.solvers import EighSolver, SolverConfig
 from asteria_server.engine.tasks import SolveKind, SolveTask
 from asteria_server.errors import SolverError
 
-#: True in a worker started as a fresh interpreter (no resource tracker shared with the owner).
-_UNTRACKED = False
+
+def _map_handed(conn: Connection, msg: dict[str, Any], cache: dict[str, MappedSegment]) -> None:
+    """Map the segments whose fds follow ``msg`` (a new worker, or segments replaced)."""
+    if not msg.get("fds"):
+        return
+    fds = receive_segment_fds(conn, 2)
+    for role, fd in zip(("in", "out"), fds, strict=True):
+        old = cache.pop(role, None)
+        if old is not None:
+            release_segment(old)
+        cache[role] = MappedSegment(msg[role], fd)
 
 
-def _mapped(cache: dict[str, Any], role: str, name: str) -> Any:
-    current = cache.get(role)
-    if current is None or current.name != name:
-        if current is not None:
-            release_segment(current)
-        current = cache[role] = attach_segment(name, untracked=_UNTRACKED)
-    return current
-
-
-def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[str, Any]) -> tuple[Any, ...]:
+def _run_job(
+    msg: dict[str, Any], solver: EighSolver, cache: dict[str, MappedSegment]
+) -> tuple[Any, ...]:
     fault = faults.Fault(msg["fault"]) if msg["fault"] else None
     faults.inject_before_solve(fault)
     n = msg["n"]
-    inp = _mapped(cache, "in", msg["in"])
-    out = _mapped(cache, "out", msg["out"])
+    inp, out = cache["in"], cache["out"]
+    if (inp.name, out.name) != (msg["in"], msg["out"]):
+        raise RuntimeError(f"segments {msg['in']}, {msg['out']} were never handed over")
     matrix = segment_view(inp, (n, n), msg["matrix_dtype"])
     basis = None
     if msg["basis_dtype"] is not None:
@@ -100,7 +104,7 @@ def worker_main(conn: Connection, blas_threads: int, solver_config: SolverConfig
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threadpool_limits(limits=blas_threads, user_api="blas")
     solver = EighSolver(dataclasses.replace(solver_config, blas_threads=None))
-    cache: dict[str, Any] = {}
+    cache: dict[str, MappedSegment] = {}
     try:
         conn.send(("ready", os.getpid()))
         while True:
@@ -110,6 +114,10 @@ def worker_main(conn: Connection, blas_threads: int, solver_config: SolverConfig
                 break  # the parent is gone
             if msg is None:
                 break
+            try:
+                _map_handed(conn, msg, cache)
+            except (EOFError, OSError):
+                break  # the parent is gone mid-handover
             try:
                 reply = _run_job(msg, solver, cache)
             except Exception as exc:  # report, stay alive: one bad task must not kill the worker
@@ -126,8 +134,6 @@ def worker_main(conn: Connection, blas_threads: int, solver_config: SolverConfig
 
 def _main_from_fd(fd: int) -> None:
     """``python -m asteria_server.engine.worker_process FD``: the subprocess start method."""
-    global _UNTRACKED
-    _UNTRACKED = True
     conn = Connection(fd)
     try:
         blas_threads, solver_config = conn.recv()

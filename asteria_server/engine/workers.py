@@ -43,6 +43,7 @@ from asteria_server.engine.shm import (
     output_capacity_bytes,
     permutation_offset,
     rotation_offset,
+    send_segment_fds,
 )
 from asteria_server.engine.solvers import SolverConfig
 from asteria_server.engine.tasks import SolveResult, SolveTask
@@ -169,6 +170,8 @@ class _Slot:
     sent_at: float | None = None  # when the current job reached a ready worker
     inp: OwnedSegment | None = None
     out: OwnedSegment | None = None
+    #: names of the (input, output) segments the current worker process has received
+    handed: tuple[str, str] | None = None
 
 
 class WorkerPool:
@@ -228,6 +231,7 @@ class WorkerPool:
             self.config.cpu_affinity,
         )
         slot.process, slot.conn, slot.ready = process, parent_conn, False
+        slot.handed = None  # a new process: it has none of the slot's segments yet
         slot.started_at, slot.sent_at = time.monotonic(), None
 
     def _kill(self, slot: _Slot) -> int | None:
@@ -342,9 +346,15 @@ class WorkerPool:
             "out": slot.out.name,
             "fault": None if fault is None else fault.value,
         }
+        segments = (slot.inp.name, slot.out.name)
+        hand_over = slot.handed != segments
+        msg["fds"] = hand_over  # the segments' fds follow the message
         slot.sent_at = time.monotonic()
         try:
             conn.send(msg)
+            if hand_over:
+                send_segment_fds(conn, [slot.inp.fd, slot.out.fd])
+                slot.handed = segments
         except OSError:
             self._lost_worker(slot, "its pipe broke while sending the task")
 

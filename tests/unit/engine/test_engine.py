@@ -47,9 +47,17 @@ def root_task(block: str, version: int, n: int = 16, **kw: Any) -> SolveTask:
 
 
 def own_segments() -> set[str]:
-    """This process's engine segments currently in /dev/shm."""
-    prefix = f"{SEGMENT_PREFIX}{os.getpid()}_"
-    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
+    """This process's engine segments: memfds it holds open (``/memfd:<name> (deleted)``)."""
+    prefix = f"/memfd:{SEGMENT_PREFIX}{os.getpid()}_"
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(prefix):
+            names.add(target.removeprefix("/memfd:").removesuffix(" (deleted)"))
+    return names
 
 
 def pid_alive(pid: int) -> bool:
@@ -280,12 +288,13 @@ def test_pool_reuses_and_grows_segments_directly() -> None:
         assert second.result is not None and set(pool.segment_names()) == names  # reused
         third = run(3, root_task("p", 3, n=64))
         assert third.result is not None and not names & set(pool.segment_names())
-        assert not names & set(os.listdir("/dev/shm"))  # replaced segments are unlinked
+        assert not names & own_segments()  # replaced segments are released
         pids = pool.worker_pids()
         created = list(pool.segment_names_created)
     finally:
         pool.close()
-    assert not set(created) & set(os.listdir("/dev/shm"))
+    assert not set(created) & own_segments()
+    assert not any(n.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_") for n in os.listdir("/dev/shm"))
     assert not any(pid_alive(pid) for pid in pids)
 
 
