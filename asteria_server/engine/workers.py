@@ -65,11 +65,15 @@ def default_num_workers() -> int:
 
 
 def check_cpu_affinity(owner: str, value: object) -> tuple[int, ...] | None:
-    """``value`` as a sorted tuple of CPU numbers this process may use, or None; a ValueError
-    naming ``owner`` (e.g. ``PoolConfig.cpu_affinity``) and the value otherwise."""
+    """``value`` as a sorted tuple of this host's CPU numbers, or None; a ValueError naming
+    ``owner`` (e.g. ``PoolConfig.cpu_affinity``) and the value otherwise.
+
+    Not checked against this thread's own affinity: a trainer pinned to CPU 0 may well give its
+    workers CPU 1. Outside the process's cpuset, the pinning fails with a warning at start.
+    """
     if value is None:
         return None
-    usable = sorted(os.sched_getaffinity(0))
+    num_cpus = os.cpu_count() or 1
     if not isinstance(value, tuple | list | set | frozenset) or not value:
         raise ValueError(f"{owner} must be None or a non-empty tuple of CPU numbers, got {value!r}")
     cpus = list(value)
@@ -77,10 +81,11 @@ def check_cpu_affinity(owner: str, value: object) -> tuple[int, ...] | None:
         raise ValueError(f"{owner} must hold CPU numbers (ints >= 0), got {value!r}")
     if len(set(cpus)) != len(cpus):
         raise ValueError(f"{owner} names a CPU twice: {value!r}")
-    unusable = sorted(set(cpus) - set(usable))
-    if unusable:
+    missing = sorted(c for c in cpus if c >= num_cpus)
+    if missing:
         raise ValueError(
-            f"{owner}={value!r} names CPU(s) {unusable} this process may not use (usable: {usable})"
+            f"{owner}={value!r} names CPU(s) {missing} this host does not have "
+            f"(it has {num_cpus}: 0 to {num_cpus - 1})"
         )
     return tuple(sorted(cpus))
 
