@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from asteria_client.bench.affinity import inherited_by_children
+
 #: How long a daemon may take to start serving (its workers import SciPy).
 START_TIMEOUT_S = 60.0
 #: How long SIGTERM may take to drain and stop it.
@@ -39,6 +41,7 @@ class BenchDaemon:
         extra_args: more ``asteria-server`` flags.
         listen: ``--listen`` (default: a Unix socket in a private temporary folder).
         env: extra environment of the daemon (e.g. ``ASTERIA_TOKENS`` for TCP).
+        cpu_affinity: CPUs the daemon and its workers run on (None: this thread's).
         address: what to pass as ``address=`` / ``ASTERIA_ADDRESS`` (set by ``start``).
         cpu_s: user + system CPU seconds of the daemon and its workers (set by ``stop``).
     """
@@ -48,6 +51,7 @@ class BenchDaemon:
     extra_args: Sequence[str] = ()
     listen: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    cpu_affinity: Sequence[int] | None = None
     address: str = ""
     cpu_s: float | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
@@ -70,7 +74,8 @@ class BenchDaemon:
         env.setdefault("ASTERIA_LOG_LEVEL", "WARNING")
         env.update(self.env)
         log = (root / "daemon.log").open("wb")
-        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with inherited_by_children(self.cpu_affinity):  # its workers inherit it in turn
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready.exists():
             if self._proc.poll() is not None or time.monotonic() > deadline:

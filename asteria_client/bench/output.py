@@ -7,6 +7,9 @@ The JSON document is a dict with at least these keys, which ``asteria bench repo
 - ``quick``: whether it was a ``--quick`` run;
 - ``machine``: :func:`machine_info` of the machine it ran on;
 - ``figures``: paths of the PNG figures, relative to the JSON file's folder;
+- ``config``: the benchmark's settings, among them ``flush_denormal``: whether its torch
+  processes (the benchmark's own, and the training processes it starts) flushed subnormal floats
+  to zero (on unless ``--no-flush-denormal``; see :mod:`asteria_client.train.cpu`);
 - whatever results the benchmark has (its own keys).
 
 Figures are written with matplotlib's non-interactive Agg backend, so no display is needed.
@@ -94,6 +97,18 @@ def command_line() -> str:
 def figure_path(json_path: Path, suffix: str) -> Path:
     """Where a figure of the run written to ``json_path`` goes: ``<stem>-<suffix>.png``."""
     return json_path.with_name(f"{json_path.stem}-{suffix}.png")
+
+
+def add_flush_denormal_argument(parser: Any, scope: str) -> None:
+    """``--no-flush-denormal`` (``args.flush_denormal``, True unless given); ``scope`` says
+    which processes it reaches, for the help."""
+    parser.add_argument(
+        "--no-flush-denormal",
+        dest="flush_denormal",
+        action="store_false",
+        help=f"keep subnormal floats instead of flushing them to zero in {scope} (the default "
+        "flushes them: arithmetic on them is many times slower on a CPU)",
+    )
 
 
 def new_figure(width: float = 7.0, height: float = 4.0) -> Any:

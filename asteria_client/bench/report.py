@@ -41,7 +41,7 @@ DEFAULT_RESULTS = Path("runs/bench")
 DEFAULT_OUT = Path("docs/benchmarks.md")
 FIGURES_DIR = "figures"
 _MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-_NOT_BENCHMARKS = frozenset({"report", "output", "daemon", "stats"})
+_NOT_BENCHMARKS = frozenset({"report", "output", "daemon", "stats", "affinity"})
 
 
 def load_results(results_dir: Path) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:

@@ -4,10 +4,16 @@ Trains the `asteria train` model with AdamW and with a second-order optimizer in
 native (every root or basis computed inside ``step()``), embedded (computed by the engine's
 worker processes) and daemon (computed by a node daemon this benchmark starts, over shared
 memory). The four runs are interleaved in chunks of 2f steps within one process, with identical
-batches. The trainer runs on one thread; the solver workers get the other core. For each run it
-reports the median, p90, p99 and max step time (after a short warm-up that covers the engine's
-start), p99/median, the overhead against AdamW, the median of refresh and non-refresh steps, and
-the staleness observed.
+batches. The trainer runs on one thread; the solver workers get the other core(s): with
+--pin-solver (the default where there are more CPUs than trainer threads) the trainer is pinned
+to the first CPU(s) and the solver workers, embedded and the daemon's, to the rest, so a solve
+never takes the step's core; --no-pin-solver leaves both to the scheduler (the workers only run
+at a lower priority), which shows what an unpinned user sees. Subnormal floats are flushed to
+zero unless --no-flush-denormal. Both settings are in the report.
+
+For each run it reports the median, p90, p99 and max step time (after a short warm-up that
+covers the engine's start), p99/median, the overhead against AdamW, the median of refresh and
+non-refresh steps, and the staleness observed.
 
 Targets (issue: the engine and the embedded runtime): embedded p99/median <= 1.3 while native
 shows its spikes, and the embedded median within 10% of native's non-refresh median; the same
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 
 from asteria_client.bench import output
+from asteria_client.bench.affinity import asteria_children_cpus, pinned, split_cpus, usable_cpus
 from asteria_client.bench.daemon import BenchDaemon
 from asteria_client.bench.stats import summarize
 from asteria_client.optim.base import Mode
@@ -44,6 +51,8 @@ MEDIAN_VS_NATIVE_QUIET_TARGET = 1.10
 
 @dataclass(frozen=True, kw_only=True)
 class SpikesConfig:
+    """``pin_solver=None`` pins when this process may use more CPUs than ``threads``."""
+
     optimizer: str = "soap"
     steps: int = 300
     warmup_steps: int = 10
@@ -53,8 +62,17 @@ class SpikesConfig:
     engine_workers: int = 1
     seed: int = 0
     device: str = "cpu"
+    flush_denormal: bool = True
+    pin_solver: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.pin_solver is None:
+            object.__setattr__(self, "pin_solver", len(usable_cpus()) > self.threads)
+        elif self.pin_solver and len(usable_cpus()) <= self.threads:
+            raise ValueError(
+                f"pin_solver=True needs more usable CPUs than threads ({self.threads}), this "
+                f"process may use {list(usable_cpus())}: pass --no-pin-solver"
+            )
         if self.optimizer not in ("soap", "shampoo", "kl-shampoo"):
             raise ValueError(f"optimizer={self.optimizer!r}: pick soap, shampoo or kl-shampoo")
         for name in ("steps", "precondition_frequency", "threads", "engine_workers"):
@@ -89,7 +107,9 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _train_config(cfg: SpikesConfig, optimizer: str, mode: str | None) -> Any:
+def _train_config(
+    cfg: SpikesConfig, optimizer: str, mode: str | None, solver_cpus: tuple[int, ...] | None
+) -> Any:
     from asteria_client.train.config import TrainConfig
     from asteria_client.train.optimizers import OptimizerKind
 
@@ -106,6 +126,8 @@ def _train_config(cfg: SpikesConfig, optimizer: str, mode: str | None) -> Any:
         precondition_frequency=cfg.precondition_frequency if second_order else None,
         staleness_budget=cfg.staleness_budget if mode in ASYNC_MODES else None,
         engine_workers=cfg.engine_workers if mode == "embedded" else None,
+        engine_cpu_affinity=solver_cpus if mode == "embedded" else None,
+        flush_denormal=cfg.flush_denormal,
     )
 
 
@@ -159,23 +181,38 @@ def _summarize(cfg: SpikesConfig, trainer: Any, label: str) -> dict[str, Any]:
 
 
 def run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
-    """Run the three trainings interleaved in chunks of ``2 f`` steps, rotating their order, so
-    slow drifts of a shared machine fall on all three alike (sequential runs here differed by
+    """Run the four trainings interleaved in chunks of ``2 f`` steps, rotating their order, so
+    slow drifts of a shared machine fall on all of them alike (sequential runs here differed by
     15% with nothing changed)."""
+    from asteria_client.train.cpu import flush_denormal
+
+    # First, before torch starts its threads: they copy the mode (see train.cpu).
+    with flush_denormal(cfg.flush_denormal) as flushing:
+        report = _run_spikes(cfg)
+    report["config"]["flush_denormal_in_effect"] = flushing
+    return report
+
+
+def _run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
     from asteria_client.train.corpus import load_corpus
     from asteria_client.train.loop import Trainer
 
     started = time.time()
+    all_cpus = usable_cpus()
+    trainer_cpus, solver_cpus = split_cpus(cfg.threads) if cfg.pin_solver else (None, None)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     corpus = load_corpus()
     modes = [None, "native", *ASYNC_MODES]
     labels = ["adamw", *(f"{cfg.optimizer} ({mode})" for mode in modes[1:])]
-    configs = [_train_config(cfg, cfg.optimizer if m else "adamw", m) for m in modes]
+    configs = [_train_config(cfg, cfg.optimizer if m else "adamw", m, solver_cpus) for m in modes]
     trainers: list[Any] = []
-    daemon = BenchDaemon(workers=cfg.engine_workers)
+    daemon = BenchDaemon(workers=cfg.engine_workers, cpu_affinity=solver_cpus)
+    pinning = contextlib.ExitStack()
     try:
-        daemon.start()
+        daemon.start()  # on the solver CPUs: it and its workers stay there
+        if trainer_cpus is not None:
+            pinning.enter_context(pinned(trainer_cpus))
         for train_cfg in configs:
             # The daemon run reaches the benchmark's own daemon through the client's env.
             env = {"ASTERIA_ADDRESS": daemon.address, "ASTERIA_JOB": "bench-spikes"}
@@ -192,10 +229,18 @@ def run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
                     trainer.step()
             order = order[1:] + order[:1]
         runs = [_summarize(cfg, t, label) for t, label in zip(trainers, labels, strict=True)]
+        affinity = {
+            "trainer_cpus": None if trainer_cpus is None else list(trainer_cpus),
+            "solver_cpus": None if solver_cpus is None else list(solver_cpus),
+            "usable_cpus": list(all_cpus),
+            # what the daemon and the embedded engine's workers really ran on
+            "observed_solver_process_cpus": asteria_children_cpus(),
+        }
     finally:
         for trainer in trainers:
             trainer.close()
         daemon.stop()
+        pinning.close()
         torch.set_num_threads(threads_before)
     adamw, native, embedded, in_daemon = runs
     for run in runs:
@@ -226,6 +271,7 @@ def run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
         "benchmark": "spikes",
         "config": dict(cfg.__dict__),
         "schedule": f"interleaved in chunks of {2 * cfg.precondition_frequency} steps",
+        "affinity": affinity,
         "started_unix_s": started,
         "wall_time_s": time.time() - started,
         "machine": {
@@ -237,6 +283,36 @@ def run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
         "runs": runs,
         "checks": checks,
     }
+
+
+def _cpus(cpus: list[int]) -> str:
+    return f"CPU{'s' if len(cpus) > 1 else ''} {','.join(map(str, cpus))}"
+
+
+def pinning_note(data: dict[str, Any]) -> str:
+    """Where the solvers ran relative to the trainer, in a few words (for the ratio lines)."""
+    affinity = data.get("affinity")
+    if affinity is None:
+        return "pinning not recorded"
+    if affinity["solver_cpus"] is None:
+        return f"solver not pinned: it shares {_cpus(affinity['usable_cpus'])} with the trainer"
+    return (
+        f"solver pinned to {_cpus(affinity['solver_cpus'])}, trainer to "
+        f"{_cpus(affinity['trainer_cpus'])}"
+    )
+
+
+def cpu_settings(data: dict[str, Any]) -> str:
+    """One sentence: flush-denormal and pinning, as the run used them."""
+    flush = data["config"].get("flush_denormal")
+    if flush is None:
+        flushing = "flush-denormal not recorded (a report from before the setting)"
+    else:
+        in_effect = data["config"].get("flush_denormal_in_effect", flush)
+        flushing = "subnormals flushed to zero" if in_effect else "subnormals kept"
+        if flush and not in_effect:
+            flushing += " (flushing asked, but this CPU cannot)"
+    return f"CPU settings: {flushing}; {pinning_note(data)}."
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -266,11 +342,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"this run: {c['adamw_p99_over_median']:.2f}; 'local' = p99 of step / its chunk's median)",
         f"embedded median / native non-refresh median {c['embedded_median_over_native_quiet']:.3f} "
         f"(target <= {c['embedded_median_over_native_quiet_target']}: "
-        f"{'met' if c['embedded_median_over_native_quiet_met'] else 'MISSED'})",
+        f"{'met' if c['embedded_median_over_native_quiet_met'] else 'MISSED'}; "
+        f"{pinning_note(report)})",
         f"daemon p99/median {c['daemon_p99_over_median']:.2f} "
         f"({'met' if c['daemon_p99_over_median_met'] else 'MISSED'}); daemon median / native "
         f"non-refresh median {c['daemon_median_over_native_quiet']:.3f} "
         f"({'met' if c['daemon_median_over_native_quiet_met'] else 'MISSED'})",
+        cpu_settings(report),
     ]
     return "\n".join(lines)
 
@@ -309,6 +387,8 @@ def report_section(data: dict[str, Any]) -> str:
         f"{cfg['threads']} trainer thread(s), {cfg['engine_workers']} engine worker(s); "
         f"statistics after {cfg['warmup_steps']} warm-up steps.",
         "",
+        cpu_settings(data),
+        "",
         "| run | median | p90 | p99 | max | p99/median | local p99 | vs AdamW (median) | max lag |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -335,7 +415,7 @@ def report_section(data: dict[str, Any]) -> str:
         f"- Embedded median / native non-refresh median "
         f"{checks['embedded_median_over_native_quiet']:.3f} (target <= "
         f"{checks['embedded_median_over_native_quiet_target']}: "
-        f"{met('embedded_median_over_native_quiet')}).",
+        f"{met('embedded_median_over_native_quiet')}; {pinning_note(data)}).",
         "",
         "Local p99: the p99 of each step's time over the median of its own chunk of steps.",
         "",
@@ -377,6 +457,14 @@ def register(subparsers: Any) -> Any:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument(
+        "--pin-solver",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin the trainer to the first --threads CPUs and the solver workers (embedded "
+        "and the daemon's) to the rest (default: on when there are more CPUs than --threads)",
+    )
+    output.add_flush_denormal_argument(parser, "the trainer")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here")
     return run_command
 
@@ -393,6 +481,8 @@ def run_command(args: argparse.Namespace) -> int:
         engine_workers=args.engine_workers,
         seed=args.seed,
         device=args.device,
+        flush_denormal=args.flush_denormal,
+        pin_solver=args.pin_solver,
     )
     report = run_spikes(cfg)
     report["quick"] = bool(args.quick)

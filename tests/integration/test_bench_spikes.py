@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
-from asteria_client.bench.spikes import refresh_steps, report_section
+from asteria_client.bench.spikes import cpu_settings, refresh_steps, report_section
 from asteria_client.cli import main
 
 
@@ -53,7 +54,37 @@ def test_spikes_writes_runs_with_step_time_statistics(
     assert "| soap (embedded) |" in section and "| soap (daemon) |" in section
     assert "](figures/spikes-trace.png)" in section
 
+    # The defaults: subnormals flushed, and on a host of 2+ CPUs the solvers pinned off the
+    # trainer's CPU: the daemon and the embedded engine's workers really ran on the others.
+    assert report["config"]["flush_denormal"] is report["config"]["flush_denormal_in_effect"]
+    assert report["config"]["flush_denormal"] is True
+    cpus = sorted(os.sched_getaffinity(0))
+    affinity = report["affinity"]
+    assert affinity["usable_cpus"] == cpus
+    if len(cpus) >= 2:
+        assert report["config"]["pin_solver"] is True
+        assert affinity["trainer_cpus"] == cpus[:1] and affinity["solver_cpus"] == cpus[1:]
+        # the daemon and the embedded engine's worker
+        assert affinity["observed_solver_process_cpus"] == [cpus[1:], cpus[1:]]
+        assert f"solver pinned to CPU {cpus[1]}" in section
+    assert "subnormals flushed to zero" in section and "subnormals flushed" in printed
+    assert sorted(os.sched_getaffinity(0)) == cpus  # this process is unpinned again
+
 
 def test_spikes_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "spikes", "--steps", "0"]) == 2
     assert "steps" in capsys.readouterr().err
+    threads = str(len(os.sched_getaffinity(0)))  # no CPU left for the solvers
+    assert main(["bench", "spikes", "--threads", threads, "--pin-solver"]) == 2
+    assert "--no-pin-solver" in capsys.readouterr().err
+
+
+def test_the_report_says_when_the_solver_was_not_pinned() -> None:
+    data = {
+        "config": {"flush_denormal": False},
+        "affinity": {"trainer_cpus": None, "solver_cpus": None, "usable_cpus": [0, 1]},
+    }
+    assert cpu_settings(data) == (
+        "CPU settings: subnormals kept; solver not pinned: it shares CPUs 0,1 with the trainer."
+    )
+    assert "not recorded" in cpu_settings({"config": {}})  # reports from before the settings
