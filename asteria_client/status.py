@@ -18,10 +18,8 @@ from typing import TYPE_CHECKING, Any
 from asteria_client.argtypes import positive_seconds
 from asteria_client.config import client_env, resolve_address
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection
-from asteria_server.engine.engine import EngineStats
-from asteria_server.engine.registry import BlockStatus
 from asteria_server.errors import AsteriaError, InvalidInputError
-from asteria_server.protocol.stats import TransportStats
+from asteria_server.types import BlockStatus, EngineStats, TransportStats
 
 if TYPE_CHECKING:
     from asteria_client.cli import ArgumentParser, Handler

@@ -41,7 +41,7 @@ import numpy as np
 from asteria_client.bench import output
 from asteria_client.bench.stats import summarize
 from asteria_server.engine.engine import EngineConfig
-from asteria_server.engine.tasks import SolveKind
+from asteria_server.types import SolveKind
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class DaemonClient:
     ) -> float:
         """Submit every matrix as block ``prefix-i`` at ``version``; seconds from the first
         submit to the last result's arrival."""
-        from asteria_server.engine.tasks import SolveTask
+        from asteria_server.types import SolveTask
 
         names = [f"{prefix}-{i}" for i in range(len(matrices))]
         pending = set(names)

@@ -45,9 +45,9 @@ from asteria_client.bench.daemon import BenchDaemon
 from asteria_client.bench.stats import percentile
 from asteria_client.transport.connection import DaemonConnection, SessionInfo
 from asteria_client.transport.shm import HandoverChannel, segments_for
-from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask
 from asteria_server.protocol.convert import SegmentReader, array_chunks, snapshot_specs
 from asteria_server.protocol.shm import ArraySpec, SegmentRef
+from asteria_server.types import SolveKind, SolveResult, SolveTask
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,6 @@ from asteria_client.runtime.source import (
 )
 from asteria_client.runtime.staleness import BarrierStats, StalenessPolicy, freshness
 from asteria_server.engine import EngineConfig
-from asteria_server.engine.tasks import SolveKind
 from asteria_server.errors import (
     AsteriaError,
     InvalidInputError,
@@ -47,6 +46,7 @@ from asteria_server.errors import (
     SolverError,
     UnsupportedParameterError,
 )
+from asteria_server.types import SolveKind
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, L
 from asteria_client.optim.tensor_ops import apply_on_dims, factor_statistic
 from asteria_client.optim.updates import TINY, adam_direction, apply_update
 from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
-from asteria_server.engine.tasks import SolveKind
+from asteria_server.types import SolveKind
 
 
 class Shampoo(AsteriaOptimizer):

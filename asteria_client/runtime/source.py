@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from asteria_client.optim import linalg
-from asteria_server.engine.tasks import SolveKind, SolveResult
 from asteria_server.errors import SolverError
+from asteria_server.types import SolveKind, SolveResult
 
 
 @dataclass(frozen=True, kw_only=True)

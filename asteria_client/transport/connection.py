@@ -14,16 +14,13 @@ from dataclasses import dataclass
 import grpc
 
 from asteria_client.config import client_env
-from asteria_server.engine.engine import EngineStats
-from asteria_server.engine.registry import BlockStatus
-from asteria_server.engine.tasks import SolveResult, SolveTask
 from asteria_server.errors import AsteriaError, InvalidInputError
 from asteria_server.protocol import convert
 from asteria_server.protocol.errors import from_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef
-from asteria_server.protocol.stats import TransportStats
+from asteria_server.types import BlockStatus, EngineStats, SolveResult, SolveTask, TransportStats
 
 #: Largest gRPC message this client sends or accepts (a 1 MiB chunk plus framing fits).
 MAX_MESSAGE_BYTES = 8 << 20

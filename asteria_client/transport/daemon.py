@@ -48,9 +48,6 @@ from asteria_client.runtime.source import (
 )
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
 from asteria_client.transport.shm import ClientSegment, HandoverChannel, segments_for
-from asteria_server.engine.engine import EngineStats
-from asteria_server.engine.registry import BlockStatus
-from asteria_server.engine.tasks import SolveResult, SolveTask
 from asteria_server.errors import (
     AsteriaError,
     DaemonBusyError,
@@ -59,6 +56,7 @@ from asteria_server.errors import (
 )
 from asteria_server.protocol.convert import snapshot_specs
 from asteria_server.protocol.shm import ArraySpec, SegmentRef, SharedMemoryUnavailableError
+from asteria_server.types import BlockStatus, EngineStats, SolveResult, SolveTask
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asteria_server.engine.tasks import SolveKind, SolveTask
 from asteria_server.protocol.shm import (
     ArraySpec,
     Segment,
@@ -36,6 +35,7 @@ from asteria_server.protocol.shm import (
     create_segment,
     segment_bytes,
 )
+from asteria_server.types import SolveKind, SolveTask
 
 #: The handover connection's timeout for each request.
 HANDOVER_TIMEOUT_S = 10.0

@@ -7,11 +7,19 @@ It runs embedded in a training process and, unchanged, inside the node daemon. M
 injection), ``engine`` (the thread-safe facade).
 """
 
-from asteria_server.engine.engine import EngineConfig, EngineStats, PreconditionerEngine
-from asteria_server.engine.registry import BlockState, BlockStatus, CoherenceRegistry
+from asteria_server.engine.engine import EngineConfig, PreconditionerEngine
+from asteria_server.engine.registry import CoherenceRegistry
 from asteria_server.engine.scheduler import CostModel, Scheduler
 from asteria_server.engine.solvers import EighSolver, SolverConfig, solve
-from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
+from asteria_server.types import (
+    BlockState,
+    BlockStatus,
+    EngineStats,
+    SolveKind,
+    SolveResult,
+    SolveTask,
+    SubmitOutcome,
+)
 
 __all__ = [
     "BlockState",

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from asteria_server.engine.registry import BlockStatus, CoherenceRegistry
+from asteria_server.engine.registry import CoherenceRegistry
 from asteria_server.engine.scheduler import CostModel, ScheduledTask, Scheduler
-from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
+from asteria_server.types import BlockStatus, SolveKind, SolveResult, SolveTask, SubmitOutcome
 
 logger = logging.getLogger(__name__)
 

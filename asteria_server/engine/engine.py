@@ -24,20 +24,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from types import TracebackType
 
 from asteria_server.engine.coordinator import Coordinator
-from asteria_server.engine.registry import BlockStatus
 from asteria_server.engine.scheduler import CostModel
 from asteria_server.engine.solvers import SolverConfig
-from asteria_server.engine.tasks import (
-    DEFAULT_TENANT,
-    SolveKind,
-    SolveResult,
-    SolveTask,
-    SubmitOutcome,
-)
 from asteria_server.engine.workers import (
     START_METHODS,
     PoolConfig,
@@ -47,6 +39,15 @@ from asteria_server.engine.workers import (
     default_num_workers,
 )
 from asteria_server.errors import EngineUnavailableError
+from asteria_server.types import (
+    DEFAULT_TENANT,
+    BlockStatus,
+    EngineStats,
+    SolveKind,
+    SolveResult,
+    SolveTask,
+    SubmitOutcome,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -148,29 +149,6 @@ class EngineConfig:
             cpu_affinity=self.cpu_affinity,
             test_fault_prefix=self.test_fault_prefix,
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineStats:
-    """Engine-wide health numbers for ``asteria status``."""
-
-    incarnation_id: str
-    uptime_s: float
-    num_workers: int
-    workers_busy: int
-    workers_idle: int
-    worker_restarts: int
-    queue_depth: int
-    blocks: int
-    solves_done: int
-    solves_failed: int
-    results_discarded: int
-    seconds_per_n3: float
-    closed: bool
-    broken_reason: str | None
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)

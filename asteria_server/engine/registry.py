@@ -20,60 +20,13 @@ The registry is not thread-safe; the engine serializes access with its lock.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from asteria_server.engine.tasks import SolveResult, SubmitOutcome
+from asteria_server.types import BlockState, BlockStatus, SolveResult, SubmitOutcome
 
 Key = tuple[str, str]
-
-
-class BlockState(enum.Enum):
-    """Where a block is. FAILED wins over the others until a solve of the block succeeds."""
-
-    IDLE = "idle"
-    QUEUED = "queued"
-    RUNNING = "running"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockStatus:
-    """A snapshot of one block's record, for ``status()`` and ``asteria status``.
-
-    Versions are -1 when there is none; times are None when the event never happened.
-    ``in_flight_version`` is the queued version if any, else the running one.
-    """
-
-    tenant: str
-    block: str
-    version: int
-    submitted_version: int
-    in_flight_version: int
-    queued_version: int
-    running_version: int
-    delivered_version: int
-    staleness_steps: int
-    age_s: float | None
-    submitted_age_s: float | None
-    delivered_age_s: float | None
-    last_solve_s: float | None
-    failures: int
-    consecutive_failures: int
-    duplicates: int
-    stale_ignored: int
-    superseded: int
-    state: BlockState
-    last_error: str | None
-    queue_position: int | None
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready mapping (``state`` as its string value)."""
-        out = asdict(self)
-        out["state"] = self.state.value
-        return out
 
 
 @dataclass

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from asteria_server.engine.tasks import SolveTask, SubmitOutcome
+from asteria_server.types import SolveTask, SubmitOutcome
 
 Key = tuple[str, str]
 

@@ -34,8 +34,8 @@ import numpy as np
 import scipy.linalg
 from threadpoolctl import ThreadpoolController
 
-from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask
 from asteria_server.errors import SolverError
+from asteria_server.types import SolveKind, SolveResult, SolveTask
 
 _PROBE_SEED = 0x5EED
 

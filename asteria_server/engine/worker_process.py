@@ -34,8 +34,8 @@ from asteria_server.engine.shm import (
     segment_view,
 )
 from asteria_server.engine.solvers import EighSolver, SolverConfig
-from asteria_server.engine.tasks import SolveKind, SolveTask
 from asteria_server.errors import SolverError
+from asteria_server.types import SolveKind, SolveTask
 
 
 def _map_handed(conn: Connection, msg: dict[str, Any], cache: dict[str, MappedSegment]) -> None:

@@ -46,8 +46,8 @@ from asteria_server.engine.shm import (
     send_segment_fds,
 )
 from asteria_server.engine.solvers import SolverConfig
-from asteria_server.engine.tasks import SolveResult, SolveTask
 from asteria_server.errors import EngineUnavailableError
+from asteria_server.types import SolveResult, SolveTask
 
 logger = logging.getLogger(__name__)
 

@@ -30,13 +30,19 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf.descriptor import EnumDescriptor
 
-from asteria_server.engine.engine import EngineStats
-from asteria_server.engine.registry import BlockState, BlockStatus
-from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.shm import ArraySpec, SegmentRef
-from asteria_server.protocol.stats import TransportStats
+from asteria_server.types import (
+    BlockState,
+    BlockStatus,
+    EngineStats,
+    SolveKind,
+    SolveResult,
+    SolveTask,
+    SubmitOutcome,
+    TransportStats,
+)
 
 #: Copies announced arrays out of a shared-memory segment: ``reader(ref, specs)`` returns them,
 #: or None when a newer write replaced them (the announcement is then skipped).

@@ -44,7 +44,7 @@ from asteria_server import __version__
 from asteria_server.config import TcpAddress
 from asteria_server.engine import BlockStatus, PreconditionerEngine
 from asteria_server.engine.engine import FinishedSolve
-from asteria_server.protocol.stats import TransportStats
+from asteria_server.types import TransportStats
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ import grpc
 import numpy as np
 
 from asteria_server.engine import PreconditionerEngine, SolveKind, SolveResult, SolveTask
-from asteria_server.engine.tasks import SubmitOutcome
 from asteria_server.errors import (
     AuthenticationError,
     DaemonBusyError,
@@ -40,9 +39,9 @@ from asteria_server.protocol.errors import to_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import ArraySpec, SegmentRef
-from asteria_server.protocol.stats import TransportStats
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
+from asteria_server.types import SubmitOutcome, TransportStats
 
 logger = logging.getLogger(__name__)
 

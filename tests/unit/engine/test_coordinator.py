@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from asteria_server.engine.coordinator import Coordinator
 from asteria_server.engine.registry import BlockState, CoherenceRegistry
 from asteria_server.engine.scheduler import CostModel
-from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
+from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
 MAX_FAILS = 2
 TENANTS = ("A", "B")

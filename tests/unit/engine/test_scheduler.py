@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asteria_server.engine.scheduler import CostModel, Scheduler
-from asteria_server.engine.tasks import SolveKind, SolveTask, SubmitOutcome
+from asteria_server.types import SolveKind, SolveTask, SubmitOutcome
 
 COST = CostModel(seconds_per_n3=2.0**-30, refresh_ratio=0.5)  # exact binary sums
 _EYES: dict[int, np.ndarray] = {}

@@ -16,8 +16,8 @@ from asteria_server.engine.solvers import (
     escalated_epsilons,
     solve,
 )
-from asteria_server.engine.tasks import SolveKind, SolveTask
 from asteria_server.errors import SolverError
+from asteria_server.types import SolveKind, SolveTask
 
 # --------------------------------------------------------------------------- references
 

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
 from asteria_server.errors import InvalidInputError
+from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
 
 def _task(**overrides: Any) -> SolveTask:

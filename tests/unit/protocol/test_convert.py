@@ -20,11 +20,11 @@ import pytest
 from google.protobuf.message import Message
 
 from asteria_server.engine import BlockState, BlockStatus, CoherenceRegistry, EngineStats, solve
-from asteria_server.engine.tasks import SolveKind, SolveResult, SolveTask, SubmitOutcome
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol import convert
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
 MiB = 1 << 20
 M = TypeVar("M", bound=Message)
@@ -616,7 +616,7 @@ def test_streams_cross_a_real_grpc_channel() -> None:
 
 
 def test_transport_stats_round_trip_and_are_absent_from_older_daemons() -> None:
-    from asteria_server.protocol.stats import TransportStats
+    from asteria_server.types import TransportStats
 
     stats = _engine_stats()
     transport = TransportStats(

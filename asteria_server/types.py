@@ -1,0 +1,303 @@
+"""Asteria's value types: what both sides of every boundary speak. A leaf: it imports nothing
+else of the project but :mod:`asteria_server.errors`.
+
+The engine, the protocol layer, the daemon and the torch client all exchange these, so that no
+layer needs another's implementation to name what it passes around:
+
+- :class:`SolveTask` carries one factor snapshot of one block, tagged with the optimizer step it
+  was taken at (its *version*); :class:`SolveResult` carries what was computed from it. Both are
+  plain frozen dataclasses of NumPy arrays and scalars.
+- :class:`SubmitOutcome` says how a submit went (none of its values is an error).
+- :class:`BlockStatus` / :class:`BlockState`, :class:`EngineStats` and :class:`TransportStats` are
+  what ``Status`` reports.
+
+Construction checks only what can be checked cheaply and is the caller's fault (shape, dtype,
+ranges) and raises :class:`~asteria_server.errors.InvalidInputError`. Whether the matrix is
+finite, symmetric and positive semi-definite is the solver's business: such a snapshot is
+accepted here and its solve is reported as *failed*, because a factor that went bad during
+training is a numerical event to count and survive, not a programming error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from asteria_server.errors import InvalidInputError
+
+#: dtypes a factor snapshot or a basis may have (results are always float32).
+ACCEPTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+DEFAULT_TENANT = "local"
+
+
+class SolveKind(enum.Enum):
+    """What a block needs computed from its factor snapshot."""
+
+    #: ``(A + epsilon I)^(-exponent)`` with negative eigenvalues of A clamped to zero (Shampoo).
+    INVERSE_ROOT = "inverse_root"
+    #: An orthonormal eigenbasis with eigenvalue estimates (SOAP, KL-Shampoo).
+    EIGENBASIS = "eigenbasis"
+
+
+class SubmitOutcome(enum.Enum):
+    """What happened to a submitted snapshot. None of these is an error."""
+
+    #: Accepted; nothing older of this block was waiting.
+    QUEUED = "queued"
+    #: Accepted; it replaced an older snapshot of the same block that had not started (latest wins).
+    SUPERSEDED_QUEUED = "superseded_queued"
+    #: This exact (block, version) was already submitted; nothing changed.
+    DUPLICATE = "duplicate"
+    #: Older than a version already submitted for this block; ignored (versions never go back).
+    STALE_IGNORED = "stale_ignored"
+
+    @property
+    def accepted(self) -> bool:
+        """True when the snapshot will be computed."""
+        return self in (SubmitOutcome.QUEUED, SubmitOutcome.SUPERSEDED_QUEUED)
+
+
+def _fail(block: object, field_name: str, problem: str) -> InvalidInputError:
+    return InvalidInputError(f"SolveTask for block {block!r}: {field_name} {problem}")
+
+
+def _check_square(block: object, field_name: str, array: object) -> int:
+    """Return n for an n×n float32/float64 ndarray, else raise naming the field."""
+    if not isinstance(array, np.ndarray):
+        raise _fail(block, field_name, f"must be a numpy.ndarray, got {type(array).__name__}")
+    if array.ndim != 2 or array.shape[0] != array.shape[1]:
+        raise _fail(block, field_name, f"must be a square 2-D matrix, got shape {array.shape}")
+    if array.shape[0] < 1:
+        raise _fail(block, field_name, "must be at least 1x1, got an empty matrix")
+    if array.dtype not in ACCEPTED_DTYPES:
+        raise _fail(block, field_name, f"must be float32 or float64, got dtype {array.dtype}")
+    return int(array.shape[0])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SolveTask:
+    """One factor snapshot of one block and what to compute from it.
+
+    The engine does not copy ``matrix`` or ``basis`` at submit time: it reads them when the task
+    is handed to a worker. The caller gives up the right to modify them once submitted (take a
+    copy first if the buffer is reused).
+
+    Attributes:
+        block: the block's key within its tenant (any non-empty string).
+        version: the optimizer step the snapshot was taken at (>= 0).
+        kind: what to compute.
+        matrix: the n×n float32 or float64 factor snapshot.
+        exponent: INVERSE_ROOT computes ``A^(-exponent)`` (> 0; Shampoo order 2: 0.25).
+        epsilon: the ``epsilon * I`` regularizer (>= 0); the solver may escalate it on retries.
+        basis: EIGENBASIS only: the basis Q in use, refreshed by one QR power step; None asks for
+            a full eigendecomposition.
+        base_version: the version ``basis`` was computed from (-1 when there is none).
+        deadline: priority; smaller is more urgent. The client passes the step at which this
+            block would exceed its staleness budget. Compared only within one tenant.
+        tenant: who the block belongs to; tenants never see each other's blocks.
+    """
+
+    block: str
+    version: int
+    kind: SolveKind
+    matrix: np.ndarray
+    exponent: float = 0.25
+    epsilon: float = 1e-12
+    basis: np.ndarray | None = None
+    base_version: int = -1
+    deadline: float = math.inf
+    tenant: str = DEFAULT_TENANT
+
+    def __post_init__(self) -> None:
+        block = self.block
+        if not isinstance(block, str) or not block:
+            raise _fail(block, "block", "must be a non-empty string")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise _fail(block, "tenant", f"must be a non-empty string, got {self.tenant!r}")
+        if not isinstance(self.kind, SolveKind):
+            raise _fail(block, "kind", f"must be a SolveKind, got {self.kind!r}")
+        if not _is_int(self.version) or self.version < 0:
+            raise _fail(block, "version", f"must be an int >= 0, got {self.version!r}")
+        n = _check_square(block, "matrix", self.matrix)
+        if not _is_real(self.exponent) or not (0.0 < float(self.exponent) < math.inf):
+            raise _fail(block, "exponent", f"must be a finite number > 0, got {self.exponent!r}")
+        if not _is_real(self.epsilon) or not (0.0 <= float(self.epsilon) < math.inf):
+            raise _fail(block, "epsilon", f"must be a finite number >= 0, got {self.epsilon!r}")
+        if not _is_real(self.deadline) or math.isnan(float(self.deadline)):
+            raise _fail(block, "deadline", f"must be a number (inf allowed), got {self.deadline!r}")
+        if not _is_int(self.base_version) or self.base_version < -1:
+            raise _fail(block, "base_version", f"must be an int >= -1, got {self.base_version!r}")
+        if self.basis is not None:
+            if self.kind is not SolveKind.EIGENBASIS:
+                raise _fail(block, "basis", f"is only meaningful for EIGENBASIS, not {self.kind}")
+            m = _check_square(block, "basis", self.basis)
+            if m != n:
+                raise _fail(block, "basis", f"must be {n}x{n} like matrix, got {self.basis.shape}")
+
+    @property
+    def n(self) -> int:
+        """The factor's dimension."""
+        return int(self.matrix.shape[0])
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(tenant, block)``: the identity of the block across versions."""
+        return (self.tenant, self.block)
+
+    @property
+    def is_refresh(self) -> bool:
+        """True for an EIGENBASIS task that refreshes a given basis with one QR step."""
+        return self.basis is not None
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SolveResult:
+    """What the engine computed from one snapshot.
+
+    Attributes:
+        block, version, kind: copied from the task (``version`` is the snapshot's step).
+        matrix: float32 n×n: the inverse root, or the basis Q (orthonormal columns, each column's
+            largest-magnitude entry positive).
+        eigenvalues: EIGENBASIS only: float32 eigenvalue estimates of the factor (not including
+            epsilon), in Q's column order; descending for a full decomposition.
+        permutation: QR refresh only: int64 column order applied to the *base* basis before the
+            QR step (``Q_base[:, permutation]``), so a client can permute its second moments the
+            same way SOAP does.
+        rotation: QR refresh only: float32 ``Q_new^T Q_base``, the change of basis a client applies
+            to moments kept in the base basis.
+        base_version: the version of the basis a refresh started from (-1 otherwise).
+        epsilon_used: the regularizer of the attempt that succeeded.
+        solve_time_s: seconds the successful solve took in its worker.
+        attempts: tries it took: solver attempts of the successful run plus worker runs lost to
+            a crash or timeout before it.
+        tenant: copied from the task.
+    """
+
+    block: str
+    version: int
+    kind: SolveKind
+    matrix: np.ndarray
+    eigenvalues: np.ndarray | None
+    permutation: np.ndarray | None
+    base_version: int
+    epsilon_used: float
+    solve_time_s: float
+    attempts: int
+    tenant: str = DEFAULT_TENANT
+    rotation: np.ndarray | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(tenant, block)``."""
+        return (self.tenant, self.block)
+
+    def is_finite(self) -> bool:
+        """True when every array in the result is finite (the engine never delivers otherwise)."""
+        arrays = [a for a in (self.matrix, self.eigenvalues, self.rotation) if a is not None]
+        return all(bool(np.isfinite(a).all()) for a in arrays)
+
+
+class BlockState(enum.Enum):
+    """Where a block is. FAILED wins over the others until a solve of the block succeeds."""
+
+    IDLE = "idle"
+    QUEUED = "queued"
+    RUNNING = "running"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockStatus:
+    """A snapshot of one block's record, for ``status()`` and ``asteria status``.
+
+    Versions are -1 when there is none; times are None when the event never happened.
+    ``in_flight_version`` is the queued version if any, else the running one.
+    """
+
+    tenant: str
+    block: str
+    version: int
+    submitted_version: int
+    in_flight_version: int
+    queued_version: int
+    running_version: int
+    delivered_version: int
+    staleness_steps: int
+    age_s: float | None
+    submitted_age_s: float | None
+    delivered_age_s: float | None
+    last_solve_s: float | None
+    failures: int
+    consecutive_failures: int
+    duplicates: int
+    stale_ignored: int
+    superseded: int
+    state: BlockState
+    last_error: str | None
+    queue_position: int | None
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready mapping (``state`` as its string value)."""
+        out = asdict(self)
+        out["state"] = self.state.value
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    """Engine-wide health numbers for ``asteria status``."""
+
+    incarnation_id: str
+    uptime_s: float
+    num_workers: int
+    workers_busy: int
+    workers_idle: int
+    worker_restarts: int
+    queue_depth: int
+    blocks: int
+    solves_done: int
+    solves_failed: int
+    results_discarded: int
+    seconds_per_n3: float
+    closed: bool
+    broken_reason: str | None
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportStats:
+    """Shared-memory handovers and snapshot uploads of one daemon, right now.
+
+    Attributes:
+        shm_connections: clients connected to the segment-handover socket.
+        shm_segments: segments those clients handed over (each one mapping in the daemon).
+        shm_mapped_bytes: their total size.
+        upload_bytes_in_flight: snapshot bytes being received now (chunks or segment copies).
+        upload_budget_bytes: the limit on those (``max_upload_bytes``).
+        uploads_waiting: uploads waiting for room in that budget.
+    """
+
+    shm_connections: int = 0
+    shm_segments: int = 0
+    shm_mapped_bytes: int = 0
+    upload_bytes_in_flight: int = 0
+    upload_budget_bytes: int = 0
+    uploads_waiting: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
