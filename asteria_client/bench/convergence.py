@@ -14,7 +14,9 @@ or below it, interpolated), CPU seconds of the whole run including the engine's 
 staleness observed (max lag, barrier waits, local fallbacks).
 
 Each run is its own `asteria train` process, one at a time, with the same torch thread count;
-the engine (embedded, or a fresh daemon per run) gets --engine-workers solver processes.
+the engine (embedded, or a fresh daemon per run) gets --engine-workers solver processes. Every
+training process flushes subnormal floats to zero unless --no-flush-denormal (see
+:mod:`asteria_client.train.cpu`); nothing is pinned.
 """
 
 from __future__ import annotations
@@ -94,9 +96,12 @@ class ConvergenceConfig:
     threads: int = 1
     engine_workers: int = 1
     device: str = "cpu"
+    flush_denormal: bool = True
     quick: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.flush_denormal, bool):
+            raise ValueError(f"flush_denormal must be True or False, got {self.flush_denormal!r}")
         for name in ("steps", "eval_interval", "eval_batches", "threads", "engine_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -131,6 +136,8 @@ def _train_command(
     cmd += ["--eval-batches", str(cfg.eval_batches), "--log-interval", str(cfg.steps)]
     if lr is not None:
         cmd += ["--lr", repr(lr)]
+    if not cfg.flush_denormal:
+        cmd += ["--no-flush-denormal"]
     if run.mode is not None:
         cmd += ["--mode", run.mode]
     if run.mode == "embedded":
@@ -220,6 +227,7 @@ def run_one(
     steps = result["steps"]
     record.update(
         lr=result["config"]["resolved"]["lr"],
+        flush_denormal=result["config"]["resolved"].get("flush_denormal"),
         final_val_loss=result["final"]["val_loss"],
         final_train_loss=result["final"]["train_loss"],
         median_step_time_s=result["final"]["median_step_time_s"],
@@ -388,6 +396,7 @@ def register(subparsers: Any) -> Any:
         help="solver processes of the embedded engine and of each daemon (default 1)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    output.add_flush_denormal_argument(parser, "every training process")
     parser.add_argument(
         "--json", type=Path, metavar="PATH", help="write the report here, with PNG plots beside it"
     )
@@ -410,6 +419,7 @@ def config_from_args(args: argparse.Namespace) -> ConvergenceConfig:
         threads=args.threads,
         engine_workers=args.engine_workers,
         device=args.device,
+        flush_denormal=args.flush_denormal,
         quick=quick,
     )
 

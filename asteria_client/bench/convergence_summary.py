@@ -229,7 +229,25 @@ def _notes(data: dict[str, Any]) -> list[str]:
         "barrier waits per run; fallbacks: local fallbacks in all runs; — means not applicable.",
         "Identical batch streams per seed across configurations: "
         f"{'yes' if data['batch_streams_identical'] else 'NO'}.",
+        cpu_note(data),
     ]
+
+
+def cpu_note(data: dict[str, Any]) -> str:
+    """Flush-denormal and pinning, as the training processes ran."""
+    flush = data["config"].get("flush_denormal")
+    if flush is None:
+        return "CPU settings not recorded (a report from before flush-denormal)."
+    ran = [r for r in data["runs"] if r["ok"]]
+    unable = sum(1 for r in ran if flush and r.get("flush_denormal") is False)
+    flushing = "subnormals flushed to zero" if flush else "subnormals kept (--no-flush-denormal)"
+    if unable:
+        flushing += f" (but {unable} of {len(ran)} runs' CPUs could not flush)"
+    return (
+        f"CPU settings: {flushing} in every training process; no pinning: a run's trainer and "
+        "its solver workers (embedded, or the daemon's) share the CPUs, the workers at a lower "
+        "priority."
+    )
 
 
 def report_section(data: dict[str, Any]) -> str:

@@ -14,7 +14,9 @@ once, each a job of its own (``ASTERIA_JOB``), and waits for all of them. From e
 - how much the clients' training windows overlapped (they start at slightly different times),
   and the CPU seconds of the daemon and its workers.
 
-The training processes, the daemon and its workers all share the machine's cores, so at larger N
+The training processes flush subnormal floats to zero unless --no-flush-denormal (see
+:mod:`asteria_client.train.cpu`). They, the daemon and its workers all share the machine's cores
+(nothing is pinned), so at larger N
 the trainers compete with each other and with the solver workers: read the numbers as "what one
 node delivers", not as the daemon's capacity alone.
 """
@@ -59,8 +61,11 @@ class SharingConfig:
     staleness_budget: int = 1
     daemon_workers: int = 2
     client_timeout_s: float = 900.0
+    flush_denormal: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.flush_denormal, bool):
+            raise ValueError(f"flush_denormal must be True or False, got {self.flush_denormal!r}")
         if not self.clients or any(n < 1 for n in self.clients):
             raise ValueError(f"clients must be counts >= 1, got {list(self.clients)}")
         if self.optimizer not in ("soap", "shampoo", "kl-shampoo"):
@@ -83,6 +88,7 @@ def jain_index(values: list[float]) -> float:
 
 
 def _train_command(cfg: SharingConfig, json_path: Path, seed: int) -> list[str]:
+    flush = [] if cfg.flush_denormal else ["--no-flush-denormal"]
     return [
         sys.executable,
         "-m",
@@ -112,6 +118,7 @@ def _train_command(cfg: SharingConfig, json_path: Path, seed: int) -> list[str]:
         str(cfg.steps),
         "--json",
         str(json_path),
+        *flush,
     ]
 
 
@@ -140,6 +147,7 @@ def client_summary(doc: dict[str, Any], *, ended_unix_s: float) -> dict[str, Any
         "max_lag_steps": stats["max_lag_steps"],
         "num_blocks": stats.get("num_blocks"),
         "final_val_loss": float(doc["final"]["val_loss"]),
+        "flush_denormal": doc["config"].get("resolved", {}).get("flush_denormal"),
         "started_unix_s": ended_unix_s - total_s,
         "ended_unix_s": ended_unix_s,
     }
@@ -348,7 +356,11 @@ def report_section(data: dict[str, Any]) -> str:
         f"{cfg['optimizer']} training processes (`asteria train --mode daemon`, {cfg['steps']} "
         f"steps, precondition frequency {cfg['precondition_frequency']}, staleness budget "
         f"{cfg['staleness_budget']}) on one daemon with {cfg['daemon_workers']} solver workers, "
-        f"{data.get('cpus', '?')} CPUs shared by everything.",
+        f"{data.get('cpus', '?')} CPUs shared by everything (nothing pinned); subnormals "
+        + {True: "flushed to zero", False: "kept", None: "(flush-denormal not recorded)"}[
+            cfg.get("flush_denormal")
+        ]
+        + ".",
         "",
         "| N | solves/s (sum) | solves/s (span) | Jain fairness | latency p50 | latency p99 "
         "(worst) | steps/s per client | barrier waits | fallbacks | overlap | daemon CPU s |",
@@ -428,6 +440,7 @@ def register(subparsers: Any) -> Any:
     parser.add_argument(
         "--daemon-workers", type=int, default=2, help="solver processes of the daemon (default 2)"
     )
+    output.add_flush_denormal_argument(parser, "the training processes")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here")
     return run_command
 
@@ -443,6 +456,7 @@ def run_command(args: argparse.Namespace) -> int:
         precondition_frequency=args.precondition_frequency,
         staleness_budget=args.staleness_budget,
         daemon_workers=args.daemon_workers,
+        flush_denormal=args.flush_denormal,
     )
     report = run_sharing(cfg, quick=args.quick)
     output.publish(report, format_report(report), args.json, write_figures)

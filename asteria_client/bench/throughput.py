@@ -16,6 +16,10 @@ ridge, like Kronecker factors) is solved round after round on both sides:
 Rounds of the two sides alternate (the machine is shared and noisy), after one warm-up round each.
 The figure is ratio = bare median round time / daemon median round time = daemon solves/s over
 bare solves/s. Target (issue: benchmarks): ratio >= 0.95.
+
+This process flushes subnormal floats to zero unless --no-flush-denormal, like every benchmark;
+the timed solves run in the daemon's workers and the bare processes, which it does not reach
+(neither side flushes, so the comparison stays like for like). The setting is recorded.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class ThroughputConfig:
         bare_niceness: nice value of the bare processes (default: the daemon workers' value).
         seed: seeds the factors.
         transport: ``shm`` (shared memory, a same-host client's default) or ``grpc``.
+        flush_denormal: flush subnormal floats to zero in this process (not in the solvers).
     """
 
     sizes: tuple[int, ...] = (256, 512, 1024)
@@ -86,8 +91,11 @@ class ThroughputConfig:
     bare_niceness: int = field(default_factory=lambda: EngineConfig().worker_niceness)
     seed: int = 0
     transport: str = "shm"
+    flush_denormal: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.flush_denormal, bool):
+            raise ValueError(f"flush_denormal must be True or False, got {self.flush_denormal!r}")
         if self.transport not in ("shm", "grpc"):
             raise ValueError(f"transport must be shm or grpc, got {self.transport!r}")
         if not self.sizes or any(not isinstance(n, int) or n < 2 for n in self.sizes):
@@ -383,6 +391,13 @@ def _entry(
 
 def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     """Measure every (n, kind) with alternating daemon and bare rounds; return the report."""
+    from asteria_client.train.cpu import flush_denormal
+
+    with flush_denormal(cfg.flush_denormal):
+        return _run_throughput(cfg)
+
+
+def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     from asteria_client.bench.daemon import BenchDaemon
 
     started = time.time()
@@ -584,6 +599,7 @@ def register(subparsers: Any) -> Any:
         help="how the client reaches the daemon (default shm, a same-host client's default)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    output.add_flush_denormal_argument(parser, "this process (not the solvers)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the report here")
     return run_command
 
@@ -605,6 +621,7 @@ def run_command(args: argparse.Namespace) -> int:
         bare_niceness=args.bare_niceness,
         seed=args.seed,
         transport=args.transport,
+        flush_denormal=args.flush_denormal,
     )
     report = run_throughput(cfg)
     report["quick"] = bool(args.quick)

@@ -23,6 +23,9 @@ once before timing so that there is a result to fetch.
 
 Targets (issue: the daemon): shared-memory submit >= 0.8x memcpy (the training thread's cost);
 gRPC >= 2 GB/s on loopback.
+
+This process flushes subnormal floats to zero unless --no-flush-denormal, like every benchmark
+(the copies timed here do no arithmetic, so it changes nothing measured; it is recorded).
 """
 
 from __future__ import annotations
@@ -183,7 +186,16 @@ def _measure_size(ends: _Endpoints, n: int, repeats: int, held: dict[str, int]) 
     return row
 
 
-def run_transport(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
+def run_transport(
+    sizes: tuple[int, ...], repeats: int, *, flush_denormal: bool = True
+) -> dict[str, Any]:
+    from asteria_client.train.cpu import flush_denormal as flushing
+
+    with flushing(flush_denormal):
+        return _run_transport(sizes, repeats, flush_denormal)
+
+
+def _run_transport(sizes: tuple[int, ...], repeats: int, flush_denormal: bool) -> dict[str, Any]:
     token = secrets.token_hex(16)
     tcp_env = {"ASTERIA_TOKENS": f"bench={token}"}
     rows: list[dict[str, Any]] = []
@@ -210,6 +222,7 @@ def run_transport(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     worst_grpc = min(r["gb_per_s"]["gRPC submit (tcp)"] for r in rows)
     return {
         "benchmark": "transport",
+        "config": {"sizes": list(sizes), "repeats": repeats, "flush_denormal": flush_denormal},
         "sizes": list(sizes),
         "repeats": repeats,
         "rows": rows,
@@ -281,6 +294,7 @@ def register(subparsers: Any) -> Any:
     parser.add_argument("--quick", action="store_true", help="512² and 1024², 3 rounds")
     parser.add_argument("--sizes", help=f"comma-separated n (default {','.join(map(str, SIZES))})")
     parser.add_argument("--repeats", type=int, help="timed rounds per case (default 7)")
+    output.add_flush_denormal_argument(parser, "this process")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the report here")
     return run_command
 
@@ -300,7 +314,7 @@ def run_command(args: argparse.Namespace) -> int:
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    report = run_transport(sizes, repeats)
+    report = run_transport(sizes, repeats, flush_denormal=args.flush_denormal)
     report["quick"] = bool(args.quick)
     output.publish(
         report,

@@ -14,8 +14,9 @@ from asteria_client.cli import main
 
 def test_quick_convergence_writes_every_configuration(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "convergence.json"
-    assert main(["bench", "convergence", "--quick", "--json", str(out)]) == 0
+    assert main(["bench", "convergence", "--quick", "--no-flush-denormal", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert data["config"]["flush_denormal"] is False
 
     assert data["benchmark"] == "convergence" and data["quick"] is True
     assert data["batch_streams_identical"] is True
@@ -30,6 +31,7 @@ def test_quick_convergence_writes_every_configuration(tmp_path: Path, capsys) ->
         assert all(math.isfinite(loss) for loss in losses)
         assert losses[-1] < losses[0]  # it learned something
         assert run["lr"] > 0
+        assert run["flush_denormal"] is False  # passed down to every `asteria train`
     runs = {r["config"]: r for r in data["runs"]}
     assert runs["adamw"]["runtime"] == {} and runs["adamw"]["lr"] == data["adamw_lr"]
     assert runs["soap-native"]["runtime"]["mode"] == "native"
@@ -54,6 +56,7 @@ def test_quick_convergence_writes_every_configuration(tmp_path: Path, capsys) ->
 
     page = bench_report.render(tmp_path, tmp_path / "docs" / "benchmarks.md")
     assert "| soap embedded S=1 |" in page and "Not rendered" not in page
+    assert "subnormals kept (--no-flush-denormal)" in page
 
 
 def test_convergence_rejects_unknown_configurations(capsys) -> None:  # type: ignore[no-untyped-def]

@@ -17,8 +17,10 @@ def test_quick_sharing_writes_runs_per_client_count_and_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "results" / "sharing.json"
-    assert main(["bench", "sharing", "--quick", "--steps", "12", "--json", str(out)]) == 0
+    argv = ["bench", "sharing", "--quick", "--steps", "12", "--no-flush-denormal"]
+    assert main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["config"]["flush_denormal"] is False
     assert doc["benchmark"] == "sharing" and doc["quick"] is True
     assert doc["command"] and doc["machine"]["cpus"] >= 1
     assert [r["num_clients"] for r in doc["runs"]] == [1, 2]
@@ -37,6 +39,7 @@ def test_quick_sharing_writes_runs_per_client_count_and_figures(
             assert 0 < c["latency_p50_s"] <= c["latency_p99_s"]
             assert math.isfinite(c["steps_per_s"]) and c["steps_per_s"] > 0
             assert c["local_fallbacks"] >= 0 and c["barrier_waits"] >= 0
+            assert c["flush_denormal"] is False  # the setting reached every trainer
         assert run["daemon_cpu_s"] > 0
     assert len(doc["figures"]) == 2
     for figure in doc["figures"]:
@@ -48,6 +51,7 @@ def test_quick_sharing_writes_runs_per_client_count_and_figures(
     assert main(["bench", "report", "--results", str(out.parent), "--out", str(page)]) == 0
     text = page.read_text()
     assert f"## {report.TITLES['sharing']}" in text and "Not rendered" not in text
+    assert "subnormals kept" in text
     for figure in doc["figures"]:
         assert (page.parent / "figures" / Path(figure).name).is_file()
         assert f"](figures/{Path(figure).name})" in text

@@ -26,6 +26,7 @@ def _positive(value: object) -> bool:
 def test_quick_run_writes_a_complete_report(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "t.json"
     assert main(["bench", "throughput", "--quick", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["flush_denormal"] is True
     report = json.loads(out.read_text())
     assert report["benchmark"] == "throughput" and report["quick"] is True
     for key in ("command", "machine", "config", "ratio_target", "daemon_cpu_s", "wall_time_s"):

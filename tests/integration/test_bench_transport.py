@@ -18,6 +18,7 @@ def test_quick_transport_bench_writes_a_complete_report(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["benchmark"] == "transport" and data["sizes"] == [512, 1024]
     assert {"machine", "command", "figures"} <= data.keys()
+    assert data["config"]["flush_denormal"] is True
     for row in data["rows"]:
         assert set(row["gb_per_s"]) == set(CASES)
         for case in CASES:
