@@ -147,7 +147,7 @@ def client_summary(doc: dict[str, Any], *, ended_unix_s: float) -> dict[str, Any
         "max_lag_steps": stats["max_lag_steps"],
         "num_blocks": stats.get("num_blocks"),
         "final_val_loss": float(doc["final"]["val_loss"]),
-        "flush_denormal": doc["config"].get("resolved", {}).get("flush_denormal"),
+        "flush_denormal": doc.get("config", {}).get("resolved", {}).get("flush_denormal"),
         "started_unix_s": ended_unix_s - total_s,
         "ended_unix_s": ended_unix_s,
     }
