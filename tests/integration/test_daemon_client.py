@@ -123,7 +123,8 @@ def test_an_absent_daemon_means_local_computation_not_a_crash(tmp_path: Path) ->
     )
     model = small_model()
     with SOAP(model.named_parameters(), lr=1e-2, precondition_frequency=FREQ, source=source) as opt:
-        train(model, opt, 4)
+        # Past the budget (S * f steps after the first snapshot) the blocks are computed here.
+        train(model, opt, 3 * FREQ)
         rows = opt.preconditioner_status()
         stats = opt.runtime_stats()
     assert stats["local_fallbacks"] > 0 and stats["submit_errors"] == 0 and finite(model)
@@ -220,6 +221,12 @@ def test_status_command_reports_a_training_client(
         train(model, opt, 4)
         source = opt._source
         assert isinstance(source, DaemonSource)
+        # Steps never wait for the first bases (S >= 1): let the sender declare every block.
+        _wait_for(
+            lambda: all(r.extra["state"] != "unknown" for r in source.records().values()),
+            20.0,
+            "the daemon to know all four blocks",
+        )
         capsys.readouterr()
         assert main(["status", "--address", daemon.target, "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)

@@ -30,6 +30,7 @@ from asteria_client.runtime.source import PreconditionerRequest
 from asteria_client.transport import DaemonClientConfig, DaemonConnection, DaemonSource
 from asteria_client.transport.shm import ClientSegment, HandoverChannel
 from asteria_server.engine import SolveKind
+from asteria_server.engine.shm import SEGMENT_PREFIX
 from asteria_server.protocol.shm import (
     ArraySpec,
     SharedMemoryUnavailableError,
@@ -62,8 +63,11 @@ def root_request(block: str, version: int, n: int, seed: int) -> PreconditionerR
 
 
 def memfd_maps(pid: int) -> list[str]:
-    """The daemon's mappings of Asteria segments (memfd names show in /proc/PID/maps)."""
-    return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "memfd:" in line]
+    """The daemon's mappings of clients' segments (memfd names show in /proc/PID/maps); the
+    daemon's own solver-worker segments (named after its pid) are not counted."""
+    own = f"memfd:{SEGMENT_PREFIX}{pid}_"
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return [line for line in lines if "memfd:" in line and own not in line]
 
 
 # ---------------------------------------------------------------------------------- torn reads
