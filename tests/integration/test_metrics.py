@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -235,6 +236,15 @@ def test_unit_daemon_trains_and_its_metrics_tell_solves_queue_and_staleness(
     assert value(metrics, "asteria_worker_restarts_total") == 0
     incarnation = unit_daemon.serving_line.split("incarnation=", 1)[1].split()[0]
     assert value(metrics, "asteria_daemon_info", incarnation=incarnation) == 1
+
+    # Every family the daemon exports is in the README's metric table.
+    readme = (DEPLOY.parent / "README.md").read_text()
+    documented = set(re.findall(r"`(asteria_\w+)`", readme))
+    # (_gsum/_gcount of gauge histograms and the client's _created parse as families of their own)
+    exported = {re.sub(r"_(gsum|gcount|created)$", "", n) for n in metrics if "asteria_" in n}
+    assert len(exported) >= 20, exported
+    missing = {n for n in exported if n not in documented and f"{n}_total" not in documented}
+    assert not missing, f"metrics missing from the README's Operate table: {sorted(missing)}"
 
     # deploy/asteria.toml asks for JSON logs: one object a line, sessions named by tenant.
     code, err = stop_daemon(unit_daemon)
