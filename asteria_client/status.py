@@ -1,42 +1,19 @@
-"""`asteria status`: what a daemon is doing, as a table, one JSON document, or refreshed live.
+"""What a daemon is doing, read and shown: the data behind ``asteria status`` (cli/status.py).
 
-It opens a session as the given tenant (``--tenant``/``--token`` or ``ASTERIA_TENANT``/
-``ASTERIA_TOKEN``), so it shows that tenant's blocks, with the daemon-wide numbers: incarnation,
-uptime, workers busy and idle, queue depth. An unreachable daemon is one line on stderr and exit
-code 1.
+:class:`StatusReader` holds one session as a tenant, so it sees that tenant's blocks, with the
+daemon-wide numbers: incarnation, uptime, workers busy and idle, queue depth.
+:func:`status_document` makes them one JSON document, :func:`format_table` a text table.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import sys
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from asteria_client.argtypes import positive_seconds
-from asteria_client.config import client_env, resolve_address
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection
-from asteria_server.errors import AsteriaError, InvalidInputError
+from asteria_server.errors import AsteriaError
 from asteria_server.types import BlockStatus, EngineStats, TransportStats
 
-if TYPE_CHECKING:
-    from asteria_client.cli import ArgumentParser, Handler
-
-STATUS_DESCRIPTION = """\
-Show a daemon's incarnation, uptime, workers and queue, and one row per block of your tenant:
-versions submitted / computed / delivered, staleness in steps and seconds, queue position, last
-solve time, failures and state.
-
-example:
-  asteria status --address unix:///run/user/1000/asteria/asteria.sock
-  ASTERIA_ADDRESS=unix:///tmp/asteria.sock asteria status --watch 1
-  asteria status --json | jq '.blocks[] | select(.state == "failed")'
-"""
-
-#: Seconds between refreshes of ``--watch`` without a value.
-DEFAULT_WATCH_S = 2.0
 #: Deadline of each call status makes.
 CALL_TIMEOUT_S = 5.0
 _JOB = "asteria-status"
@@ -182,72 +159,3 @@ class StatusReader:
             with contextlib.suppress(AsteriaError):
                 self._conn.close_session(self._session_id)
         self._conn.close()
-
-
-def register_status(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
-    parser = subparsers.add_parser(
-        "status",
-        help="show a daemon's workers, queue and blocks",
-        description=STATUS_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--address",
-        help="the daemon: unix:///path/asteria.sock or host:port (default: $ASTERIA_ADDRESS)",
-    )
-    parser.add_argument("--tenant", help="tenant to show (default: $ASTERIA_TENANT, or none)")
-    parser.add_argument(
-        "--token", help="the tenant's token (default: $ASTERIA_TOKEN; prefer the variable)"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument(
-        "--watch",
-        nargs="?",
-        const=DEFAULT_WATCH_S,
-        type=positive_seconds,
-        metavar="SECONDS",
-        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C",
-    )
-    return run_status
-
-
-def run_status(args: argparse.Namespace) -> int:
-    from asteria_client.cli import EXIT_FAILED, EXIT_OK, PROG, UsageError
-
-    env = client_env()
-    try:
-        address = resolve_address(args.address)
-    except InvalidInputError:
-        raise UsageError(
-            f"{PROG} status: error: no daemon address: pass --address or set ASTERIA_ADDRESS"
-        ) from None
-    tenant = env.tenant if args.tenant is None else args.tenant
-    token = env.token if args.token is None else args.token
-    reader = StatusReader(address, tenant, token)
-    first = True
-    try:
-        while True:
-            try:
-                stats, blocks, transport = reader.read()
-            except AsteriaError as exc:
-                print(
-                    f"{PROG} status: cannot reach the daemon at {address}: {exc}", file=sys.stderr
-                )
-                if first or args.watch is None:
-                    return EXIT_FAILED
-            else:
-                if args.json:
-                    document = status_document(address, stats, blocks, transport)
-                    print(json.dumps(document), flush=True)
-                else:
-                    if args.watch is not None and sys.stdout.isatty():
-                        print("\x1b[H\x1b[2J", end="")
-                    print(format_table(address, stats, blocks, transport), flush=True)
-            first = False
-            if args.watch is None:
-                return EXIT_OK
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return EXIT_OK  # Ctrl-C is how --watch ends
-    finally:
-        reader.close()

@@ -89,7 +89,7 @@ def machine_info() -> dict[str, Any]:
 def command_line() -> str:
     """This process's command line as a user would type it (``asteria bench ...``)."""
     argv = list(sys.argv)
-    if argv and Path(argv[0]).name in ("asteria", "__main__.py", "cli.py"):
+    if argv and Path(argv[0]).name in ("asteria", "__main__.py"):
         argv[0] = "asteria"
     return shlex.join(argv)
 

@@ -1,13 +1,40 @@
-"""Argument types for the command line: numbers parsed and range-checked in one place."""
+"""What every ``asteria`` command shares: the parser class, exit codes, and argument types.
+
+Numbers are parsed and range-checked here, in one place; a bad value is one line on stderr and
+exit code 2 (:class:`UsageError`), never a usage dump.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+
+PROG = "asteria"
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+#: What a command's ``register`` returns: the function that runs it on the parsed arguments.
+Handler = Callable[[argparse.Namespace], int]
+
+if TYPE_CHECKING:
+    Subparsers = argparse._SubParsersAction["ArgumentParser"]
 
 N = TypeVar("N", int, float)
+
+
+class UsageError(Exception):
+    """Bad command-line input; reported as one line, exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (and exit code 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
 
 
 def bounded(

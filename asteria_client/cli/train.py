@@ -1,53 +1,24 @@
-"""`asteria`: the command line of Asteria's client.
-
-Subcommands register themselves in ``SUBCOMMANDS``: each entry adds its parser and returns the
-function that runs it: ``train``, ``bench`` and ``status`` (a daemon's workers and blocks).
-
-Exit codes: 0 success, 1 the run failed (for example an optimizer missing from this build, or a
-diverged loss), 2 bad input (arguments, config values, an unavailable device), 130 interrupted.
-"""
+"""`asteria train`: train a small GPT on Shakespeare with one optimizer, and measure it."""
 
 from __future__ import annotations
 
 import argparse
 import enum
-import logging
-import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from asteria_client.argtypes import (
+from asteria_client.cli.args import (
+    EXIT_OK,
+    PROG,
+    ArgumentParser,
+    Handler,
+    UsageError,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_float_list,
     positive_int,
 )
-from asteria_server.errors import AsteriaError
-
-PROG = "asteria"
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-
-Handler = Callable[[argparse.Namespace], int]
-Registrar = Callable[["argparse._SubParsersAction[ArgumentParser]"], Handler]
-
-
-class UsageError(Exception):
-    """Bad command-line input; reported as one line, exit code 2."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line (and exit code 2), not usage plus error."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
-
-
-# --- asteria train ---------------------------------------------------------------------------
 
 TRAIN_DESCRIPTION = """\
 Train a small character-level GPT on Shakespeare's plays with one optimizer, and measure it:
@@ -78,7 +49,7 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda, cuda:N or auto")
 
 
-def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
+def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     from asteria_client.optim.base import Mode
     from asteria_client.train.config import Schedule, TrainConfig
     from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind
@@ -162,34 +133,34 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
         help="steps of linear warmup (default: 5%% of --steps, at most 100)",
     )
 
-    run = parser.add_argument_group("run")
-    run.add_argument(
+    run_group = parser.add_argument_group("run")
+    run_group.add_argument(
         "--steps", type=positive_int, help=f"optimizer steps (default: {defaults.steps})"
     )
-    run.add_argument(
+    run_group.add_argument(
         "--batch-size",
         type=positive_int,
         help=f"sequences per step (default: {defaults.batch_size})",
     )
-    run.add_argument(
+    run_group.add_argument(
         "--seed",
         type=non_negative_int,
         help="seed for the initial weights and the batch order; the validation batches are "
         f"the same for every seed (default: {defaults.seed})",
     )
-    run.add_argument(
+    run_group.add_argument(
         "--device",
         type=_device,
         help=f"cpu, cuda, cuda:N, or auto for CUDA when present (default: {defaults.device})",
     )
-    run.add_argument(
+    run_group.add_argument(
         "--threads",
         type=positive_int,
         dest="num_threads",
         help="torch intra-op CPU threads; on a busy machine 1 is often faster "
         "(default: torch's own choice)",
     )
-    run.add_argument(
+    run_group.add_argument(
         "--no-flush-denormal",
         action="store_false",
         dest="flush_denormal",
@@ -197,25 +168,25 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
         help="keep subnormal floats on the CPU instead of flushing them to zero (slower steps "
         "that drift upward; the default flushes them)",
     )
-    run.add_argument(
+    run_group.add_argument(
         "--eval-interval",
         type=positive_int,
         metavar="STEPS",
         help="steps between validation evaluations; one also runs before the first step and "
         f"after the last (default: {defaults.eval_interval})",
     )
-    run.add_argument(
+    run_group.add_argument(
         "--eval-batches",
         type=positive_int,
         help=f"fixed validation batches per evaluation (default: {defaults.eval_batches})",
     )
-    run.add_argument(
+    run_group.add_argument(
         "--log-interval",
         type=positive_int,
         metavar="STEPS",
         help=f"steps between progress lines (default: {defaults.log_interval})",
     )
-    run.add_argument(
+    run_group.add_argument(
         "--json",
         type=Path,
         metavar="PATH",
@@ -245,10 +216,11 @@ def register_train(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Ha
         type=positive_int,
         help=f"embedding width (default: {defaults.n_embd})",
     )
-    return run_train
+    return run
 
 
-_TRAIN_FIELDS = (
+#: The TrainConfig fields that `asteria train` sets from its flags (flag = --field-name).
+TRAIN_FIELDS = (
     "optimizer",
     "mode",
     "lr",
@@ -292,12 +264,12 @@ def _plain(value: object) -> str:
     return str(value.value) if isinstance(value, enum.Enum) else str(value)
 
 
-def run_train(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from asteria_client.train.config import TrainConfig, TrainConfigError
     from asteria_client.train.loop import resolve_device, run_training
 
     given: dict[str, Any] = {
-        name: getattr(args, name) for name in _TRAIN_FIELDS if getattr(args, name) is not None
+        name: getattr(args, name) for name in TRAIN_FIELDS if getattr(args, name) is not None
     }
     try:
         cfg = TrainConfig(**given)
@@ -337,108 +309,3 @@ def run_train(args: argparse.Namespace) -> int:
             f"local fallbacks {stats['local_fallbacks']}, failures {stats['failures']}"
         )
     return EXIT_OK
-
-
-# --- asteria bench ---------------------------------------------------------------------------
-
-BENCH_DESCRIPTION = """\
-Benchmarks that measure Asteria's claims. Every figure is a ratio of runs taken side by side in
-one invocation (shared machines are noisy), never an absolute time to compare across machines.
-"""
-
-
-def register_bench(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
-    from asteria_client.bench import convergence, report, sharing, spikes, throughput, transport
-
-    parser = subparsers.add_parser(
-        "bench",
-        help="benchmarks (convergence, spikes, transport, throughput, sharing) and their report",
-        description=BENCH_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    benches = parser.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=ArgumentParser)
-    handlers: dict[str, Handler] = {
-        "convergence": convergence.register(benches),
-        "spikes": spikes.register(benches),
-        "sharing": sharing.register(benches),
-        "throughput": throughput.register(benches),
-        "transport": transport.register(benches),
-        "report": report.register(benches),
-    }
-
-    def run_bench(args: argparse.Namespace) -> int:
-        if args.bench is None:
-            parser.print_help(sys.stderr)
-            return EXIT_USAGE
-        try:
-            return handlers[args.bench](args)
-        except ValueError as exc:
-            raise UsageError(f"{PROG} bench {args.bench}: error: {exc}") from None
-
-    return run_bench
-
-
-# --- the command ----------------------------------------------------------------------------
-
-
-def register_status(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
-    from asteria_client import status
-
-    return status.register_status(subparsers)
-
-
-SUBCOMMANDS: dict[str, Registrar] = {
-    "train": register_train,
-    "bench": register_bench,
-    "status": register_status,
-}
-
-
-def build_parser() -> tuple[ArgumentParser, dict[str, Handler]]:
-    parser = ArgumentParser(
-        prog=PROG,
-        description="Asteria: second-order optimizers with their matrix work off the training "
-        "step.",
-    )
-    subparsers = parser.add_subparsers(
-        dest="command", metavar="COMMAND", parser_class=ArgumentParser
-    )
-    handlers = {name: register(subparsers) for name, register in SUBCOMMANDS.items()}
-    return parser, handlers
-
-
-def _setup_logging() -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-    logging.getLogger("asteria_client").setLevel(logging.INFO)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser, handlers = build_parser()
-    try:
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help(sys.stderr)
-            return EXIT_USAGE
-        _setup_logging()
-        return handlers[args.command](args)
-    except UsageError as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_USAGE
-    except AsteriaError as exc:
-        code = EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return code
-    except OSError as exc:  # e.g. --json PATH cannot be written
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-if __name__ == "__main__":
-    sys.exit(main())
