@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from asteria_client.tables import text_table
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection
 from asteria_server.errors import AsteriaError
 from asteria_server.types import BlockStatus, EngineStats, TransportStats
@@ -122,13 +123,8 @@ def format_table(
                 b.state.value,
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines.append("")
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells).rstrip())
+    lines += text_table(rows)
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from asteria_client.bench import output
+from asteria_client.tables import NAME_THEN_NUMBERS, markdown_table, text_table
 
 
 def interpolated_crossing(
@@ -195,15 +196,7 @@ def table_rows(summaries: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 def format_table(summaries: Sequence[dict[str, Any]]) -> str:
     """The summary as aligned plain text, for the terminal."""
-    rows = [list(_COLUMNS), *table_rows(summaries)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    )
+    return "\n".join(text_table([list(_COLUMNS), *table_rows(summaries)]))
 
 
 def _notes(data: dict[str, Any]) -> list[str]:
@@ -255,9 +248,7 @@ def report_section(data: dict[str, Any]) -> str:
     heading): notes, the summary table, the figures."""
     rows = table_rows(data["summaries"])
     lines = [f"- {note}" for note in _notes(data)]
-    align = "|---|" + "---:|" * (len(_COLUMNS) - 1)
-    lines += ["", "| " + " | ".join(_COLUMNS) + " |", align]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", *markdown_table(_COLUMNS, rows, align=NAME_THEN_NUMBERS)]
     for figure in data.get("figures", []):
         lines += ["", f"![{Path(figure).stem}]({figure})"]
     return "\n".join(lines) + "\n"

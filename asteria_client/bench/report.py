@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asteria_client.tables import markdown_table
+
 logger = logging.getLogger(__name__)
 
 #: Sections in this order; other benchmarks follow in name order.
@@ -160,14 +162,14 @@ def render(results_dir: Path, out: Path, *, now: datetime.datetime | None = None
         *_machine_lines(docs),
         "## Reproduce",
         "",
-        "| section | result file | run at | command |",
-        "|---|---|---|---|",
     ]
+    reproduce = []
     for path, data in docs:
-        date = (data.get("machine") or {}).get("date", "?")
+        date = str((data.get("machine") or {}).get("date", "?"))
         quick = " (quick)" if data.get("quick") else ""
-        command = str(data.get("command", "?")).replace("|", "\\|")
-        lines.append(f"| {data['benchmark']}{quick} | `{path.name}` | {date} | `{command}` |")
+        command = str(data.get("command", "?"))
+        reproduce.append([f"{data['benchmark']}{quick}", f"`{path.name}`", date, f"`{command}`"])
+    lines += markdown_table(["section", "result file", "run at", "command"], reproduce)
     lines.append("")
     for path, data in docs:
         name = data["benchmark"]

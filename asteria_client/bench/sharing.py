@@ -38,6 +38,7 @@ from typing import Any
 
 from asteria_client.bench import output
 from asteria_client.bench.daemon import BenchDaemon
+from asteria_client.tables import markdown_table, text_table
 from asteria_server.errors import AsteriaError
 
 logger = logging.getLogger(__name__)
@@ -280,23 +281,56 @@ def run_sharing(cfg: SharingConfig, *, quick: bool = False) -> dict[str, Any]:
     }
 
 
+#: Columns of the report's table of runs (one row per number of clients N).
+RUN_COLUMNS = (
+    "N",
+    "solves/s (sum)",
+    "solves/s (span)",
+    "Jain fairness",
+    "latency p50",
+    "latency p99 (worst)",
+    "steps/s per client",
+    "barrier waits",
+    "fallbacks",
+    "overlap",
+    "daemon CPU s",
+)
+#: Columns of the report's table of clients (one row per client of each run).
+CLIENT_COLUMNS = (
+    "N",
+    "client",
+    "solves/s",
+    "latency p50",
+    "latency p99",
+    "steps/s",
+    "barrier waits (s)",
+    "fallbacks",
+)
+
+
 def _fmt_ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f} ms"
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [
-        f"{'N':>3} {'solves/s':>9} {'span':>7} {'fairness':>9} {'p50':>8} {'p99 max':>8} "
-        f"{'steps/s':>8} {'waits':>6} {'fallbk':>6} {'overlap':>8}"
+    head = ["N", "solves/s", "span", "fairness", "p50", "p99 max", "steps/s", "waits"]
+    head += ["fallbk", "overlap"]
+    rows = [
+        [
+            str(run["num_clients"]),
+            f"{run['aggregate_solves_per_s']:.1f}",
+            f"{run['aggregate_solves_per_s_span']:.1f}",
+            f"{run['fairness_jain']:.3f}",
+            _fmt_ms(run["latency_p50_median_s"]),
+            _fmt_ms(run["latency_p99_max_s"]),
+            f"{run['steps_per_s_mean']:.2f}",
+            str(run["barrier_waits"]),
+            str(run["local_fallbacks"]),
+            f"{run['overlap_fraction']:.0%}",
+        ]
+        for run in report["runs"]
     ]
-    for run in report["runs"]:
-        lines.append(
-            f"{run['num_clients']:>3} {run['aggregate_solves_per_s']:>9.1f} "
-            f"{run['aggregate_solves_per_s_span']:>7.1f} {run['fairness_jain']:>9.3f} "
-            f"{_fmt_ms(run['latency_p50_median_s']):>8} {_fmt_ms(run['latency_p99_max_s']):>8} "
-            f"{run['steps_per_s_mean']:>8.2f} {run['barrier_waits']:>6} "
-            f"{run['local_fallbacks']:>6} {run['overlap_fraction']:>8.0%}"
-        )
+    lines = text_table([head, *rows], align=">")
     lines.append(
         "solves/s: sum of each client's results / its run time; span: all results / first start "
         "to last end; p50: median of the clients' p50; steps/s: mean per client"
@@ -362,20 +396,26 @@ def report_section(data: dict[str, Any]) -> str:
         ]
         + ".",
         "",
-        "| N | solves/s (sum) | solves/s (span) | Jain fairness | latency p50 | latency p99 "
-        "(worst) | steps/s per client | barrier waits | fallbacks | overlap | daemon CPU s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    runs = []
     for run in data["runs"]:
         cpu = run.get("daemon_cpu_s")
-        lines.append(
-            f"| {run['num_clients']} | {run['aggregate_solves_per_s']:.1f} "
-            f"| {run['aggregate_solves_per_s_span']:.1f} | {run['fairness_jain']:.3f} "
-            f"| {_fmt_ms(run['latency_p50_median_s'])} | {_fmt_ms(run['latency_p99_max_s'])} "
-            f"| {run['steps_per_s_mean']:.2f} | {run['barrier_waits']} "
-            f"| {run['local_fallbacks']} | {run['overlap_fraction']:.0%} "
-            f"| {'-' if cpu is None else f'{cpu:.1f}'} |"
+        runs.append(
+            [
+                str(run["num_clients"]),
+                f"{run['aggregate_solves_per_s']:.1f}",
+                f"{run['aggregate_solves_per_s_span']:.1f}",
+                f"{run['fairness_jain']:.3f}",
+                _fmt_ms(run["latency_p50_median_s"]),
+                _fmt_ms(run["latency_p99_max_s"]),
+                f"{run['steps_per_s_mean']:.2f}",
+                str(run["barrier_waits"]),
+                str(run["local_fallbacks"]),
+                f"{run['overlap_fraction']:.0%}",
+                "-" if cpu is None else f"{cpu:.1f}",
+            ]
         )
+    lines += markdown_table(RUN_COLUMNS, runs, align=">")
     lines += [
         "",
         "solves/s (sum): each client's results over its own run time, summed; (span): all "
@@ -385,20 +425,21 @@ def report_section(data: dict[str, Any]) -> str:
     ]
     for figure in data.get("figures", []):
         lines.append(f"![{Path(figure).stem}]({figure})")
-    lines += [
-        "",
-        "| N | client | solves/s | latency p50 | latency p99 | steps/s | barrier waits "
-        "(s) | fallbacks |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    clients = [
+        [
+            str(run["num_clients"]),
+            str(c["client"]),
+            f"{c['solves_per_s']:.1f}",
+            _fmt_ms(c["latency_p50_s"]),
+            _fmt_ms(c["latency_p99_s"]),
+            f"{c['steps_per_s']:.2f}",
+            f"{c['barrier_waits']} ({c['barrier_wait_s']:.2f})",
+            str(c["local_fallbacks"]),
+        ]
+        for run in data["runs"]
+        for c in run["clients"]
     ]
-    for run in data["runs"]:
-        for c in run["clients"]:
-            lines.append(
-                f"| {run['num_clients']} | {c['client']} | {c['solves_per_s']:.1f} "
-                f"| {_fmt_ms(c['latency_p50_s'])} | {_fmt_ms(c['latency_p99_s'])} "
-                f"| {c['steps_per_s']:.2f} | {c['barrier_waits']} ({c['barrier_wait_s']:.2f}) "
-                f"| {c['local_fallbacks']} |"
-            )
+    lines += ["", *markdown_table(CLIENT_COLUMNS, clients, align=">")]
     return "\n".join(lines) + "\n"
 
 

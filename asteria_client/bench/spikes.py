@@ -40,6 +40,7 @@ from asteria_client.bench.affinity import asteria_children_cpus, pinned, split_c
 from asteria_client.bench.daemon import BenchDaemon
 from asteria_client.bench.stats import summarize
 from asteria_client.optim.base import Mode
+from asteria_client.tables import NAME_THEN_NUMBERS, markdown_table, text_table
 
 logger = logging.getLogger(__name__)
 
@@ -315,20 +316,22 @@ def cpu_settings(data: dict[str, Any]) -> str:
     return f"CPU settings: {flushing}; {pinning_note(data)}."
 
 
-def format_report(report: dict[str, Any]) -> str:
-    lines = [
-        f"{'run':<22} {'median':>9} {'p90':>9} {'p99':>9} {'max':>9} {'p99/med':>8} "
-        f"{'local':>6} {'vs AdamW':>9} {'max lag':>8}",
+def _run_cells(run: dict[str, Any], *, unit: str) -> list[str]:
+    """One run's row of the step-time tables (times in ms, ``unit`` after each)."""
+    times = [run[f"step_time_{q}_s"] * 1e3 for q in ("median", "p90", "p99", "max")]
+    return [
+        run["label"],
+        *(f"{t:.1f}{unit}" for t in times),
+        f"{run['p99_over_median']:.2f}",
+        f"{run['p99_over_chunk_median']:.2f}",
+        f"{run['overhead_vs_adamw_median'] * 100:+.1f}%",
+        str(run["staleness"].get("max_lag_steps", "")),
     ]
-    for run in report["runs"]:
-        lag = run["staleness"].get("max_lag_steps", "")
-        lines.append(
-            f"{run['label']:<22} {run['step_time_median_s'] * 1e3:>7.1f}ms "
-            f"{run['step_time_p90_s'] * 1e3:>7.1f}ms {run['step_time_p99_s'] * 1e3:>7.1f}ms "
-            f"{run['step_time_max_s'] * 1e3:>7.1f}ms {run['p99_over_median']:>8.2f} "
-            f"{run['p99_over_chunk_median']:>6.2f} "
-            f"{run['overhead_vs_adamw_median'] * 100:>+8.1f}% {lag!s:>8}"
-        )
+
+
+def format_report(report: dict[str, Any]) -> str:
+    head = ["run", "median", "p90", "p99", "max", "p99/med", "local", "vs AdamW", "max lag"]
+    lines = text_table([head, *(_run_cells(run, unit="ms") for run in report["runs"])])
     c = report["checks"]
     native = report["runs"][1]
     lines += [
@@ -389,18 +392,11 @@ def report_section(data: dict[str, Any]) -> str:
         "",
         cpu_settings(data),
         "",
-        "| run | median | p90 | p99 | max | p99/median | local p99 | vs AdamW (median) | max lag |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for run in data["runs"]:
-        lag = run["staleness"].get("max_lag_steps", "")
-        lines.append(
-            f"| {run['label']} | {run['step_time_median_s'] * 1e3:.1f} ms "
-            f"| {run['step_time_p90_s'] * 1e3:.1f} ms | {run['step_time_p99_s'] * 1e3:.1f} ms "
-            f"| {run['step_time_max_s'] * 1e3:.1f} ms | {run['p99_over_median']:.2f} "
-            f"| {run['p99_over_chunk_median']:.2f} | {run['overhead_vs_adamw_median'] * 100:+.1f}% "
-            f"| {lag} |"
-        )
+    head = ["run", "median", "p90", "p99", "max", "p99/median", "local p99"]
+    head += ["vs AdamW (median)", "max lag"]
+    rows = [_run_cells(run, unit=" ms") for run in data["runs"]]
+    lines += markdown_table(head, rows, align=NAME_THEN_NUMBERS)
 
     def met(key: str) -> str:
         return "met" if checks[f"{key}_met"] else "**missed**"

@@ -44,6 +44,7 @@ import numpy as np
 
 from asteria_client.bench import output
 from asteria_client.bench.stats import summarize
+from asteria_client.tables import markdown_table, text_table
 from asteria_server.engine.engine import EngineConfig
 from asteria_server.types import SolveKind
 
@@ -478,13 +479,8 @@ def _table(results: Sequence[dict[str, Any]], markdown: bool) -> list[str]:
         for e in results
     ]
     if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return lines + ["| " + " | ".join(row) + " |" for row in rows]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    return [
-        "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
-        for row in [head, *rows]
-    ]
+        return markdown_table(head, rows)
+    return text_table([head, *rows], align=">")
 
 
 def format_report(report: dict[str, Any]) -> str:

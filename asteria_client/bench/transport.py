@@ -46,6 +46,7 @@ import torch
 from asteria_client.bench import grpc_sink, output
 from asteria_client.bench.daemon import BenchDaemon
 from asteria_client.bench.stats import percentile
+from asteria_client.tables import markdown_table
 from asteria_client.transport.connection import DaemonConnection, SessionInfo
 from asteria_client.transport.shm import HandoverChannel, segments_for
 from asteria_server.protocol.convert import SegmentReader, array_chunks, snapshot_specs
@@ -235,13 +236,16 @@ def _run_transport(sizes: tuple[int, ...], repeats: int, flush_denormal: bool) -
 
 def format_table(report: dict[str, Any]) -> str:
     """The markdown table of one report: GB/s and the ratio to memcpy per case and size."""
-    sizes = [r["n"] for r in report["rows"]]
-    head = "| case | " + " | ".join(f"{n}² GB/s (× memcpy)" for n in sizes) + " |"
-    lines = [head, "|---" * (len(sizes) + 1) + "|"]
-    for case in CASES:
-        cells = [f"{r['gb_per_s'][case]:.2f} ({r['vs_memcpy'][case]:.2f}×)" for r in report["rows"]]
-        lines.append(f"| {case} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    runs = report["rows"]
+    head = ["case", *(f"{r['n']}² GB/s (× memcpy)" for r in runs)]
+    rows = [
+        [
+            case,
+            *(f"{r['gb_per_s'][case]:.2f} ({r['vs_memcpy'][case]:.2f}×)" for r in report["rows"]),
+        ]
+        for case in CASES
+    ]
+    return "\n".join(markdown_table(head, rows))
 
 
 def _verdicts(report: dict[str, Any]) -> list[str]:

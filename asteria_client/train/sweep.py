@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from asteria_client.tables import text_table
 from asteria_client.train.config import TrainConfig
 from asteria_client.train.corpus import Corpus
 
@@ -59,15 +60,15 @@ class LrSweep:
         lines = [
             f"lr sweep: {len(self.points)} peak learning rates, {self.steps} steps each "
             "(same seed and batches)",
-            f"{'lr':>10}  {'val loss':>9}  {'train loss':>10}",
         ]
+        rows = [["lr", "val loss", "train loss", ""]]
         for p in self.points:
             if p.val_loss is None or p.train_loss is None:
-                lines.append(f"{p.lr:>10.3g}  {'diverged':>9}")
+                rows.append([f"{p.lr:.3g}", "diverged"])
                 continue
-            mark = "  <- best" if p.lr == self.best_lr else ""
-            lines.append(f"{p.lr:>10.3g}  {p.val_loss:>9.4f}  {p.train_loss:>10.4f}{mark}")
-        return "\n".join(lines)
+            mark = "<- best" if p.lr == self.best_lr else ""
+            rows.append([f"{p.lr:.3g}", f"{p.val_loss:.4f}", f"{p.train_loss:.4f}", mark])
+        return "\n".join(lines + text_table(rows, align=">>><"))
 
 
 def sweep_config(cfg: TrainConfig, lr: float) -> TrainConfig:
