@@ -9,44 +9,46 @@ non-empty, finite gradient; everything around it lives here:
 - every gradient is checked for NaN/Inf *before* anything changes; a bad one raises
   :class:`NonFiniteGradientError` naming the parameter (or, with ``nonfinite="skip"``, the whole
   step is skipped and counted) — never a silent NaN in the weights;
-- roots and bases come from a :class:`PreconditionerSource`; results are installed only when
-  their version is newer than the one in use, and a failed computation leaves the last good
-  result in place.
+- roots and bases come from the :class:`~asteria_client.runtime.FreshnessRuntime` it holds
+  (submit, install, staleness budget, barrier, local fallback, hooks); the optimizer only says
+  what to compute (``_make_request``) and how a result enters its state (``_install``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
-import os
-import time
 import warnings
-import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
-from asteria_client.runtime.source import (
-    NativeSource,
+from asteria_client.runtime import (
+    FreshnessRuntime,
+    Mode,
     PreconditionerRequest,
     PreconditionerResult,
     PreconditionerSource,
-    compute_locally,
+    StalenessPolicy,
+    TileBlocks,
+    make_source,
+    parse_enum,
+    resolve_mode,
 )
-from asteria_client.runtime.staleness import BarrierStats, StalenessPolicy, freshness
-from asteria_server.engine import EngineConfig
 from asteria_server.errors import (
-    AsteriaError,
     InvalidInputError,
     NonFiniteGradientError,
-    SolverError,
     UnsupportedParameterError,
 )
 from asteria_server.types import SolveKind
+
+if TYPE_CHECKING:
+    from asteria_server.engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,30 +58,11 @@ COSTLY_SOLVE_S = 10.0
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-class Mode(enum.Enum):
-    """Where roots and eigenbases are computed."""
-
-    NATIVE = "native"  # synchronously, in step(), on the parameter's device
-    EMBEDDED = "embedded"  # an engine in this process, solver worker processes
-    DAEMON = "daemon"  # the node's asteria-server
-
-
 class NonFinitePolicy(enum.Enum):
     """What ``step()`` does when a gradient holds NaN or Inf."""
 
     RAISE = "raise"
     SKIP = "skip"
-
-
-def parse_enum(enum_type: type[enum.Enum], value: Any, field: str) -> Any:
-    """Accept an enum member or its string value; name the field on failure."""
-    if isinstance(value, enum_type):
-        return value
-    try:
-        return enum_type(value)
-    except ValueError:
-        allowed = ", ".join(repr(m.value) for m in enum_type)
-        raise InvalidInputError(f"{field}={value!r} is not one of {allowed}") from None
 
 
 def check_range(
@@ -110,29 +93,6 @@ def state_dtype(param: torch.Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def resolve_mode(mode: Mode | str | None) -> Mode:
-    """``None`` means: the daemon when ``ASTERIA_ADDRESS`` is set, else the embedded engine."""
-    if mode is None:
-        return Mode.DAEMON if os.environ.get("ASTERIA_ADDRESS") else Mode.EMBEDDED
-    return parse_enum(Mode, mode, "mode")
-
-
-def make_source(
-    mode: Mode, engine_config: EngineConfig | None = None, *, address: str | None = None
-) -> PreconditionerSource:
-    """The source of ``mode``; the daemon's ``address`` defaults to ``ASTERIA_ADDRESS``."""
-    if mode is Mode.NATIVE:
-        return NativeSource()
-    if mode is Mode.EMBEDDED:
-        from asteria_client.runtime.embedded import EmbeddedSource
-
-        return EmbeddedSource(engine_config)
-    from asteria_client.config import resolve_address
-    from asteria_client.transport.daemon import DaemonSource
-
-    return DaemonSource(address=resolve_address(address))
-
-
 def block_name(param_name: str, tile: int, dim: int) -> str:
     return f"{param_name}/tile{tile}/dim{dim}"
 
@@ -157,16 +117,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._namer = ParamNamer(model_names(model))
         self._positional_warned = 0  # positional names already warned about
         self._warned: set[str] = set()
-        self.mode: Mode = resolve_mode(mode)
-        self.staleness = StalenessPolicy(
+        mode = resolve_mode(mode, address if source is None else None)
+        policy = StalenessPolicy(
             budget_intervals=staleness_budget, barrier_timeout_s=barrier_timeout_s
         )
-        self.barrier_stats = BarrierStats()
-        self._local_failures: dict[str, int] = {}
-        self._local_errors: dict[str, str] = {}
-        self._lag_at_use: dict[str, int] = {}
-        self._pumped_epoch: int | None = None
-        self._hooks: list[Any] = []
         self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
         check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
         check_range("precondition_frequency", defaults["precondition_frequency"], 1, math.inf)
@@ -177,12 +131,13 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             check_range("max_dim_ratio", defaults["max_dim_ratio"], 0.0, math.inf)
         self._plans: dict[str, BlockingPlan] = {}
         super().__init__(named_param_groups(params, self._namer), defaults)
-        self._source = (
-            source if source is not None else make_source(self.mode, engine_config, address=address)
+        #: Where results come from and how fresh they are: the only thing the math talks to.
+        self.runtime = FreshnessRuntime(
+            source if source is not None else make_source(mode, engine_config, address=address),
+            policy,
+            mode=mode,
+            needs_first_result=self.needs_first_result,
         )
-        # Workers and connections go when the optimizer is collected, even without close():
-        # the finalizer holds the source, never the optimizer.
-        self._finalizer = weakref.finalize(self, self._source.close)
         self.skipped_steps = 0
         self._warn_costly_blocks()
 
@@ -233,7 +188,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     def _warn_costly_blocks(self) -> None:
         """Warn once, at construction, when a block's solve is estimated to take long."""
-        seconds_per_n3 = self._source.seconds_per_n3()
+        seconds_per_n3 = self.runtime.seconds_per_n3()
         costly = []
         for name, p, group in self.named_params():
             plan = self.plan(name, p, group)
@@ -324,190 +279,97 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         dtype; ``state["step"]`` counts this call."""
         raise NotImplementedError  # abstract: each optimizer defines its update
 
-    def _block_bookkeeping(self, name: str, tile: int) -> dict[str, list[Any]]:
-        """Per-dim block names (None where unpreconditioned), versions in use, newest snapshot."""
+    # ------------------------------------------------------------------ the runtime
+    @property
+    def source(self) -> PreconditionerSource:
+        """Where this optimizer's results come from (native, embedded engine, daemon)."""
+        return self.runtime.source
+
+    @property
+    def mode(self) -> Mode:
+        return self.runtime.mode
+
+    @property
+    def staleness(self) -> StalenessPolicy:
+        return self.runtime.policy
+
+    def _block_names(self, name: str, tile: int) -> list[str | None]:
+        """Per-dim block names of one tile (None where the dim is not preconditioned)."""
         plan = self._plans[name].tiles[tile]
-        blocks = [
+        return [
             block_name(name, tile, dim) if pre else None
             for dim, pre in enumerate(plan.preconditioned)
         ]
-        return {"blocks": blocks, "versions": [-1] * len(blocks), "submitted": [-1] * len(blocks)}
 
     def _eigenbasis_request(
-        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
+        self, tile: Any, dim: int, version: int, group: dict[str, Any]
     ) -> PreconditionerRequest:
         """A new basis for one factor: a QR refresh from the basis in use (eigh at first)."""
         return PreconditionerRequest(
-            block=tile_state["blocks"][dim],
+            block=tile.blocks[dim],
             version=version,
             kind=SolveKind.EIGENBASIS,
-            matrix=tile_state["factors"][dim],
-            basis=tile_state["bases"][dim],
-            base_version=tile_state["versions"][dim],
-            deadline_step=version
-            + self.staleness.budget_intervals * group["precondition_frequency"],
+            matrix=tile.factors[dim],
+            basis=tile.bases[dim],
+            base_version=tile.versions[dim],
+            deadline_step=self.runtime.deadline_step(version, group["precondition_frequency"]),
         )
 
-    # ------------------------------------------------------------------ results
     #: True when a block cannot be used before its first result (a SOAP / KL-Shampoo basis).
     needs_first_result = False
-
-    def _needs_first(self) -> bool:
-        """Whether a block must wait for its first result before the tile can step.
-
-        Only at S = 0 (and in native mode): there the optimizer must equal native mode, which
-        starts from the first eigenbasis. With a budget S >= 1 a SOAP / KL-Shampoo tile starts
-        in the identity basis (plain Adam in the parameter's coordinates; the moments are
-        rotated into the first basis when it arrives), and the budget bounds how long that may
-        last, as for any other result: the first steps never stall on a solve.
-        """
-        return self.needs_first_result and (
-            self._source.synchronous or self.staleness.budget_intervals == 0
-        )
+    #: The dataclasses of this optimizer's per-tile state (checkpoints are rebuilt into them).
+    tile_types: tuple[type, ...] = ()
 
     def _make_request(
-        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
+        self, tile: Any, dim: int, version: int, group: dict[str, Any]
     ) -> PreconditionerRequest:
         """The snapshot request of one block from its current factor (subclasses)."""
         raise NotImplementedError  # abstract
 
-    def _install(self, tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
+    def _install(self, tile: Any, dim: int, result: PreconditionerResult) -> None:
         """Put a newer result into use (subclasses): once per installed version."""
         raise NotImplementedError  # abstract
 
-    def _submit_tile(self, tile_state: dict[str, Any], version: int, group: dict[str, Any]) -> None:
+    def _submit_tile(self, tile: TileBlocks, version: int, group: dict[str, Any]) -> None:
         """Snapshot every factor of the tile, then install whatever is ready already."""
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            request = self._make_request(tile_state, dim, version, group)
-            tile_state["submitted"][dim] = version
-            try:
-                self._source.submit(request)
-            except AsteriaError as exc:  # a source must not take training down
-                self.barrier_stats.submit_errors += 1
-                self._warn_once("submit", f"could not submit snapshots ({exc}); computing locally")
-        self._install_ready(tile_state)
+        self.runtime.submit(
+            tile,
+            version,
+            int(group["precondition_frequency"]),
+            lambda dim, v: self._make_request(tile, dim, v, group),
+            self._install,
+        )
 
-    def _install_ready(self, tile_state: dict[str, Any]) -> None:
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            result = self._take_newer(block, tile_state["versions"][dim])
-            if result is not None:
-                self._install(tile_state, dim, result)
+    def _sync_tile(self, tile: TileBlocks, step: int, group: dict[str, Any]) -> None:
+        """Install ready results and make every block of the tile meet the staleness budget."""
+        self.runtime.sync(
+            tile,
+            step,
+            int(group["precondition_frequency"]),
+            lambda dim, v: self._make_request(tile, dim, v, group),
+            self._install,
+        )
 
-    def _take_newer(self, block: str, installed_version: int) -> PreconditionerResult | None:
-        """A ready result for ``block`` newer than ``installed_version``; older ones are dropped."""
-        result = self._source.take(block)
-        if result is None or result.version <= installed_version:
-            return None
-        return result
-
-    def _sync_tile(self, tile_state: dict[str, Any], step: int, group: dict[str, Any]) -> None:
-        """Install ready results, then make every block of the tile meet the staleness budget:
-        wait (bounded) for a result in flight, else compute the block locally."""
-        self._install_ready(tile_state)
-        frequency = int(group["precondition_frequency"])
-        for dim, block in enumerate(tile_state["blocks"]):
-            if block is None:
-                continue
-            newest = tile_state["submitted"][dim]
-            required = self.staleness.required_version(newest, frequency, self._needs_first())
-            installed = tile_state["versions"][dim]
-            if installed >= required:
-                self._record_lag(block, max(0, newest - installed))
-                continue
-            result = None
-            if not self._source.synchronous:
-                # Returns at once when nothing >= required is computed, queued or running.
-                start = time.perf_counter()
-                result = self._source.wait(block, required, self.staleness.barrier_timeout_s)
-                self.barrier_stats.record_wait(time.perf_counter() - start, result is not None)
-            if result is None or result.version <= installed:
-                result = self._compute_locally(tile_state, dim, step, group)
-            if result is not None and result.version > tile_state["versions"][dim]:
-                self._install(tile_state, dim, result)
-            self._record_lag(block, max(0, newest - tile_state["versions"][dim]))
-
-    def _record_lag(self, block: str, lag_steps: int) -> None:
-        """The lag a block was *used* with: what the staleness budget bounds."""
-        self._lag_at_use[block] = lag_steps
-        self.barrier_stats.record_lag(lag_steps)
-
-    def _compute_locally(
-        self, tile_state: dict[str, Any], dim: int, step: int, group: dict[str, Any]
-    ) -> PreconditionerResult | None:
-        """The last-resort native computation of one block (the source was late or failed)."""
-        block = tile_state["blocks"][dim]
-        if not self._source.synchronous:
-            self.barrier_stats.local_fallbacks += 1
-            self._warn_once(
-                "fallback",
-                f"block {block}: no result within the staleness budget "
-                f"(S={self.staleness.budget_intervals}, barrier {self.staleness.barrier_timeout_s}"
-                " s); computing it locally. Further fallbacks are counted in "
-                "preconditioner_status(), not logged.",
-            )
-        elif tile_state["versions"][dim] >= 0 or not self._needs_first():
-            return None  # native: the failure was recorded at submit; keep the last good result
-        try:
-            return compute_locally(self._make_request(tile_state, dim, step, group))
-        except SolverError as exc:
-            self._local_failures[block] = self._local_failures.get(block, 0) + 1
-            self._local_errors[block] = str(exc)
-            return None
+    def _block_tiles(self) -> Iterator[tuple[int, TileBlocks]]:
+        """(step, tile) for every tile with blocks."""
+        for _, p, _ in self.named_params():
+            state = self.state.get(p)
+            if state:
+                for tile in state["tiles"]:
+                    if isinstance(tile, TileBlocks):
+                        yield state["step"], tile
 
     # ------------------------------------------------------------------ hooks
     def pump(self) -> None:
         """Move transfers along and install every ready result (cheap; called by hooks)."""
-        with torch.no_grad():
-            self._source.pump()
-            epoch = self._source.results_epoch()
-            if epoch is not None and epoch == self._pumped_epoch:
-                return  # nothing arrived since the last scan: hooks stay cheap
-            self._pumped_epoch = epoch
-            for _, p, _ in self.named_params():
-                state = self.state.get(p)
-                if state:
-                    for tile_state in state["tiles"]:
-                        if "blocks" in tile_state:
-                            self._install_ready(tile_state)
+        self.runtime.pump(lambda: (tile for _, tile in self._block_tiles()), self._install)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Register hooks that pump results into place while the model computes, so ``step()``
-        usually finds them installed. Optional: without it, ``step()`` pumps too.
-
-        Signals: a forward hook on the model and on each of its direct children, and the start
-        of the backward pass. The latter is a gradient hook on the model's output, registered by
-        the model's forward hook: it fires where a full backward pre-hook on the model would,
-        without that hook's warning for models whose inputs need no gradient (token ids).
-        """
-        self.detach()
+        usually finds them installed. Optional: without it, ``step()`` pumps too. Before the
+        first step it also names parameters that were passed without names."""
         self._adopt_names(model)
-        # The hooks hold the optimizer weakly: a model must not keep a dropped optimizer (and
-        # its worker processes) alive.
-        optimizer = weakref.ref(self)
-
-        def pump() -> None:
-            opt = optimizer()
-            if opt is not None:
-                opt.pump()
-
-        def on_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            pump()
-
-        def on_model_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            pump()
-            outputs = output if isinstance(output, tuple | list) else (output,)
-            for tensor in outputs:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad: pump())
-                    break
-
-        self._hooks.append(model.register_forward_hook(on_model_forward))
-        for child in model.children():
-            self._hooks.append(child.register_forward_hook(on_forward))
+        self.runtime.attach(model, self.pump)
 
     def _adopt_names(self, model: torch.nn.Module) -> None:
         """Replace positional names (``param0``, ...) with ``model``'s names, before any state
@@ -538,9 +400,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         return [p for _, p, _ in self.named_params() if id(p) in self._namer.positional_ids]
 
     def detach(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self.runtime.detach()
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -548,72 +408,17 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             logger.warning(message)
 
     # ------------------------------------------------------------------ status
-    def _iter_blocks(self) -> Iterator[tuple[str, int, int, dict[str, Any]]]:
-        """(block name, step, dim, tile state) for every preconditioned block with state."""
-        for _, p, _ in self.named_params():
-            state = self.state.get(p)
-            if not state:
-                continue
-            for tile_state in state["tiles"]:
-                for dim, block in enumerate(tile_state.get("blocks", [])):
-                    if block is not None:
-                        yield block, state["step"], dim, tile_state
-
     def preconditioner_status(self) -> list[dict[str, Any]]:
         """One dict per block: ``block``, ``version`` in use (-1: none yet), ``staleness_steps``
         (step - version), ``lag_steps`` (newest snapshot - version when the block was last used
         by a step: what the budget bounds; a snapshot taken at the end of that step is not
         counted until the next step uses the block), ``freshness``, ``failures``,
         ``last_solve_s`` and what the source knows besides."""
-        records = self._source.records()
-        rows = []
-        for block, step, dim, tile_state in self._iter_blocks():
-            version = int(tile_state["versions"][dim])
-            newest = int(tile_state["submitted"][dim])
-            record = records.get(block) or self._source.record(block)
-            local_failures = self._local_failures.get(block, 0)
-            row = {
-                "block": block,
-                "version": version,
-                "staleness_steps": step - version if version >= 0 else step,
-                "lag_steps": self._lag_at_use.get(block, 0),
-                "freshness": freshness(version, newest).value,
-                "submitted_version": newest,
-                "failures": record.failures + local_failures,
-                "consecutive_failures": record.consecutive_failures,
-                "last_solve_s": record.last_solve_s,
-                "last_error": self._local_errors.get(block) or record.last_error,
-                "mode": self.mode.value,
-                "budget_steps": self.staleness.budget_intervals * self._frequency_of(block),
-            }
-            row.update(record.extra)
-            rows.append(row)
-        return rows
+        return self.runtime.status_rows(self._block_tiles())
 
     def runtime_stats(self) -> dict[str, Any]:
         """Barrier waits, timeouts, local fallbacks and the observed lag, for benchmarks."""
-        stats = self.barrier_stats
-        source_stats = getattr(self._source, "stats", None)
-        return {
-            "mode": self.mode.value,
-            "staleness_budget": self.staleness.budget_intervals,
-            "barrier_waits": stats.waits,
-            "barrier_wait_s": stats.wait_s,
-            "barrier_max_wait_s": stats.max_wait_s,
-            "barrier_timeouts": stats.timeouts,
-            "local_fallbacks": stats.local_fallbacks,
-            "submit_errors": stats.submit_errors,
-            "max_lag_steps": stats.max_lag_steps,
-            "lag_histogram": dict(sorted(stats.lag_histogram.items())),
-            "source": source_stats() if callable(source_stats) else {},
-        }
-
-    def _frequency_of(self, block: str) -> int:
-        name = block.split("/tile", 1)[0]
-        for group in self.param_groups:
-            if name in group["param_names"]:
-                return int(group["precondition_frequency"])
-        return int(self.defaults["precondition_frequency"])
+        return self.runtime.stats()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -674,15 +479,27 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                     f"(shape {tuple(p.shape)}) is blocked into {len(plan.tiles)}; "
                     "max_preconditioner_dim or the parameter's shape changed"
                 )
-            self.state[p] = _clone_tree(saved, device=p.device)
+            restored = _clone_tree(saved, device=p.device)
+            restored["tiles"] = [self._tile_from_dict(name, t) for t in restored.get("tiles", [])]
+            self.state[p] = restored
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def _tile_from_dict(self, name: str, saved: dict[str, Any]) -> Any:
+        """A checkpointed tile (a plain dict) as this optimizer's tile dataclass."""
+        keys = set(saved)
+        for tile_type in self.tile_types:
+            if {f.name for f in dataclasses.fields(tile_type)} == keys:
+                return tile_type(**saved)
+        raise InvalidInputError(
+            f"checkpoint state of {name!r} holds a tile with fields {sorted(keys)}, which is not "
+            f"a tile of {type(self).__name__}; was it saved by another optimizer?"
+        )
 
     def close(self) -> None:
         """Release the preconditioner source (worker processes, connections). Idempotent.
 
         Also done when the optimizer is garbage-collected, and at interpreter exit."""
-        self.detach()
-        self._finalizer()
+        self.runtime.close()
 
     def __enter__(self) -> AsteriaOptimizer:
         return self
@@ -692,6 +509,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
 
 def _clone_tree(tree: Any, device: torch.device | None = None) -> Any:
+    """A deep copy of tensors in dicts, lists and tile dataclasses (which become dicts)."""
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
     if isinstance(tree, torch.Tensor):
         out = tree.detach().clone()
         return out.to(device) if device is not None else out

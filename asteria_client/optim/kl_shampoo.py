@@ -25,6 +25,7 @@ damping * max(lam)`` (see :func:`regularized`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,8 +33,19 @@ import torch
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
-from asteria_client.optim.updates import adam_direction, apply_update
-from asteria_client.runtime.source import PreconditionerResult
+from asteria_client.optim.updates import AdamTile, adam_direction, apply_update
+from asteria_client.runtime import PreconditionerResult, TileBlocks
+
+
+@dataclass(kw_only=True)
+class KLTile(TileBlocks):
+    """One tile's KL-Shampoo state: momentum (in the parameter's coordinates), factors, their
+    bases (None: the identity) and the eigenvalue estimates of every dim in its basis."""
+
+    exp_avg: torch.Tensor
+    factors: list[torch.Tensor | None]
+    bases: list[torch.Tensor | None]
+    eigenvalues: list[torch.Tensor]
 
 
 def _scale_along(tensor: torch.Tensor, vector: torch.Tensor, dim: int) -> torch.Tensor:
@@ -102,6 +114,7 @@ class KLShampoo(AsteriaOptimizer):
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
 
     needs_first_result = True
+    tile_types = (KLTile, AdamTile)
 
     def _step_param(
         self,
@@ -118,16 +131,15 @@ class KLShampoo(AsteriaOptimizer):
         if plan.diagonal:  # Adam
             if step == 1:
                 state["tiles"] = [
-                    {
-                        "exp_avg": torch.zeros_like(tiles[0]),
-                        "exp_avg_sq": torch.zeros_like(tiles[0]),
-                    }
+                    AdamTile(
+                        exp_avg=torch.zeros_like(tiles[0]), exp_avg_sq=torch.zeros_like(tiles[0])
+                    )
                 ]
-            tile_state, g = state["tiles"][0], tiles[0]
-            tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-            tile_state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            adam, g = state["tiles"][0], tiles[0]
+            adam.exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+            adam.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             direction = adam_direction(
-                tile_state["exp_avg"], tile_state["exp_avg_sq"], step, group["betas"], group["eps"]
+                adam.exp_avg, adam.exp_avg_sq, step, group["betas"], group["eps"]
             )
             apply_update(param, plan.merge([direction]), group["lr"], group["weight_decay"])
             return
@@ -136,30 +148,30 @@ class KLShampoo(AsteriaOptimizer):
             state["tiles"] = [
                 self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
             ]
-            for tile_state in state["tiles"]:
-                self._submit_tile(tile_state, step, group)
+            for tile in state["tiles"]:
+                self._submit_tile(tile, step, group)
             return
 
         t = step - 1
         directions = []
-        for tile_state, g in zip(state["tiles"], tiles, strict=True):
-            self._sync_tile(tile_state, step, group)
-            self._update_statistics(tile_state, g, beta2, group["eps"], group["damping"])
-            exp_avg = tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+        for tile, g in zip(state["tiles"], tiles, strict=True):
+            self._sync_tile(tile, step, group)
+            self._update_statistics(tile, g, beta2, group["eps"], group["damping"])
+            exp_avg = tile.exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
             m_hat = exp_avg / (1 - beta1**t)
-            rotated = project(m_hat, tile_state["bases"])
-            for dim, lam in enumerate(tile_state["eigenvalues"]):
+            rotated = project(m_hat, tile.bases)
+            for dim, lam in enumerate(tile.eigenvalues):
                 scale = regularized(lam, group["eps"], group["damping"]).rsqrt()
                 rotated = _scale_along(rotated, scale, dim)
-            directions.append(project(rotated, tile_state["bases"], back=True))
+            directions.append(project(rotated, tile.bases, back=True))
         apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
 
         if t % group["precondition_frequency"] == 0:
-            for tile_state in state["tiles"]:
-                self._submit_tile(tile_state, step, group)
+            for tile in state["tiles"]:
+                self._submit_tile(tile, step, group)
 
     # ------------------------------------------------------------------ statistics
-    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
+    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> KLTile:
         numel = grad.numel()
         stats = [factor_statistic(grad, d) / (numel // size) for d, size in enumerate(grad.shape)]
         traces = torch.stack([s.trace() for s in stats])
@@ -168,27 +180,26 @@ class KLShampoo(AsteriaOptimizer):
             scale = float((total / traces.prod()) ** (1.0 / len(stats)))
         else:
             scale = 1.0
-        bookkeeping = self._block_bookkeeping(name, tile)
+        blocks = self._block_names(name, tile)
         stats = [stat * scale for stat in stats]
         factors = [
-            None if block is None else stat
-            for block, stat in zip(bookkeeping["blocks"], stats, strict=True)
+            None if block is None else stat for block, stat in zip(blocks, stats, strict=True)
         ]
-        return {
-            "exp_avg": torch.zeros_like(grad),
-            "factors": factors,
-            "bases": [None] * len(factors),
+        return KLTile.named(
+            blocks,
+            exp_avg=torch.zeros_like(grad),
+            factors=factors,
+            bases=[None] * len(factors),
             # unpreconditioned dims keep a diagonal preconditioner: eigenvalues in basis I
-            "eigenvalues": [stat.diagonal().clone() for stat in stats],
-            **bookkeeping,
-        }
+            eigenvalues=[stat.diagonal().clone() for stat in stats],
+        )
 
     @staticmethod
     def _update_statistics(
-        tile_state: dict[str, Any], grad: torch.Tensor, beta: float, eps: float, damping: float
+        tile: KLTile, grad: torch.Tensor, beta: float, eps: float, damping: float
     ) -> None:
         """Factors and eigenvalue EMAs from the *old* bases and eigenvalues."""
-        bases, eigenvalues = tile_state["bases"], tile_state["eigenvalues"]
+        bases, eigenvalues = tile.bases, tile.eigenvalues
         inv_sqrt = [regularized(lam, eps, damping).rsqrt() for lam in eigenvalues]
         rotated = project(grad, bases)
         numel = grad.numel()
@@ -200,7 +211,7 @@ class KLShampoo(AsteriaOptimizer):
                     whitened = _scale_along(whitened, inv_sqrt[other], other)
             norm = grad.shape[dim] / numel
             new_terms.append(_sum_except(whitened.square(), dim) * norm)
-            factor = tile_state["factors"][dim]
+            factor = tile.factors[dim]
             if factor is not None:
                 basis = bases[dim]
                 unrotated = whitened if basis is None else mode_product(whitened, basis, dim)
@@ -212,9 +223,10 @@ class KLShampoo(AsteriaOptimizer):
     _make_request = AsteriaOptimizer._eigenbasis_request
 
     @staticmethod
-    def _install(tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
-        factor = tile_state["factors"][dim]
+    def _install(tile: KLTile, dim: int, result: PreconditionerResult) -> None:
+        factor = tile.factors[dim]
+        assert factor is not None  # only preconditioned dims have blocks
         basis = result.matrix.to(device=factor.device, dtype=factor.dtype)
-        tile_state["bases"][dim] = basis
-        tile_state["eigenvalues"][dim] = (basis * (factor @ basis)).sum(dim=0).clamp_min(0)
-        tile_state["versions"][dim] = result.version
+        tile.bases[dim] = basis
+        tile.eigenvalues[dim] = (basis * (factor @ basis)).sum(dim=0).clamp_min(0)
+        tile.versions[dim] = result.version

@@ -15,7 +15,9 @@ Per tile with gradient G (order k = number of preconditioned dimensions) and ste
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,8 +26,19 @@ from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, valid
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import apply_on_dims, factor_statistic
 from asteria_client.optim.updates import TINY, adam_direction, apply_update
-from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
+from asteria_client.runtime import PreconditionerRequest, PreconditionerResult, TileBlocks
 from asteria_server.types import SolveKind
+
+
+@dataclass(kw_only=True)
+class ShampooTile(TileBlocks):
+    """One tile's Shampoo state: Adam moments (momentum and the grafting norm), factors and
+    their inverse roots (None: not computed yet, or a dim not preconditioned)."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    factors: list[torch.Tensor | None]
+    roots: list[torch.Tensor | None]
 
 
 class Shampoo(AsteriaOptimizer):
@@ -35,7 +48,8 @@ class Shampoo(AsteriaOptimizer):
         params: ``model.named_parameters()`` or param groups of ``(name, tensor)`` pairs.
         lr: learning rate (applied to the grafted direction, so Adam-like values work).
         betas: (momentum, second-moment/factor EMA).
-        epsilon: added to the factors' eigenvalues before the root.
+        eps: added to the factors' eigenvalues before the root (``epsilon=`` is a deprecated
+            alias).
         weight_decay: decoupled weight decay.
         graft_eps: Adam epsilon of the grafting direction.
         root_exponent: override the root exponent (default ``1 / (2k)`` for k factors).
@@ -49,9 +63,10 @@ class Shampoo(AsteriaOptimizer):
         params: Iterable[Any],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
-        epsilon: float = 1e-12,
+        eps: float = 1e-12,
         weight_decay: float = 0.0,
         *,
+        epsilon: float | None = None,
         graft_eps: float = 1e-8,
         root_exponent: float | None = None,
         precondition_frequency: int = 10,
@@ -62,8 +77,15 @@ class Shampoo(AsteriaOptimizer):
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
+        if epsilon is not None:
+            warnings.warn(
+                "Shampoo(epsilon=...) is deprecated: the optimizers spell it eps=",
+                FutureWarning,
+                stacklevel=2,
+            )
+            eps = epsilon
         validate_hyperparameters(
-            lr=lr, betas=betas, weight_decay=weight_decay, epsilon=epsilon, graft_eps=graft_eps
+            lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, graft_eps=graft_eps
         )
         if root_exponent is not None:
             check_range("root_exponent", root_exponent, 0.0, float("inf"))
@@ -72,7 +94,7 @@ class Shampoo(AsteriaOptimizer):
         defaults = {
             "lr": lr,
             "betas": betas,
-            "epsilon": epsilon,
+            "eps": eps,
             "weight_decay": weight_decay,
             "graft_eps": graft_eps,
             "root_exponent": root_exponent,
@@ -82,6 +104,16 @@ class Shampoo(AsteriaOptimizer):
             "max_dim_ratio": max_dim_ratio,
         }
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
+
+    tile_types = (ShampooTile,)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Checkpoints from before the rename spell the root epsilon "epsilon".
+        groups = [
+            {("eps" if k == "epsilon" else k): v for k, v in group.items()}
+            for group in state_dict.get("param_groups", [])
+        ]
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
     def _step_param(
         self,
@@ -101,65 +133,68 @@ class Shampoo(AsteriaOptimizer):
 
         due = (step - 1) % group["precondition_frequency"] == 0
         directions = []
-        for tile_state, g in zip(state["tiles"], tiles, strict=True):
-            tile_state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-            tile_state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            for dim, factor in enumerate(tile_state["factors"]):
+        for tile, g in zip(state["tiles"], tiles, strict=True):
+            tile.exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+            tile.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            for dim, factor in enumerate(tile.factors):
                 if factor is not None:
                     factor.mul_(beta2).add_(factor_statistic(g, dim), alpha=1 - beta2)
-            if due and any(f is not None for f in tile_state["factors"]):
-                self._submit_tile(tile_state, step, group)
-            self._sync_tile(tile_state, step, group)
-            directions.append(self._direction(tile_state, step, group))
+            if due and any(f is not None for f in tile.factors):
+                self._submit_tile(tile, step, group)
+            self._sync_tile(tile, step, group)
+            directions.append(self._direction(tile, step, group))
         apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
 
-    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
-        bookkeeping = self._block_bookkeeping(name, tile)
+    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> ShampooTile:
+        blocks = self._block_names(name, tile)
         factors = [
             None if block is None else grad.new_zeros(size, size)
-            for block, size in zip(bookkeeping["blocks"], grad.shape, strict=True)
+            for block, size in zip(blocks, grad.shape, strict=True)
         ]
-        return {
-            "exp_avg": torch.zeros_like(grad),
-            "exp_avg_sq": torch.zeros_like(grad),
-            "factors": factors,
-            "roots": [None] * len(factors),
-            **bookkeeping,
-        }
-
-    def _make_request(
-        self, tile_state: dict[str, Any], dim: int, version: int, group: dict[str, Any]
-    ) -> PreconditionerRequest:
-        num_factors = sum(f is not None for f in tile_state["factors"])
-        return PreconditionerRequest(
-            block=tile_state["blocks"][dim],
-            version=version,
-            kind=SolveKind.INVERSE_ROOT,
-            matrix=tile_state["factors"][dim] / (1 - group["betas"][1] ** version),
-            exponent=group["root_exponent"] or 1.0 / (2 * num_factors),
-            epsilon=group["epsilon"],
-            deadline_step=version
-            + self.staleness.budget_intervals * group["precondition_frequency"],
+        return ShampooTile.named(
+            blocks,
+            exp_avg=torch.zeros_like(grad),
+            exp_avg_sq=torch.zeros_like(grad),
+            factors=factors,
+            roots=[None] * len(factors),
         )
 
-    def _install(self, tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
-        factor = tile_state["factors"][dim]
-        tile_state["roots"][dim] = result.matrix.to(factor.device, factor.dtype)
-        tile_state["versions"][dim] = result.version
+    def _make_request(
+        self, tile: ShampooTile, dim: int, version: int, group: dict[str, Any]
+    ) -> PreconditionerRequest:
+        num_factors = sum(f is not None for f in tile.factors)
+        factor = tile.factors[dim]
+        block = tile.blocks[dim]
+        assert factor is not None and block is not None  # only preconditioned dims have blocks
+        return PreconditionerRequest(
+            block=block,
+            version=version,
+            kind=SolveKind.INVERSE_ROOT,
+            matrix=factor / (1 - group["betas"][1] ** version),
+            exponent=group["root_exponent"] or 1.0 / (2 * num_factors),
+            epsilon=group["eps"],
+            deadline_step=self.runtime.deadline_step(version, group["precondition_frequency"]),
+        )
+
+    def _install(self, tile: ShampooTile, dim: int, result: PreconditionerResult) -> None:
+        factor = tile.factors[dim]
+        assert factor is not None
+        tile.roots[dim] = result.matrix.to(factor.device, factor.dtype)
+        tile.versions[dim] = result.version
 
     @staticmethod
-    def _direction(tile_state: dict[str, Any], step: int, group: dict[str, Any]) -> torch.Tensor:
+    def _direction(tile: ShampooTile, step: int, group: dict[str, Any]) -> torch.Tensor:
         adam = adam_direction(
-            tile_state["exp_avg"],
-            tile_state["exp_avg_sq"],
+            tile.exp_avg,
+            tile.exp_avg_sq,
             step,
             group["betas"],
             group["graft_eps"],
         )
-        roots = tile_state["roots"]
+        roots = tile.roots
         if all(r is None for r in roots):
             return adam
-        m_hat = tile_state["exp_avg"] / (1 - group["betas"][0] ** step)
+        m_hat = tile.exp_avg / (1 - group["betas"][0] ** step)
         direction = apply_on_dims(m_hat, roots)
         scale = adam.norm() / direction.norm().clamp_min(TINY)
         return direction.mul_(scale)

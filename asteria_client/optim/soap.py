@@ -20,6 +20,7 @@ refresh started from the basis in use, otherwise rotated with the squared overla
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,18 @@ import torch
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
-from asteria_client.runtime.source import PreconditionerResult
+from asteria_client.runtime import PreconditionerResult, TileBlocks
+
+
+@dataclass(kw_only=True)
+class SOAPTile(TileBlocks):
+    """One tile's SOAP state: Adam moments in the eigenbasis, factors and their bases (None:
+    the identity, until the first basis arrives or where a dim is not preconditioned)."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    factors: list[torch.Tensor | None]
+    bases: list[torch.Tensor | None]
 
 
 class SOAP(AsteriaOptimizer):
@@ -93,6 +105,7 @@ class SOAP(AsteriaOptimizer):
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
 
     needs_first_result = True
+    tile_types = (SOAPTile,)
 
     # ------------------------------------------------------------------ per parameter
     def _step_param(
@@ -114,21 +127,21 @@ class SOAP(AsteriaOptimizer):
             state["tiles"] = [
                 self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
             ]
-            for tile_state, g in zip(state["tiles"], tiles, strict=True):
-                self._update_factors(tile_state, g, shampoo_beta)
-                self._submit_tile(tile_state, step, group)
+            for tile, g in zip(state["tiles"], tiles, strict=True):
+                self._update_factors(tile, g, shampoo_beta)
+                self._submit_tile(tile, step, group)
             return
 
-        for tile_state in state["tiles"]:
-            self._sync_tile(tile_state, step, group)  # install results; respect the budget
+        for tile in state["tiles"]:
+            self._sync_tile(tile, step, group)  # install results; respect the budget
 
         t = step - 1  # the reference counts steps after the initialization
         beta1, beta2 = group["betas"]
         updates = []
-        for tile_state, g in zip(state["tiles"], tiles, strict=True):
-            bases = tile_state["bases"]
+        for tile, g in zip(state["tiles"], tiles, strict=True):
+            bases = tile.bases
             g_rot = project(g, bases)
-            exp_avg, exp_avg_sq = tile_state["exp_avg"], tile_state["exp_avg_sq"]
+            exp_avg, exp_avg_sq = tile.exp_avg, tile.exp_avg_sq
             exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
             denom = exp_avg_sq.sqrt().add_(group["eps"])
@@ -148,52 +161,52 @@ class SOAP(AsteriaOptimizer):
                 work.add_(work, alpha=-group["lr"] * group["weight_decay"])
             param.copy_(work)
 
-        for tile_state, g in zip(state["tiles"], tiles, strict=True):
-            self._update_factors(tile_state, g, shampoo_beta)
+        for tile, g in zip(state["tiles"], tiles, strict=True):
+            self._update_factors(tile, g, shampoo_beta)
             if t % group["precondition_frequency"] == 0:
-                self._submit_tile(tile_state, step, group)
+                self._submit_tile(tile, step, group)
 
     # ------------------------------------------------------------------ tiles and blocks
-    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> dict[str, Any]:
-        bookkeeping = self._block_bookkeeping(name, tile)
+    def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> SOAPTile:
+        blocks = self._block_names(name, tile)
         factors = [
             None if block is None else grad.new_zeros(size, size)
-            for block, size in zip(bookkeeping["blocks"], grad.shape, strict=True)
+            for block, size in zip(blocks, grad.shape, strict=True)
         ]
-        return {
-            "exp_avg": torch.zeros_like(grad),
-            "exp_avg_sq": torch.zeros_like(grad),
-            "factors": factors,
-            "bases": [None] * len(factors),
-            **bookkeeping,
-        }
+        return SOAPTile.named(
+            blocks,
+            exp_avg=torch.zeros_like(grad),
+            exp_avg_sq=torch.zeros_like(grad),
+            factors=factors,
+            bases=[None] * len(factors),
+        )
 
     @staticmethod
-    def _update_factors(tile_state: dict[str, Any], grad: torch.Tensor, beta: float) -> None:
-        for dim, factor in enumerate(tile_state["factors"]):
+    def _update_factors(tile: SOAPTile, grad: torch.Tensor, beta: float) -> None:
+        for dim, factor in enumerate(tile.factors):
             if factor is not None:
                 factor.lerp_(factor_statistic(grad, dim), 1 - beta)
 
     _make_request = AsteriaOptimizer._eigenbasis_request
 
     @staticmethod
-    def _install(tile_state: dict[str, Any], dim: int, result: PreconditionerResult) -> None:
+    def _install(tile: SOAPTile, dim: int, result: PreconditionerResult) -> None:
         """Move the moments into the new basis along ``dim`` — once per installed version."""
-        exp_avg, exp_avg_sq = tile_state["exp_avg"], tile_state["exp_avg_sq"]
+        exp_avg, exp_avg_sq = tile.exp_avg, tile.exp_avg_sq
         new = result.matrix.to(device=exp_avg.device, dtype=exp_avg.dtype)
-        old = tile_state["bases"][dim]
-        same_base = result.base_version == tile_state["versions"][dim] and old is not None
+        old = tile.bases[dim]
+        same_base = result.base_version == tile.versions[dim] and old is not None
         if old is None:
             overlap = new.T
         elif same_base and result.rotation is not None:
             overlap = result.rotation.to(device=exp_avg.device, dtype=exp_avg.dtype)
         else:  # an intermediate version was skipped: the change of basis from the one in use
             overlap = new.T @ old
-        tile_state["exp_avg"] = mode_product(exp_avg, overlap, dim)
+        tile.exp_avg = mode_product(exp_avg, overlap, dim)
         if same_base and result.permutation is not None:
             perm = result.permutation.to(exp_avg.device)
-            tile_state["exp_avg_sq"] = exp_avg_sq.index_select(dim, perm)
+            tile.exp_avg_sq = exp_avg_sq.index_select(dim, perm)
         else:
-            tile_state["exp_avg_sq"] = mode_product(exp_avg_sq, overlap.square(), dim)
-        tile_state["bases"][dim] = new
-        tile_state["versions"][dim] = result.version
+            tile.exp_avg_sq = mode_product(exp_avg_sq, overlap.square(), dim)
+        tile.bases[dim] = new
+        tile.versions[dim] = result.version

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 TINY = 1e-30
+
+
+@dataclass(kw_only=True)
+class AdamTile:
+    """The state of a tile that no factor preconditions (1-D parameters): Adam's moments."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
 
 
 def adam_direction(

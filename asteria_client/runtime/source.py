@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asteria_client.optim import linalg
+from asteria_client.runtime import linalg
 from asteria_server.errors import SolverError
 from asteria_server.types import SolveKind, SolveResult
 
@@ -118,6 +118,10 @@ class PreconditionerSource(abc.ABC):
 
         Lets the optimizer's hooks skip scanning every block when nothing new arrived."""
         return None
+
+    def stats(self) -> dict[str, Any]:
+        """Source-wide counters for ``runtime_stats()`` (engine, connection, transfers)."""
+        return {}
 
     def seconds_per_n3(self) -> float:
         """The cost model's constant: one eigendecomposition of an n×n factor takes about

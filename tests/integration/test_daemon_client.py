@@ -166,7 +166,7 @@ def test_kill_9_falls_back_locally_then_a_restarted_daemon_takes_over(tmp_path: 
     )
     second: Daemon | None = None
     try:
-        source = opt._source
+        source = opt.source
         assert isinstance(source, DaemonSource)
         train(model, opt, 6)
         assert opt.runtime_stats()["local_fallbacks"] == 0
@@ -219,7 +219,7 @@ def test_status_command_reports_a_training_client(
         address=daemon.target,
     ) as opt:
         train(model, opt, 4)
-        source = opt._source
+        source = opt.source
         assert isinstance(source, DaemonSource)
         # Steps never wait for the first bases (S >= 1): let the sender declare every block.
         _wait_for(

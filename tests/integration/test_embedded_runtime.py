@@ -133,7 +133,7 @@ def test_injected_crash_hang_and_nan_never_reach_the_weights() -> None:
             opt.step()
             assert all(torch.isfinite(p).all() for p in params.values())
         rows = {r["block"]: r for r in opt.preconditioner_status()}
-        engine_stats = opt._source.stats()  # type: ignore[attr-defined]
+        engine_stats = opt.source.stats()  # type: ignore[attr-defined]
     finally:
         opt.close()
     assert engine_stats["worker_restarts"] >= 2  # the crash and the hang each cost a worker
@@ -161,7 +161,7 @@ def test_hooks_install_results_before_step() -> None:
             opt.zero_grad()
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
-        engine = opt._source.engine  # type: ignore[attr-defined]
+        engine = opt.source.engine  # type: ignore[attr-defined]
         deadline = time.monotonic() + 30
         while any(s.in_flight_version >= 0 for s in engine.status()):
             assert time.monotonic() < deadline, "the engine did not finish its solves"
@@ -205,7 +205,7 @@ def test_close_leaves_no_processes_or_segments() -> None:
     model = small_model()
     opt = SOAP(model.named_parameters(), mode="embedded", engine_config=engine_config())
     train(model, opt, 3)
-    pids = opt._source.engine.worker_pids()  # type: ignore[attr-defined]
+    pids = opt.source.engine.worker_pids()  # type: ignore[attr-defined]
     assert pids
     opt.close()
     for pid in pids:

@@ -59,7 +59,7 @@ def test_dropping_an_attached_optimizer_stops_its_workers() -> None:
     opt.attach(model)  # the model's hooks must not keep the optimizer alive
     model(torch.randn(3, 20)).sum().backward()
     opt.step()
-    pids = opt._source.engine.worker_pids()  # type: ignore[attr-defined]
+    pids = opt.source.engine.worker_pids()  # type: ignore[attr-defined]
     assert pids and all(_alive(p) for p in pids)
     del opt
     gc.collect()

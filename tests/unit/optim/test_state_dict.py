@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -119,3 +120,37 @@ def test_changed_blocking_is_rejected() -> None:
         group["max_preconditioner_dim"] = 64
     with pytest.raises(InvalidInputError, match="tiles"):
         opt2.load_state_dict(sd)
+
+
+def test_shampoo_epsilon_is_a_deprecated_alias_of_eps_and_old_checkpoints_load() -> None:
+    model = Net()
+    with pytest.warns(FutureWarning, match="eps="):
+        old = Shampoo(model.named_parameters(), epsilon=1e-6, mode="native")
+    assert old.param_groups[0]["eps"] == 1e-6
+    train(model, old, batches(2))
+    sd = old.state_dict()
+    for group in sd["param_groups"]:  # as a checkpoint from before the rename
+        group["epsilon"] = group.pop("eps")
+    new = Shampoo(model.named_parameters(), mode="native")
+    new.load_state_dict(sd)
+    assert new.param_groups[0]["eps"] == 1e-6 and "epsilon" not in new.param_groups[0]
+    assert "epsilon" in sd["param_groups"][0]  # the caller's checkpoint is left as it was
+
+
+def test_tiles_are_dataclasses_in_memory_and_plain_dicts_in_checkpoints() -> None:
+    model = Net()
+    opt = SOAP(model.named_parameters(), mode="native")
+    train(model, opt, batches(3))
+    tiles = [t for state in opt.state.values() for t in state["tiles"]]
+    assert tiles and all(dataclasses.is_dataclass(t) for t in tiles)
+    sd = opt.state_dict()
+    saved = [t for state in sd["state"].values() for t in state["tiles"]]
+    assert all(isinstance(t, dict) for t in saved)
+    opt2 = SOAP(model.named_parameters(), mode="native")
+    opt2.load_state_dict(sd)
+    assert all(
+        type(t).__name__ == "SOAPTile" for state in opt2.state.values() for t in state["tiles"]
+    )
+    sd["state"]["head.weight"]["tiles"][0]["stranger"] = 1
+    with pytest.raises(InvalidInputError, match="not a tile of SOAP"):
+        SOAP(model.named_parameters(), mode="native").load_state_dict(sd)

@@ -7,7 +7,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from asteria_client.optim import linalg
+from asteria_client.runtime import linalg
 from asteria_server.errors import SolverError
 
 

@@ -1,0 +1,379 @@
+"""The freshness runtime: the one object an optimizer holds to get roots and bases in time.
+
+The optimizer (``optim/``) is math only. What it needs from the outside world is: *submit a
+snapshot of this block's factor*, *install whatever is ready*, and *make sure the block meets
+its staleness budget before I use it*. :class:`FreshnessRuntime` does those, over any
+:class:`~asteria_client.runtime.source.PreconditionerSource` (native, embedded, daemon), with
+the rules of DESIGN.md "The runtime":
+
+- **versions, latest wins** — a result is installed only when newer than the one in use;
+- **bounded staleness** — before a step uses a block, its result may lag the newest snapshot by
+  at most ``S * f`` steps; beyond that the runtime waits for the result in flight (the
+  *barrier*, bounded by ``barrier_timeout_s``), then computes the block locally;
+- **degrade, never crash** — a source that raises costs results, not the training run;
+- **hooks** — forward/backward hooks pump results into place while the model computes.
+
+The optimizer describes each block through two callbacks, so the runtime never knows the math:
+``request(dim, version)`` builds the snapshot request of one block of a tile, and
+``install(tile, dim, result)`` puts a newer result into use (once per installed version).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asteria_client.runtime.source import (
+    NativeSource,
+    PreconditionerRequest,
+    PreconditionerResult,
+    PreconditionerSource,
+    compute_locally,
+)
+from asteria_client.runtime.staleness import BarrierStats, StalenessPolicy, freshness
+from asteria_server.errors import AsteriaError, InvalidInputError, SolverError
+
+if TYPE_CHECKING:
+    from asteria_server.engine import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Mode(enum.Enum):
+    """Where roots and eigenbases are computed."""
+
+    NATIVE = "native"  # synchronously, in step(), on the parameter's device
+    EMBEDDED = "embedded"  # an engine in this process, solver worker processes
+    DAEMON = "daemon"  # the node's asteria-server
+
+
+def parse_enum(enum_type: type[enum.Enum], value: Any, field_name: str) -> Any:
+    """Accept an enum member or its string value; name the field on failure."""
+    if isinstance(value, enum_type):
+        return value
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum_type)
+        raise InvalidInputError(f"{field_name}={value!r} is not one of {allowed}") from None
+
+
+def resolve_mode(mode: Mode | str | None, address: str | None = None) -> Mode:
+    """``None`` means: the daemon when an address is configured, else the embedded engine."""
+    if mode is None:
+        from asteria_client.config import client_env
+
+        return Mode.DAEMON if (address or client_env().address) else Mode.EMBEDDED
+    return parse_enum(Mode, mode, "mode")
+
+
+def make_source(
+    mode: Mode, engine_config: EngineConfig | None = None, *, address: str | None = None
+) -> PreconditionerSource:
+    """The source of ``mode``; the daemon's ``address`` defaults to ``ASTERIA_ADDRESS``.
+
+    The embedded and daemon sources are imported here, on demand: ``import asteria_client``
+    loads neither the engine (SciPy) nor gRPC.
+    """
+    if mode is Mode.NATIVE:
+        return NativeSource()
+    if mode is Mode.EMBEDDED:
+        from asteria_client.runtime.embedded import EmbeddedSource
+
+        return EmbeddedSource(engine_config)
+    from asteria_client.config import resolve_address
+    from asteria_client.transport.daemon import DaemonSource
+
+    return DaemonSource(address=resolve_address(address))
+
+
+@dataclass(kw_only=True)
+class TileBlocks:
+    """The freshness bookkeeping of one tile: per dim, its block name (None: the dim is not
+    preconditioned), the version in use (-1: none yet) and the newest snapshot submitted.
+
+    Optimizers subclass it with their own per-tile state (factors, bases, moments).
+    """
+
+    blocks: list[str | None]
+    versions: list[int]
+    submitted: list[int]
+
+    @classmethod
+    def named(cls, blocks: list[str | None], **state: Any) -> Any:
+        return cls(
+            blocks=blocks, versions=[-1] * len(blocks), submitted=[-1] * len(blocks), **state
+        )
+
+    def preconditioned(self) -> Iterator[tuple[int, str]]:
+        """(dim, block name) of every preconditioned dim."""
+        for dim, block in enumerate(self.blocks):
+            if block is not None:
+                yield dim, block
+
+
+#: Builds the snapshot request of one block of a tile: ``(dim, version) -> request``.
+RequestFn = Callable[[int, int], PreconditionerRequest]
+#: Puts a newer result into use: ``(tile, dim, result) -> None``.
+InstallFn = Callable[[Any, int, PreconditionerResult], None]
+
+
+class FreshnessRuntime:
+    """Submits snapshots, installs results, enforces the budget; see the module docstring."""
+
+    def __init__(
+        self,
+        source: PreconditionerSource,
+        policy: StalenessPolicy,
+        *,
+        mode: Mode,
+        needs_first_result: bool,
+    ) -> None:
+        self.source = source
+        self.policy = policy
+        self.mode = mode
+        #: a SOAP / KL-Shampoo basis: the block cannot be used before its first result at S = 0
+        self.needs_first_result = needs_first_result
+        self.barrier_stats = BarrierStats()
+        self._local_failures: dict[str, int] = {}
+        self._local_errors: dict[str, str] = {}
+        self._lag_at_use: dict[str, int] = {}
+        self._frequency: dict[str, int] = {}
+        self._pumped_epoch: int | None = None
+        self._hooks: list[Any] = []
+        self._warned: set[str] = set()
+        # The source is released when the runtime is collected, even without close(): the
+        # finalizer holds the source, never the runtime or the optimizer.
+        self._finalizer = weakref.finalize(self, source.close)
+
+    @property
+    def synchronous(self) -> bool:
+        return self.source.synchronous
+
+    def seconds_per_n3(self) -> float:
+        return self.source.seconds_per_n3()
+
+    def deadline_step(self, version: int, frequency: int) -> int:
+        """The step at which a snapshot of ``version`` would exceed the budget."""
+        return version + self.policy.budget_intervals * frequency
+
+    def needs_first(self) -> bool:
+        """Whether a block must wait for its first result before the tile can step.
+
+        Only at S = 0 (and in native mode): there the optimizer must equal native mode, which
+        starts from the first eigenbasis. With a budget S >= 1 a SOAP / KL-Shampoo tile starts
+        in the identity basis (plain Adam in the parameter's coordinates; the moments are
+        rotated into the first basis when it arrives), and the budget bounds how long that may
+        last, as for any other result: the first steps never stall on a solve.
+        """
+        return self.needs_first_result and (
+            self.source.synchronous or self.policy.budget_intervals == 0
+        )
+
+    # ------------------------------------------------------------------ snapshots and results
+    def submit(
+        self,
+        tile: TileBlocks,
+        version: int,
+        frequency: int,
+        request: RequestFn,
+        install: InstallFn,
+    ) -> None:
+        """Snapshot every factor of the tile, then install whatever is ready already."""
+        for dim, block in tile.preconditioned():
+            self._frequency[block] = frequency
+            snapshot = request(dim, version)
+            tile.submitted[dim] = version
+            try:
+                self.source.submit(snapshot)
+            except AsteriaError as exc:  # a source must not take training down
+                self.barrier_stats.submit_errors += 1
+                self._warn_once("submit", f"could not submit snapshots ({exc}); computing locally")
+        self.install_ready(tile, install)
+
+    def install_ready(self, tile: TileBlocks, install: InstallFn) -> None:
+        for dim, block in tile.preconditioned():
+            result = self._take_newer(block, tile.versions[dim])
+            if result is not None:
+                install(tile, dim, result)
+
+    def _take_newer(self, block: str, installed_version: int) -> PreconditionerResult | None:
+        """A ready result for ``block`` newer than ``installed_version``; older ones are dropped."""
+        result = self.source.take(block)
+        if result is None or result.version <= installed_version:
+            return None
+        return result
+
+    def sync(
+        self,
+        tile: TileBlocks,
+        step: int,
+        frequency: int,
+        request: RequestFn,
+        install: InstallFn,
+    ) -> None:
+        """Install ready results, then make every block of the tile meet the staleness budget:
+        wait (bounded) for a result in flight, else compute the block locally."""
+        self.install_ready(tile, install)
+        for dim, block in tile.preconditioned():
+            self._frequency[block] = frequency
+            newest = tile.submitted[dim]
+            required = self.policy.required_version(newest, frequency, self.needs_first())
+            installed = tile.versions[dim]
+            if installed >= required:
+                self._record_lag(block, max(0, newest - installed))
+                continue
+            result = None
+            if not self.source.synchronous:
+                # Returns at once when nothing >= required is computed, queued or running.
+                start = time.perf_counter()
+                result = self.source.wait(block, required, self.policy.barrier_timeout_s)
+                self.barrier_stats.record_wait(time.perf_counter() - start, result is not None)
+            if result is None or result.version <= installed:
+                result = self._compute_locally(tile, dim, block, step, request)
+            if result is not None and result.version > tile.versions[dim]:
+                install(tile, dim, result)
+            self._record_lag(block, max(0, newest - tile.versions[dim]))
+
+    def _record_lag(self, block: str, lag_steps: int) -> None:
+        """The lag a block was *used* with: what the staleness budget bounds."""
+        self._lag_at_use[block] = lag_steps
+        self.barrier_stats.record_lag(lag_steps)
+
+    def _compute_locally(
+        self, tile: TileBlocks, dim: int, block: str, step: int, request: RequestFn
+    ) -> PreconditionerResult | None:
+        """The last-resort native computation of one block (the source was late or failed)."""
+        if not self.source.synchronous:
+            self.barrier_stats.local_fallbacks += 1
+            self._warn_once(
+                "fallback",
+                f"block {block}: no result within the staleness budget "
+                f"(S={self.policy.budget_intervals}, barrier {self.policy.barrier_timeout_s} s);"
+                " computing it locally. Further fallbacks are counted in "
+                "preconditioner_status(), not logged.",
+            )
+        elif tile.versions[dim] >= 0 or not self.needs_first():
+            return None  # native: the failure was recorded at submit; keep the last good result
+        try:
+            return compute_locally(request(dim, step))
+        except SolverError as exc:
+            self._local_failures[block] = self._local_failures.get(block, 0) + 1
+            self._local_errors[block] = str(exc)
+            return None
+
+    def pump(self, tiles: Callable[[], Iterable[TileBlocks]], install: InstallFn) -> None:
+        """Move transfers along and install every ready result (cheap; called by hooks).
+
+        ``tiles`` is called only when a result arrived since the last pump."""
+        with torch.no_grad():
+            self.source.pump()
+            epoch = self.source.results_epoch()
+            if epoch is not None and epoch == self._pumped_epoch:
+                return  # nothing arrived since the last scan: hooks stay cheap
+            self._pumped_epoch = epoch
+            for tile in tiles():
+                self.install_ready(tile, install)
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self, model: torch.nn.Module, pump: Callable[[], None]) -> None:
+        """Register hooks on ``model`` that call ``pump`` while it computes.
+
+        Signals: a forward hook on the model and on each of its direct children, and the start
+        of the backward pass — a gradient hook on the model's output, registered by the model's
+        forward hook: it fires where a full backward pre-hook on the model would, without that
+        hook's warning for models whose inputs need no gradient (token ids). ``pump`` is held
+        weakly when it is a bound method: a model must not keep a dropped optimizer (and its
+        worker processes) alive.
+        """
+        self.detach()
+        target: Callable[[], Callable[[], None] | None] = (
+            weakref.WeakMethod(pump) if hasattr(pump, "__self__") else (lambda: pump)
+        )
+
+        def signal() -> None:
+            call = target()
+            if call is not None:
+                call()
+
+        def on_forward(_module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
+            signal()
+
+        def on_model_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            signal()
+            outputs = output if isinstance(output, tuple | list) else (output,)
+            for tensor in outputs:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad: signal())
+                    break
+
+        self._hooks.append(model.register_forward_hook(on_model_forward))
+        for child in model.children():
+            self._hooks.append(child.register_forward_hook(on_forward))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------ status
+    def status_rows(self, tiles: Iterable[tuple[int, TileBlocks]]) -> list[dict[str, Any]]:
+        """One dict per block of ``(step, tile)`` pairs; see ``preconditioner_status()``."""
+        records = self.source.records()
+        rows = []
+        for step, tile in tiles:
+            for dim, block in tile.preconditioned():
+                version = int(tile.versions[dim])
+                newest = int(tile.submitted[dim])
+                record = records.get(block) or self.source.record(block)
+                row = {
+                    "block": block,
+                    "version": version,
+                    "staleness_steps": step - version if version >= 0 else step,
+                    "lag_steps": self._lag_at_use.get(block, 0),
+                    "freshness": freshness(version, newest).value,
+                    "submitted_version": newest,
+                    "failures": record.failures + self._local_failures.get(block, 0),
+                    "consecutive_failures": record.consecutive_failures,
+                    "last_solve_s": record.last_solve_s,
+                    "last_error": self._local_errors.get(block) or record.last_error,
+                    "mode": self.mode.value,
+                    "budget_steps": self.policy.budget_intervals * self._frequency.get(block, 1),
+                }
+                row.update(record.extra)
+                rows.append(row)
+        return rows
+
+    def stats(self) -> dict[str, Any]:
+        """Barrier waits, timeouts, local fallbacks and the observed lag, for benchmarks."""
+        stats = self.barrier_stats
+        return {
+            "mode": self.mode.value,
+            "staleness_budget": self.policy.budget_intervals,
+            "barrier_waits": stats.waits,
+            "barrier_wait_s": stats.wait_s,
+            "barrier_max_wait_s": stats.max_wait_s,
+            "barrier_timeouts": stats.timeouts,
+            "local_fallbacks": stats.local_fallbacks,
+            "submit_errors": stats.submit_errors,
+            "max_lag_steps": stats.max_lag_steps,
+            "lag_histogram": dict(sorted(stats.lag_histogram.items())),
+            "source": self.source.stats(),
+        }
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    def close(self) -> None:
+        """Remove the hooks and release the source (worker processes, connections). Idempotent."""
+        self.detach()
+        self._finalizer()
