@@ -11,6 +11,8 @@
   serves TLS; set, the client connects with TLS (``host:port`` addresses only).
 
 Explicit arguments always win over the environment; :func:`client_env` only fills the gaps.
+:func:`environ_without_asteria` is the environment for a child process (a daemon, a trainer) that
+must not inherit this process's settings.
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ def client_env(environ: Mapping[str, str] | None = None) -> ClientEnv:
         transport=transport,
         tls_ca=env.get(ENV_TLS_CA) or None,
     )
+
+
+def environ_without_asteria(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default: ``os.environ``) without any ``ASTERIA_*`` variable: the
+    base environment of a child process that gets its Asteria settings explicitly."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not k.startswith("ASTERIA_")}
 
 
 def resolve_address(address: str | None, environ: Mapping[str, str] | None = None) -> str:

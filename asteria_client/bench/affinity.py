@@ -6,9 +6,9 @@ separates them: the trainer runs on the first CPUs it may use, every solver on t
 
 Linux keeps an affinity mask per *thread*: ``os.sched_setaffinity(0, ...)`` changes only the
 calling thread, a new thread copies its creator's mask, and a forked child copies the mask of the
-thread that forked it. Hence :func:`pinned` sets every thread of this process, and
-:func:`inherited_by_children` confines only the calling thread, for the moment it starts a
-child (which keeps the mask; a daemon's workers then inherit it in turn).
+thread that forked it. Hence :func:`pinned` sets every thread of this process, and the daemon
+launcher (``asteria_client.daemon_process``, ``cpu_affinity=``) confines only the calling thread,
+for the moment it starts the daemon (which keeps the mask; its workers then inherit it in turn).
 """
 
 from __future__ import annotations
@@ -58,21 +58,6 @@ def pinned(cpus: Sequence[int]) -> Iterator[None]:
         yield
     finally:
         _set_all_threads(sorted(before))
-
-
-@contextlib.contextmanager
-def inherited_by_children(cpus: Sequence[int] | None) -> Iterator[None]:
-    """The calling thread confined to ``cpus`` for the body, so that a process it starts there
-    runs on them (None: no change)."""
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def asteria_children_cpus() -> list[list[int]]:

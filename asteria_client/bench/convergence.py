@@ -38,7 +38,7 @@ from typing import Any
 
 from asteria_client.bench import convergence_summary as summary
 from asteria_client.bench import output
-from asteria_client.bench.daemon import BenchDaemon
+from asteria_client.daemon_process import DaemonProcess
 from asteria_server.errors import AsteriaError
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def run_one(
     env = _child_env()
     daemon_cpu_s = None
     if run.mode == "daemon":
-        with BenchDaemon(workers=cfg.engine_workers) as daemon:
+        with DaemonProcess(workers=cfg.engine_workers) as daemon:
             proc = _run_process(cmd, {**env, "ASTERIA_ADDRESS": daemon.address}, workdir, timeout_s)
         daemon_cpu_s = daemon.cpu_s
     else:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from asteria_client.bench import output
-from asteria_client.bench.daemon import BenchDaemon
+from asteria_client.daemon_process import DaemonProcess
 from asteria_client.tables import markdown_table, text_table
 from asteria_server.errors import AsteriaError
 
@@ -165,7 +165,7 @@ def run_clients(cfg: SharingConfig, num_clients: int, workdir: Path) -> dict[str
     """N training processes at once on a fresh daemon; their summaries and the aggregates."""
     procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
     started = time.time()
-    with BenchDaemon(workers=cfg.daemon_workers) as daemon:
+    with DaemonProcess(workers=cfg.daemon_workers) as daemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASTERIA_")}
         env.update(OMP_NUM_THREADS="1", ASTERIA_ADDRESS=daemon.address)
         try:

@@ -37,8 +37,8 @@ import torch
 
 from asteria_client.bench import output
 from asteria_client.bench.affinity import asteria_children_cpus, pinned, split_cpus, usable_cpus
-from asteria_client.bench.daemon import BenchDaemon
 from asteria_client.bench.stats import summarize
+from asteria_client.daemon_process import DaemonProcess
 from asteria_client.optim.base import Mode
 from asteria_client.tables import NAME_THEN_NUMBERS, markdown_table, text_table
 
@@ -208,7 +208,7 @@ def _run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
     labels = ["adamw", *(f"{cfg.optimizer} ({mode})" for mode in modes[1:])]
     configs = [_train_config(cfg, cfg.optimizer if m else "adamw", m, solver_cpus) for m in modes]
     trainers: list[Any] = []
-    daemon = BenchDaemon(workers=cfg.engine_workers, cpu_affinity=solver_cpus)
+    daemon = DaemonProcess(workers=cfg.engine_workers, cpu_affinity=solver_cpus)
     pinning = contextlib.ExitStack()
     try:
         daemon.start()  # on the solver CPUs: it and its workers stay there

@@ -399,7 +399,7 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
 
 
 def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
-    from asteria_client.bench.daemon import BenchDaemon
+    from asteria_client.daemon_process import DaemonProcess
 
     started = time.time()
     plan = {n: calibrate_batch(n, cfg) for n in cfg.sizes}
@@ -407,7 +407,7 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
         _progress(f"n={n}: one bare eigh {seconds * 1e3:.1f} ms -> batch of {batch}")
     _progress(f"starting the daemon ({cfg.workers} workers) and {cfg.workers} bare processes")
     entries: list[dict[str, Any]] = []
-    daemon = BenchDaemon(workers=cfg.workers, blas_threads=1).start()
+    daemon = DaemonProcess(workers=cfg.workers, blas_threads=1).start()
     bare = None
     client = None
     try:
@@ -444,7 +444,7 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
             client.close()
         if bare is not None:
             bare.close()
-        daemon_cpu_s = daemon.stop()
+        daemon_cpu_s = daemon.stop().cpu_s
     config = asdict(cfg)
     config["kinds"] = [k.value for k in cfg.kinds]
     config["sizes"] = list(cfg.sizes)

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from asteria_client.bench import grpc_sink, output
-from asteria_client.bench.daemon import BenchDaemon
 from asteria_client.bench.stats import percentile
+from asteria_client.daemon_process import DaemonProcess
 from asteria_client.tables import markdown_table
 from asteria_client.transport.connection import DaemonConnection, SessionInfo
 from asteria_client.transport.shm import HandoverChannel, segments_for
@@ -201,8 +201,8 @@ def _run_transport(sizes: tuple[int, ...], repeats: int, flush_denormal: bool) -
     tcp_env = {"ASTERIA_TOKENS": f"bench={token}"}
     rows: list[dict[str, Any]] = []
     with (
-        BenchDaemon(workers=1) as local,
-        BenchDaemon(workers=1, listen="127.0.0.1:0", env=tcp_env) as remote,
+        DaemonProcess(workers=1) as local,
+        DaemonProcess(workers=1, listen="127.0.0.1:0", env=tcp_env) as remote,
         grpc_sink.sink() as bare_upload,
     ):
         unix = DaemonConnection(local.address)

@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from asteria_client.config import environ_without_asteria
+from asteria_client.daemon_process import DaemonProcess, DaemonStartError
 from asteria_server.engine import SolveKind, SolveResult, SolveTask, SubmitOutcome, solve
 from asteria_server.engine.shm import SEGMENT_PREFIX
-from asteria_server.protocol import convert
+from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 
@@ -34,7 +36,10 @@ CALL_TIMEOUT_S = 30.0
 
 @dataclass
 class Daemon:
-    proc: subprocess.Popen[str]
+    """A daemon subprocess as the tests see it. Tests that start one their own way (like
+    systemd, in test_metrics) build this from their own ``Popen``."""
+
+    proc: subprocess.Popen[Any]
     sock: Path
     target: str
     serving_line: str
@@ -44,33 +49,37 @@ class Daemon:
         return pb_grpc.PreconditionerStub(channel)
 
 
+@dataclass
+class LaunchedDaemon(Daemon):
+    """A daemon started by the client's launcher (:class:`DaemonProcess`), as benchmarks do."""
+
+    launcher: DaemonProcess
+
+
 def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ASTERIA_")}
-    env["ASTERIA_LOG_LEVEL"] = "WARNING"
-    return env
+    return environ_without_asteria() | {"ASTERIA_LOG_LEVEL": "WARNING"}
 
 
-def start_daemon(tmp_path: Path, *extra: str, name: str = "d") -> Daemon:
-    sock = tmp_path / name / "asteria.sock"
-    ready = tmp_path / f"{name}.ready"
-    cmd = [sys.executable, "-m", "asteria_server", "--listen", f"unix://{sock}"]
-    cmd += ["--workers", "1", "--ready-file", str(ready), *extra]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_clean_env()
+def start_daemon(tmp_path: Path, *extra: str, name: str = "d") -> LaunchedDaemon:
+    """A one-worker daemon on ``tmp_path/name/asteria.sock``, serving when this returns."""
+    launcher = DaemonProcess(workers=1, extra_args=extra, socket_dir=tmp_path / name)
+    try:
+        launcher.start()
+    except DaemonStartError as exc:
+        pytest.fail(str(exc))
+    assert launcher.socket_path is not None
+    return LaunchedDaemon(
+        launcher.process, launcher.socket_path, launcher.address, launcher.serving_line, launcher
     )
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"daemon exited with {proc.returncode} before serving:\n{out}\n{err}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("daemon did not become ready")
-        time.sleep(0.05)
-    return Daemon(proc, sock, f"unix://{sock}", ready.read_text().strip())
 
 
 def stop_daemon(daemon: Daemon) -> tuple[int, str]:
+    """SIGTERM, and the exit status and stderr; fails the test if SIGTERM did not stop it."""
+    if isinstance(daemon, LaunchedDaemon):
+        end = daemon.launcher.stop()
+        if end.killed:
+            pytest.fail(f"daemon did not stop on SIGTERM:\n{end.stderr}")
+        return end.returncode, end.stderr
     if daemon.proc.poll() is None:
         daemon.proc.send_signal(signal.SIGTERM)
     try:
@@ -103,7 +112,7 @@ def open_session(stub: pb_grpc.PreconditionerStub, tenant: str = "", token: str 
 
 
 def submit(stub: pb_grpc.PreconditionerStub, session: str, task: SolveTask) -> SubmitOutcome:
-    messages = convert.snapshot_messages(task, session_id=session)
+    messages = framing.snapshot_messages(task, session_id=session)
     reply = stub.SubmitSnapshot(messages, timeout=CALL_TIMEOUT_S)
     return convert.outcome_from_proto(reply)
 
@@ -115,7 +124,7 @@ def receive(
         pb.StreamResultsRequest(session_id=session, blocks=blocks), timeout=CALL_TIMEOUT_S
     )
     got: dict[str, SolveResult] = {}
-    for result in convert.read_results(stream):
+    for result in read_results(stream):
         got[result.block] = result
         if len(got) == len(blocks):
             break
@@ -165,24 +174,24 @@ def test_results_match_the_engine_and_bad_input_keeps_the_last_result(daemon: Da
     assert status["w.L"].version == 1 and status["w.R"].version == 1
 
     # Framing errors: INVALID_ARGUMENT, nothing reaches the engine.
-    wrong_dtype = list(convert.snapshot_messages(root, session_id=session))
+    wrong_dtype = list(framing.snapshot_messages(root, session_id=session))
     wrong_dtype[0].header.version = 2
     wrong_dtype[0].header.dtype = pb.DTYPE_INT64
     msg = expect_code(grpc.StatusCode.INVALID_ARGUMENT, stub.SubmitSnapshot, iter(wrong_dtype))
     assert "w.L" in msg and "dtype" in msg
 
-    not_square = list(convert.snapshot_messages(root, session_id=session))[:1]
+    not_square = list(framing.snapshot_messages(root, session_id=session))[:1]
     not_square[0].header.version = 2
     not_square.append(pb.SubmitSnapshotRequest(chunk=np.zeros((16, 15)).tobytes()))
     msg = expect_code(grpc.StatusCode.INVALID_ARGUMENT, stub.SubmitSnapshot, iter(not_square))
     assert "ended early" in msg
 
     too_big = SolveTask(block="w.L", version=2, kind=SolveKind.INVERSE_ROOT, matrix=spd(64, 2))
-    messages = convert.snapshot_messages(too_big, session_id=session)
+    messages = framing.snapshot_messages(too_big, session_id=session)
     msg = expect_code(grpc.StatusCode.INVALID_ARGUMENT, stub.SubmitSnapshot, messages)
     assert "max_matrix_n" in msg
 
-    big_chunk = list(convert.snapshot_messages(root, session_id=session))[:1]
+    big_chunk = list(framing.snapshot_messages(root, session_id=session))[:1]
     big_chunk[0].header.version = 2
     big_chunk[0].header.n = 32
     big_chunk.append(pb.SubmitSnapshotRequest(chunk=b"\0" * ((1 << 20) + 1)))
@@ -317,7 +326,7 @@ def test_the_upload_budget_refuses_oversized_and_busies_concurrent_uploads(
                 kind=SolveKind.INVERSE_ROOT,
                 matrix=spd(n, 0).astype(np.float32),
             )
-            messages = list(convert.snapshot_messages(task, session_id=session, chunk_bytes=2048))
+            messages = list(framing.snapshot_messages(task, session_id=session, chunk_bytes=2048))
             yield messages[0]
             yield messages[1]
             time.sleep(pause_s)  # hold the budget with a half-sent snapshot
@@ -352,3 +361,18 @@ def test_forgetting_blocks_on_close_is_refused_not_silently_ignored(daemon: Daem
     details = expect_code(grpc.StatusCode.INVALID_ARGUMENT, stub.CloseSession, close)
     assert "not supported yet" in details
     stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=CALL_TIMEOUT_S)
+
+
+def test_the_launcher_reports_a_tcp_port_its_pid_and_cpu_time() -> None:
+    with DaemonProcess(listen="127.0.0.1:0", env={"ASTERIA_TOKENS": "t=secret"}) as d:
+        host, port = d.address.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0 and d.socket_path is None
+        assert f"pid={d.pid}" in d.serving_line and d.cpu_s is None
+    assert d.exit is not None and d.exit.returncode == 0 and not d.exit.killed
+    assert d.cpu_s is not None and d.cpu_s > 0  # the daemon's own start-up at least
+    assert d.stop() is d.exit
+
+
+def test_the_launcher_reports_why_a_daemon_did_not_start() -> None:
+    with pytest.raises(DaemonStartError, match=r"(?s)exited with 2.*no tenant tokens"):
+        DaemonProcess(listen="127.0.0.1:0").start()
