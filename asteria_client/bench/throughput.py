@@ -45,7 +45,6 @@ import numpy as np
 from asteria_client.bench import output
 from asteria_client.bench.stats import summarize
 from asteria_client.tables import markdown_table, text_table
-from asteria_server.engine.engine import EngineConfig
 from asteria_server.types import SolveKind
 
 logger = logging.getLogger(__name__)
@@ -64,6 +63,13 @@ ROUND_SLACK_S = 120.0
 MAX_BATCH = 4096
 #: Fewest blocks per process the calibration may choose (one straggler skews shorter rounds).
 MIN_BLOCKS_PER_WORKER = 3
+
+
+def worker_niceness() -> int:
+    """The nice value of the engine's solver workers (the daemon's default)."""
+    from asteria_client.runtime.embedded import EngineConfig
+
+    return EngineConfig().worker_niceness
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +95,7 @@ class ThroughputConfig:
     rounds: int = 5
     target_round_s: float = 1.5
     batch: int | None = None
-    bare_niceness: int = field(default_factory=lambda: EngineConfig().worker_niceness)
+    bare_niceness: int = field(default_factory=lambda: worker_niceness())
     seed: int = 0
     transport: str = "shm"
     flush_denormal: bool = True
@@ -585,7 +591,6 @@ def register(subparsers: Any) -> Any:
     parser.add_argument(
         "--bare-niceness",
         type=int,
-        default=EngineConfig().worker_niceness,
         help="nice value of the bare processes (default: the daemon workers' value)",
     )
     parser.add_argument(
@@ -614,7 +619,7 @@ def run_command(args: argparse.Namespace) -> int:
         rounds=args.rounds if args.rounds is not None else (2 if args.quick else 5),
         target_round_s=args.round_s if args.round_s is not None else (0.02 if args.quick else 1.5),
         batch=args.batch,
-        bare_niceness=args.bare_niceness,
+        bare_niceness=args.bare_niceness if args.bare_niceness is not None else worker_niceness(),
         seed=args.seed,
         transport=args.transport,
         flush_denormal=args.flush_denormal,

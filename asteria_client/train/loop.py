@@ -38,7 +38,6 @@ from asteria_client.train.report import (
     format_progress,
 )
 from asteria_client.train.sweep import LrSweep, run_lr_sweep
-from asteria_server.engine.workers import default_num_workers
 from asteria_server.errors import AsteriaError, InvalidInputError, NonFiniteGradientError
 
 __all__ = [
@@ -202,7 +201,12 @@ def trainer_threads(cfg: TrainConfig, device: torch.device) -> int | None:
         return None
     if resolve_mode(cfg.mode) is not Mode.EMBEDDED:
         return None
-    workers = cfg.engine_workers if cfg.engine_workers is not None else default_num_workers()
+    if cfg.engine_workers is not None:
+        workers = cfg.engine_workers
+    else:
+        from asteria_client.runtime.embedded import default_num_workers
+
+        workers = default_num_workers()
     cpus = len(os.sched_getaffinity(0))
     return max(1, min(torch.get_num_threads(), cpus - workers))
 

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from asteria_client.optim.base import Mode
-from asteria_server.engine import EngineConfig
 from asteria_server.errors import AsteriaError, InvalidInputError
 
 
@@ -120,6 +119,8 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings) -> torch.opti
     if settings.engine_cpu_affinity is not None:
         engine["cpu_affinity"] = settings.engine_cpu_affinity
     if engine:
+        from asteria_client.runtime.embedded import EngineConfig
+
         extra["engine_config"] = EngineConfig(**engine)
     optimizer_class = _import_asteria_optimizer(settings.kind)
     try:
