@@ -38,6 +38,7 @@ from typing import Any
 
 from asteria_client.bench import convergence_summary as summary
 from asteria_client.bench import output
+from asteria_client.config import environ_without_asteria
 from asteria_client.daemon_process import DaemonProcess
 from asteria_server.errors import AsteriaError
 
@@ -187,7 +188,7 @@ def _run_process(cmd: list[str], env: dict[str, str], workdir: Path, timeout_s: 
 
 def _child_env() -> dict[str, str]:
     """This environment without ASTERIA_* (a user's ASTERIA_ADDRESS must not pick the mode)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("ASTERIA_")}
+    return environ_without_asteria()
 
 
 def run_one(

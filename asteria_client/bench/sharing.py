@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from asteria_client.bench import output
+from asteria_client.config import environ_without_asteria
 from asteria_client.daemon_process import DaemonProcess
 from asteria_client.tables import markdown_table, text_table
 from asteria_server.errors import AsteriaError
@@ -166,7 +167,7 @@ def run_clients(cfg: SharingConfig, num_clients: int, workdir: Path) -> dict[str
     procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
     started = time.time()
     with DaemonProcess(workers=cfg.daemon_workers) as daemon:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ASTERIA_")}
+        env = environ_without_asteria()
         env.update(OMP_NUM_THREADS="1", ASTERIA_ADDRESS=daemon.address)
         try:
             for index in range(num_clients):
