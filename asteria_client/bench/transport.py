@@ -49,8 +49,8 @@ from asteria_client.daemon_process import DaemonProcess
 from asteria_client.tables import markdown_table
 from asteria_client.transport.connection import DaemonConnection, SessionInfo
 from asteria_client.transport.shm import HandoverChannel, segments_for
-from asteria_server.protocol.convert import SegmentReader, array_chunks, snapshot_specs
-from asteria_server.protocol.shm import ArraySpec, SegmentRef
+from asteria_server.protocol.framing import SegmentReader, array_chunks
+from asteria_server.protocol.shm import ArraySpec, SegmentRef, snapshot_specs
 from asteria_server.types import SolveKind, SolveResult, SolveTask
 
 logger = logging.getLogger(__name__)

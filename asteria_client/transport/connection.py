@@ -15,7 +15,7 @@ import grpc
 
 from asteria_client.config import client_env
 from asteria_server.errors import AsteriaError, InvalidInputError
-from asteria_server.protocol import convert
+from asteria_server.protocol import convert, framing
 from asteria_server.protocol.errors import from_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
@@ -152,8 +152,8 @@ class DaemonConnection:
         return SessionInfo(
             session_id=reply.session_id,
             incarnation_id=reply.incarnation_id,
-            max_chunk_bytes=reply.limits.max_chunk_bytes or convert.DEFAULT_CHUNK_BYTES,
-            max_matrix_n=reply.limits.max_matrix_n or convert.DEFAULT_MAX_MATRIX_N,
+            max_chunk_bytes=reply.limits.max_chunk_bytes or framing.DEFAULT_CHUNK_BYTES,
+            max_matrix_n=reply.limits.max_matrix_n or framing.DEFAULT_MAX_MATRIX_N,
             shm_socket=reply.shm_socket,
         )
 
@@ -181,7 +181,7 @@ class DaemonConnection:
         self, session: SessionInfo, task: SolveTask, *, shm: SegmentRef | None = None
     ) -> None:
         """Send ``task`` in chunks, or with ``shm`` only announce it (its bytes are there)."""
-        messages = convert.snapshot_messages(
+        messages = framing.snapshot_messages(
             task, session_id=session.session_id, chunk_bytes=session.max_chunk_bytes, shm=shm
         )
         try:
@@ -215,7 +215,7 @@ class DaemonConnection:
         held_versions: dict[str, int],
         on_call: Callable[[Callable[[], object]], None],
         *,
-        reader: convert.SegmentReader | None = None,
+        reader: framing.SegmentReader | None = None,
     ) -> Iterator[SolveResult]:
         """The session's results as they arrive; ``on_call(cancel)`` receives a function that
         ends the stream from another thread. Raises an Asteria error when the stream fails.
@@ -227,7 +227,7 @@ class DaemonConnection:
         )
         call = self._stub.StreamResults(request)
         on_call(call.cancel)
-        receiver = convert.ResultReceiver(
+        receiver = framing.ResultReceiver(
             max_chunk_bytes=session.max_chunk_bytes,
             max_matrix_n=session.max_matrix_n,
             reader=reader,

@@ -54,8 +54,12 @@ from asteria_server.errors import (
     InvalidInputError,
     UnknownSessionError,
 )
-from asteria_server.protocol.convert import snapshot_specs
-from asteria_server.protocol.shm import ArraySpec, SegmentRef, SharedMemoryUnavailableError
+from asteria_server.protocol.shm import (
+    ArraySpec,
+    SegmentRef,
+    SharedMemoryUnavailableError,
+    snapshot_specs,
+)
 from asteria_server.types import BlockStatus, EngineStats, SolveResult, SolveTask
 
 logger = logging.getLogger(__name__)

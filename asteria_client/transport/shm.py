@@ -5,8 +5,10 @@ When the daemon is on this host (``unix://`` address) and offers a handover sock
 
 - a **snapshot segment**, which ``submit`` fills straight from the factor tensor through a torch
   view of the mapping (one copy, no intermediate host buffer), under the seqlock;
-- a **result segment**, which the daemon fills with the block's results; the client copies them
-  out under the seqlock when the result's header arrives on the gRPC stream.
+- a **result segment**, which the daemon's solver worker fills with the block's results; the
+  client copies them out under the seqlock when the result's header arrives on the gRPC stream.
+
+Their layout is ``protocol.shm``'s; the handover connection speaks ``protocol.handover``.
 
 Segments belong to the client: they are created once per block, reserved and pre-faulted, and
 reused for every snapshot; after a daemon restart the same segments are handed to the new
@@ -17,7 +19,6 @@ raises :class:`SharedMemoryUnavailableError`, and the caller sends that block ov
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import uuid
@@ -27,39 +28,31 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from asteria_server.errors import InvalidInputError
+from asteria_server.protocol.handover import (
+    MAX_MESSAGE_BYTES,
+    Attach,
+    Detach,
+    HandoverRequest,
+    Hello,
+    SegmentRole,
+    decode_reply,
+    encode_request,
+)
 from asteria_server.protocol.shm import (
     ArraySpec,
     Segment,
     SegmentRef,
     SharedMemoryUnavailableError,
     create_segment,
+    result_layout,
     segment_bytes,
+    snapshot_layout,
 )
-from asteria_server.types import SolveKind, SolveTask
+from asteria_server.types import SolveTask
 
 #: The handover connection's timeout for each request.
 HANDOVER_TIMEOUT_S = 10.0
-
-
-def snapshot_capacity(n: int, kind: SolveKind, itemsize: int) -> list[ArraySpec]:
-    """The largest snapshot of a block: the matrix, plus a basis for EIGENBASIS."""
-    dtype = np.dtype(f"<f{itemsize}")
-    count = 2 if kind is SolveKind.EIGENBASIS else 1
-    return [ArraySpec(dtype, (n, n))] * count
-
-
-def result_capacity(n: int, kind: SolveKind) -> list[ArraySpec]:
-    """The largest result of a block: the matrix, and for EIGENBASIS the eigenvalues, the
-    permutation and the rotation of a QR refresh (results are float32)."""
-    f32 = np.dtype("<f4")
-    if kind is not SolveKind.EIGENBASIS:
-        return [ArraySpec(f32, (n, n))]
-    return [
-        ArraySpec(f32, (n, n)),
-        ArraySpec(f32, (n,)),
-        ArraySpec(np.dtype("<i8"), (n,)),
-        ArraySpec(f32, (n, n)),
-    ]
 
 
 @dataclass(eq=False)
@@ -114,10 +107,10 @@ def segments_for(task: SolveTask) -> tuple[ClientSegment, ClientSegment]:
     ``task``'s arrays) and the largest result of its kind. Raises
     SharedMemoryUnavailableError when they cannot be made here."""
     itemsize = max(a.dtype.itemsize for a in (task.matrix, task.basis) if a is not None)
-    snapshot = snapshot_capacity(task.n, task.kind, itemsize)
+    snapshot = snapshot_layout(task.n, task.kind, itemsize)
     snap = ClientSegment.create("snapshot", task.block, snapshot)
     try:
-        result = ClientSegment.create("result", task.block, result_capacity(task.n, task.kind))
+        result = ClientSegment.create("result", task.block, result_layout(task.n, task.kind))
     except BaseException:
         snap.close()
         raise
@@ -140,34 +133,27 @@ class HandoverChannel:
             ) from None
         self._sock = sock
         try:
-            self._request({"op": "hello", "session_id": session_id}, [])
+            self._request(Hello(session_id), [])
         except BaseException:
             sock.close()
             raise
 
     def attach(self, seg: ClientSegment) -> None:
         """Hand ``seg`` over (again); raises SharedMemoryUnavailableError when refused."""
-        message = {
-            "op": "attach",
-            "segment_id": seg.segment_id,
-            "size_bytes": seg.segment.size_bytes,
-            "role": seg.role,
-            "block": seg.block,
-        }
-        self._request(message, [seg.fd])
+        request = Attach(seg.segment_id, seg.segment.size_bytes, SegmentRole(seg.role), seg.block)
+        self._request(request, [seg.fd])
 
     def detach(self, seg: ClientSegment) -> None:
-        self._request({"op": "detach", "segment_id": seg.segment_id}, [])
+        self._request(Detach(seg.segment_id), [])
 
-    def _request(self, message: dict[str, object], fds: list[int]) -> None:
+    def _request(self, request: HandoverRequest, fds: list[int]) -> None:
         try:
-            socket.send_fds(self._sock, [json.dumps(message).encode()], fds)
-            answer = json.loads(self._sock.recv(4096) or b"{}")
-        except (OSError, ValueError) as exc:
+            socket.send_fds(self._sock, [encode_request(request)], fds)
+            answer = decode_reply(self._sock.recv(MAX_MESSAGE_BYTES))
+        except (OSError, InvalidInputError) as exc:
             raise SharedMemoryUnavailableError(f"segment handover failed: {exc}") from None
-        if not answer.get("ok"):
-            error = answer.get("error", "the daemon closed the handover connection")
-            raise SharedMemoryUnavailableError(f"the daemon refused the segment: {error}")
+        if not answer.ok:
+            raise SharedMemoryUnavailableError(f"the daemon refused the segment: {answer.error}")
 
     def close(self) -> None:
         self._sock.close()

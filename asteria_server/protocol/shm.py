@@ -1,4 +1,9 @@
-"""Shared-memory segments of the same-host transport: their layout, creation and checks.
+"""Shared-memory segments: their layout, creation and checks. Defined here once.
+
+The same layout serves both shared-memory paths of the system: the same-host transport between
+a training process and its node's daemon, and the engine's own segments to its solver workers
+(the embedded mode). A solver worker reads a snapshot out of a segment and writes its result
+into one the same way whichever process created them (``engine.worker_process``).
 
 A training process and its node's daemon exchange snapshots and results through *segments*:
 anonymous ``memfd`` files the client creates and hands to the daemon over a Unix socket
@@ -27,9 +32,15 @@ How the known traps of shared memory are avoided:
 
 Layout (little-endian): ``magic u64 | sequence u64 | capacity u64``, padding to
 :data:`HEADER_BYTES`, then the arrays back to back in the order the announcement lists them, each
-starting at a multiple of :data:`ARRAY_ALIGN` bytes. The sequence is read and written as an
-aligned 8-byte word, which x86-64 and AArch64 load and store atomically; the copies around it are
-separate calls into C, so neither compiler nor CPU (x86's total store order) moves them across.
+starting at a multiple of :data:`ARRAY_ALIGN` bytes. A snapshot holds the matrix, then the basis
+of a QR refresh (:func:`snapshot_specs`); a result holds :data:`RESULT_FIELDS` in that order,
+those it has (:func:`result_specs`). :func:`snapshot_layout` and :func:`result_layout` give the
+largest of each for a block, which is what a segment is sized for. The capacity word is checked
+when a segment is mapped; afterwards the mapping's own size is what bounds every view, so a
+writer that rewrites the header cannot make a reader look past the mapping. The sequence is read
+and written as an aligned 8-byte word, which x86-64 and AArch64 load and store atomically; the
+copies around it are separate calls into C, so neither compiler nor CPU (x86's total store order)
+moves them across.
 """
 
 from __future__ import annotations
@@ -37,14 +48,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from asteria_server.errors import AsteriaError, InvalidInputError
+from asteria_server.types import SolveKind, SolveResult, SolveTask
 
 #: "ASTSHM01" as a little-endian u64: the first word of every segment.
 MAGIC = int.from_bytes(b"ASTSHM01", "little")
@@ -81,6 +95,14 @@ class SegmentRef:
     sequence: int
 
 
+_TOKENS = itertools.count(1)
+
+
+def _close_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def _aligned(offset: int) -> int:
     return -(-offset // ARRAY_ALIGN) * ARRAY_ALIGN
 
@@ -99,6 +121,50 @@ def segment_bytes(specs: Sequence[ArraySpec]) -> int:
     return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
+#: A result's arrays in segment (and stream) order; the matrix is always there, the others only
+#: in EIGENBASIS results (the permutation and rotation only from a QR refresh).
+RESULT_FIELDS = ("matrix", "eigenvalues", "permutation", "rotation")
+_F32, _I64 = np.dtype("<f4"), np.dtype("<i8")
+
+
+def snapshot_specs(task: SolveTask) -> list[ArraySpec]:
+    """The arrays of ``task``'s snapshot in segment order: the matrix, then the basis."""
+    arrays = [task.matrix] if task.basis is None else [task.matrix, task.basis]
+    return [ArraySpec(a.dtype, a.shape) for a in arrays]
+
+
+def snapshot_layout(n: int, kind: SolveKind, itemsize: int) -> list[ArraySpec]:
+    """The largest snapshot of a block: the matrix, plus a basis for EIGENBASIS."""
+    dtype = np.dtype(f"<f{itemsize}")
+    count = 2 if kind is SolveKind.EIGENBASIS else 1
+    return [ArraySpec(dtype, (n, n))] * count
+
+
+def result_field_spec(name: str, n: int) -> ArraySpec:
+    """The spec of result field ``name`` (one of :data:`RESULT_FIELDS`) for a block of size n."""
+    if name == "permutation":
+        return ArraySpec(_I64, (n,))
+    return ArraySpec(_F32, (n,) if name == "eigenvalues" else (n, n))
+
+
+def result_layout(n: int, kind: SolveKind) -> list[ArraySpec]:
+    """The largest result of a block: the matrix, and for EIGENBASIS the eigenvalues, the
+    permutation and the rotation of a QR refresh (results are float32)."""
+    names = RESULT_FIELDS if kind is SolveKind.EIGENBASIS else RESULT_FIELDS[:1]
+    return [result_field_spec(name, n) for name in names]
+
+
+def result_arrays(result: SolveResult) -> list[np.ndarray]:
+    """The arrays of ``result`` in segment (and stream) order."""
+    present = [getattr(result, name) for name in RESULT_FIELDS]
+    return [array for array in present if array is not None]
+
+
+def result_specs(result: SolveResult) -> list[ArraySpec]:
+    """The specs of :func:`result_arrays`."""
+    return [ArraySpec(a.dtype, a.shape) for a in result_arrays(result)]
+
+
 class Segment:
     """A mapped segment: its sequence word and views of its arrays.
 
@@ -106,14 +172,27 @@ class Segment:
     descriptor or the mapping never frees the memory while the other side still maps it.
     """
 
-    def __init__(self, buffer: mmap.mmap, size_bytes: int) -> None:
+    def __init__(self, buffer: mmap.mmap, size_bytes: int, fd: int | None = None) -> None:
         self._mmap = buffer
         self.size_bytes = size_bytes
         self._words = np.frombuffer(buffer, dtype="<u8", count=3)
+        #: Unique in this process while the segment lives: how a solver worker's cache of
+        #: mappings names it (a descriptor number can be reused, this cannot).
+        self.token = next(_TOKENS)
+        self._fd = fd
+        if fd is not None:  # closed with the segment, or when the last reference goes
+            self._fd_closer = weakref.finalize(self, _close_fd, fd)
+
+    def fileno(self) -> int:
+        """A descriptor of the segment this object holds open (to pass it to a solver worker)."""
+        if self._fd is None:
+            raise ValueError("this segment was mapped without keeping a descriptor")
+        return self._fd
 
     @property
     def capacity_bytes(self) -> int:
-        return int(self._words[_CAPACITY_AT])
+        """Bytes after the header: from the mapping's size, never from the (writable) header."""
+        return self.size_bytes - HEADER_BYTES
 
     @property
     def sequence(self) -> int:
@@ -159,15 +238,26 @@ class Segment:
     def read(self, specs: Sequence[ArraySpec], sequence: int) -> list[np.ndarray] | None:
         """Private copies of the arrays written with ``sequence``, or None when a newer write
         replaced (or is replacing) them: the copy would be torn or newer than announced."""
+        return self.read_into(specs, sequence, [np.empty(s.shape, s.dtype) for s in specs])
+
+    def read_into(
+        self, specs: Sequence[ArraySpec], sequence: int, outs: Sequence[np.ndarray]
+    ) -> list[np.ndarray] | None:
+        """Copy the arrays written with ``sequence`` into ``outs`` (converting to their dtype,
+        e.g. float32 to the float64 a solver works in), or None when a newer write replaced them.
+        ``outs`` must have the specs' shapes."""
         if sequence % 2 or self.sequence != sequence:
             return None
-        copies = [view.copy() for view in self.views(specs)]
+        for view, out in zip(self.views(specs), outs, strict=True):
+            np.copyto(out, view, casting="same_kind")
         if self.sequence != sequence:
             return None
-        return copies
+        return list(outs)
 
     def close(self) -> None:
         """Drop this side's mapping once no view of it is left (NumPy views keep it alive)."""
+        if self._fd is not None:
+            self._fd_closer()
         del self._words
         with contextlib.suppress(BufferError):  # a view still uses it: it goes with the last one
             self._mmap.close()
@@ -213,11 +303,12 @@ def create_segment(size_bytes: int, *, name: str = "asteria") -> tuple[int, Segm
     return fd, segment
 
 
-def map_segment(fd: int, size_bytes: int) -> Segment:
+def map_segment(fd: int, size_bytes: int, *, keep_fd: bool = False) -> Segment:
     """Map a segment received from a client, after checking it cannot be resized under us.
 
     Raises InvalidInputError (the client's fault) when the descriptor is not a sealed memfd of
-    ``size_bytes`` bytes holding a segment. Does not close ``fd``.
+    ``size_bytes`` bytes holding a segment. Does not close ``fd``; with ``keep_fd`` the segment
+    holds a duplicate of it (:meth:`Segment.fileno`) until it is closed or collected.
     """
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -236,8 +327,9 @@ def map_segment(fd: int, size_bytes: int) -> Segment:
         raise InvalidInputError(
             f"the handed-over segment has {actual} bytes, announced {size_bytes}"
         )
-    segment = Segment(mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED), size_bytes)
-    if int(segment._words[_MAGIC_AT]) != MAGIC or segment.capacity_bytes != (
+    buffer = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
+    segment = Segment(buffer, size_bytes, os.dup(fd) if keep_fd else None)
+    if int(segment._words[_MAGIC_AT]) != MAGIC or int(segment._words[_CAPACITY_AT]) != (
         size_bytes - HEADER_BYTES
     ):
         segment.close()

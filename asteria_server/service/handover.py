@@ -1,29 +1,24 @@
 """The daemon's end of the shared-memory transport: a Unix socket where clients hand over segments.
 
-A client on the same host connects (``SOCK_SEQPACKET``, so every message keeps its boundaries),
-names its gRPC session, then hands over memfd segments one message each, the descriptor attached
-as ``SCM_RIGHTS``. Messages are small JSON objects; every request gets one JSON answer,
-``{"ok": true}`` or ``{"ok": false, "error": "..."}``:
-
-- ``{"op": "hello", "session_id": S}``: binds the connection to an open session (first message).
-- ``{"op": "attach", "segment_id": ID, "size_bytes": N, "role": "snapshot"|"result",
-  "block": B}`` with one descriptor: map the segment (``protocol.shm.map_segment`` checks its
-  seals and size). A ``result`` segment receives the results of block ``B``; re-attaching an id
-  replaces the old segment.
-- ``{"op": "detach", "segment_id": ID}``: forget a segment.
+The sub-protocol spoken there (messages, versions) is specified in
+:mod:`asteria_server.protocol.handover`; this module serves it. A client on the same host connects,
+names its gRPC session (``Hello``), then hands over memfd segments (``Attach``, one descriptor each)
+and may ``Detach`` them. ``protocol.shm.map_segment`` checks each segment's seals and size before
+it is mapped, and the mapping keeps a descriptor of it: the solver workers are handed that
+descriptor and read snapshots from, and write results into, the client's segments themselves.
 
 A connection's segments live as long as the connection: when the client exits, even by
-``kill -9``, the socket closes and the daemon drops its mappings, and with the client's
-descriptors gone the kernel frees the memory. The socket sits next to the gRPC socket, in the
-same 0700 directory, with mode 0600. Each connection is served by its own thread; the servicer
-reads segments from the event loop through :meth:`SegmentHandover.segment` and
-:meth:`SegmentHandover.result_segment`, under one lock.
+``kill -9``, the socket closes and the daemon drops its mappings and descriptors (a task still
+queued keeps its segment until it is done), and with the client's descriptors gone the kernel
+frees the memory. The socket sits next to the gRPC socket, in the same 0700 directory, with mode
+0600. Each connection is served by its own thread; the servicer reads segments from the event
+loop through :meth:`SegmentHandover.segment` and :meth:`SegmentHandover.result_segment`, under one
+lock.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -31,15 +26,22 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from asteria_server.errors import InvalidInputError
+from asteria_server.protocol.handover import (
+    MAX_MESSAGE_BYTES,
+    Attach,
+    Detach,
+    HandoverRequest,
+    Hello,
+    Reply,
+    SegmentRole,
+    decode_request,
+    encode_reply,
+)
 from asteria_server.protocol.shm import Segment, map_segment
 
 logger = logging.getLogger(__name__)
-
-#: Largest handover message (they are small JSON objects).
-MAX_MESSAGE_BYTES = 4096
 
 
 @dataclass(eq=False)
@@ -194,15 +196,15 @@ class SegmentHandover:
                         raise InvalidInputError(
                             "handover message too long or with more than one descriptor"
                         )
-                    self._handle(conn, json.loads(data), fds)
-                    answer: dict[str, Any] = {"ok": True}
-                except (InvalidInputError, ValueError, TypeError, KeyError) as exc:
-                    answer = {"ok": False, "error": str(exc)}
+                    self._handle(conn, decode_request(data), fds)
+                    answer = Reply(True)
+                except InvalidInputError as exc:
+                    answer = Reply(False, str(exc))
                 finally:
                     for fd in fds:
-                        os.close(fd)  # mapped (or refused): the descriptor is not needed
+                        os.close(fd)  # refused, or mapped with a descriptor of its own
                 with contextlib.suppress(OSError):
-                    conn.sock.send(json.dumps(answer).encode())
+                    conn.sock.send(encode_reply(answer))
         finally:
             with self._lock:
                 self._connections.discard(conn)
@@ -213,38 +215,30 @@ class SegmentHandover:
             conn.sock.close()
             logger.debug("handover connection of session %s closed", conn.session_id or "-")
 
-    def _handle(self, conn: _Connection, message: Any, fds: list[int]) -> None:
-        if not isinstance(message, dict):
-            raise InvalidInputError("a handover message must be a JSON object")
-        op = message.get("op")
-        if op == "hello":
-            session_id = str(message["session_id"])
-            if conn.session_id or not self._is_session(session_id):
-                raise InvalidInputError(f"unknown session {session_id!r} (or hello sent twice)")
+    def _handle(self, conn: _Connection, request: HandoverRequest, fds: list[int]) -> None:
+        if isinstance(request, Hello):
+            if conn.session_id or not self._is_session(request.session_id):
+                raise InvalidInputError(
+                    f"unknown session {request.session_id!r} (or hello sent twice)"
+                )
             with self._lock:
-                conn.session_id = session_id
-                self._by_session[session_id] = conn
+                conn.session_id = request.session_id
+                self._by_session[request.session_id] = conn
             return
         if not conn.session_id:
             raise InvalidInputError("the first handover message must be hello with a session_id")
-        segment_id = str(message["segment_id"])
-        if op == "detach":
+        segment_id = request.segment_id
+        if isinstance(request, Detach):
             with self._lock:
                 segment = conn.segments.pop(segment_id, None)
                 if segment is not None:
                     conn.mapped_bytes -= segment.size_bytes
                 conn.results = {b: s for b, s in conn.results.items() if s != segment_id}
             return
-        if op != "attach":
-            raise InvalidInputError(f"unknown handover op {op!r}")
+        assert isinstance(request, Attach)
         if len(fds) != 1:
             raise InvalidInputError("attach needs exactly one descriptor (SCM_RIGHTS)")
-        role, size = message["role"], int(message["size_bytes"])
-        if role not in ("snapshot", "result") or not segment_id:
-            raise InvalidInputError("attach needs a segment_id and a role snapshot or result")
-        block = str(message.get("block", ""))
-        if role == "result" and not block:
-            raise InvalidInputError("a result segment needs the block it receives")
+        size = request.size_bytes
         with self._lock:
             old = conn.segments.get(segment_id)
             held = len(conn.segments) - (old is not None)
@@ -254,12 +248,12 @@ class SegmentHandover:
                 f"this connection would hold more than {self._max_segments} segments or "
                 f"{self._max_mapped_bytes} bytes; send further blocks in chunks"
             )
-        segment = map_segment(fds[0], size)
+        segment = map_segment(fds[0], size, keep_fd=True)
         with self._lock:
             old = conn.segments.pop(segment_id, None)
             if old is not None:
                 conn.mapped_bytes -= old.size_bytes
             conn.segments[segment_id] = segment
             conn.mapped_bytes += segment.size_bytes
-            if role == "result":
-                conn.results[block] = segment_id
+            if request.role is SegmentRole.RESULT:
+                conn.results[request.block] = segment_id

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
-import numpy as np
 
 from asteria_server.engine import PreconditionerEngine, SolveKind, SolveResult, SolveTask
 from asteria_server.errors import (
@@ -34,11 +33,11 @@ from asteria_server.errors import (
     InvalidInputError,
     UnknownSessionError,
 )
-from asteria_server.protocol import convert
+from asteria_server.protocol import convert, framing
 from asteria_server.protocol.errors import to_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
-from asteria_server.protocol.shm import ArraySpec, SegmentRef
+from asteria_server.protocol.shm import SegmentRef, result_arrays, result_specs
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.types import SubmitOutcome, TransportStats
@@ -268,7 +267,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             first = await anext(request_iterator, None)
             if first is None:
                 raise InvalidInputError("SubmitSnapshot stream: no messages (expected a header)")
-            receiver = convert.SnapshotReceiver(
+            receiver = framing.SnapshotReceiver(
                 first,
                 max_chunk_bytes=self._limits.chunk_bytes,
                 max_matrix_n=self._limits.max_matrix_n,
@@ -282,6 +281,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             ):
                 async for message in request_iterator:
                     receiver.feed(message)
+                task: SolveTask | None
                 if receiver.shm is None:
                     task = receiver.finish(tenant=session.tenant)
                 else:
@@ -306,19 +306,18 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         return max(0.0, min(self._limits.upload_wait_s, 0.8 * remaining))
 
     async def _from_segment(
-        self, receiver: convert.SnapshotReceiver, session: Session
+        self, receiver: framing.SnapshotReceiver, session: Session
     ) -> SolveTask | None:
         """Copy a snapshot announced in shared memory out of the session's segment."""
         if self._handover is None:
             raise InvalidInputError("this daemon offers no shared memory; send chunks instead")
-        handover = self._handover
-
-        def read(ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
-            return handover.segment(session.session_id, ref.segment_id).read(specs, ref.sequence)
-
+        assert receiver.shm is not None
+        segment = self._handover.segment(session.session_id, receiver.shm.segment_id)
         if sum(spec.num_bytes for spec in receiver.specs) > _COPY_IN_THREAD_BYTES:
-            return await asyncio.to_thread(receiver.finish, tenant=session.tenant, reader=read)
-        return receiver.finish(tenant=session.tenant, reader=read)
+            copies = await asyncio.to_thread(segment.read, receiver.specs, receiver.shm.sequence)
+        else:
+            copies = segment.read(receiver.specs, receiver.shm.sequence)
+        return None if copies is None else receiver.task_from(copies, tenant=session.tenant)
 
     def _check_registered(self, tenant: str, header: pb.SnapshotHeader) -> None:
         spec = self._registered.get(tenant, {}).get(header.block)
@@ -361,7 +360,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     shm = None
                     if request.shm_results:
                         shm = await self._to_segment(session.session_id, result)
-                    for message in convert.result_messages(
+                    for message in framing.result_messages(
                         result, chunk_bytes=self._limits.chunk_bytes, shm=shm
                     ):
                         yield message
@@ -379,7 +378,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         if found is None:
             return None
         segment_id, segment = found
-        specs, arrays = convert.result_specs(result), convert.result_arrays(result)
+        specs, arrays = result_specs(result), result_arrays(result)
         try:
             if sum(spec.num_bytes for spec in specs) > _COPY_IN_THREAD_BYTES:
                 sequence = await asyncio.to_thread(segment.write, specs, arrays)

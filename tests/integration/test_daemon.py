@@ -29,6 +29,7 @@ from asteria_server.engine.shm import SEGMENT_PREFIX
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+from tests.protocol_readers import read_results
 
 START_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 30.0

@@ -74,7 +74,7 @@ HALF_UPLOAD_SCRIPT = textwrap.dedent(
     import grpc
     import numpy as np
     from asteria_server.engine import SolveKind, SolveTask
-    from asteria_server.protocol import convert
+    from asteria_server.protocol import framing
     from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
     from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 
@@ -83,7 +83,7 @@ HALF_UPLOAD_SCRIPT = textwrap.dedent(
     task = SolveTask(
         block="killed.L", version=1, kind=SolveKind.INVERSE_ROOT, matrix=np.eye(1024)
     )
-    messages = list(convert.snapshot_messages(task, session_id=session, chunk_bytes=1 << 20))
+    messages = list(framing.snapshot_messages(task, session_id=session, chunk_bytes=1 << 20))
     assert len(messages) == 9, len(messages)  # the header and eight 1 MiB chunks
 
     def partial():

@@ -31,6 +31,7 @@ from asteria_client.transport import DaemonClientConfig, DaemonConnection, Daemo
 from asteria_client.transport.shm import ClientSegment, HandoverChannel
 from asteria_server.engine import SolveKind
 from asteria_server.engine.shm import SEGMENT_PREFIX
+from asteria_server.protocol.handover import Attach, SegmentRole, decode_reply
 from asteria_server.protocol.shm import (
     ArraySpec,
     SharedMemoryUnavailableError,
@@ -135,18 +136,16 @@ def test_the_daemon_maps_only_sealed_segments_of_the_announced_size(daemon: Daem
         os.ftruncate(unsealed, 8192)
         fake = ClientSegment("unsealed", unsealed, None, "snapshot", "b")  # type: ignore[arg-type]
         with pytest.raises(SharedMemoryUnavailableError, match="not sealed"):
-            channel._request(
-                {"op": "attach", "segment_id": "x", "size_bytes": 8192, "role": "snapshot"},
-                [fake.fd],
-            )
+            channel._request(Attach("x", 8192, SegmentRole.SNAPSHOT), [fake.fd])
         os.close(unsealed)
         fd, _ = create_segment(8192)
         with pytest.raises(SharedMemoryUnavailableError, match="announced 16384"):
-            channel._request(
-                {"op": "attach", "segment_id": "y", "size_bytes": 16384, "role": "snapshot"},
-                [fd],
-            )
+            channel._request(Attach("y", 16384, SegmentRole.SNAPSHOT), [fd])
         os.close(fd)
+        # A message of another version of the handover protocol is refused, saying so.
+        channel._sock.send(b'{"v": 99, "op": "detach", "segment_id": "y"}')
+        reply = decode_reply(channel._sock.recv(4096))
+        assert not reply.ok and "version 99" in reply.error
     finally:
         channel.close()
         conn.close()
@@ -160,7 +159,7 @@ def test_a_client_cannot_truncate_a_segment_the_daemon_maps(daemon: Daemon) -> N
         source.submit(root_request("t", 0, 64, 0))
         assert source.wait("t", 0, WAIT_S) is not None
         assert source.stats()["shm_snapshots"] == 1
-        for seg in source._segments.values():
+        for seg in source.segments().values():
             with pytest.raises(PermissionError):
                 os.ftruncate(seg.fd, 0)  # F_SEAL_SHRINK
             with pytest.raises(PermissionError):
@@ -188,7 +187,7 @@ def test_status_shows_the_segments_and_the_upload_budget(
         transport = json.loads(capsys.readouterr().out)["transport"]
         assert transport["shm_connections"] == 1 and transport["shm_segments"] == 2
         assert transport["shm_mapped_bytes"] == sum(
-            seg.segment.size_bytes for seg in source._segments.values()
+            seg.segment.size_bytes for seg in source.segments().values()
         )
         assert transport["upload_budget_bytes"] == 2 << 30
         assert transport["upload_bytes_in_flight"] == 0 and transport["uploads_waiting"] == 0
@@ -326,7 +325,7 @@ def test_the_segments_outlive_a_daemon_and_serve_its_successor(tmp_path: Path, h
         assert source.wait_connected(WAIT_S)
         source.submit(root_request("s", 0, 64, 0))
         assert source.wait("s", 0, WAIT_S) is not None
-        segments = dict(source._segments)
+        segments = source.segments()
         if how == "sigterm":
             stop_daemon(first)
         else:
@@ -350,7 +349,7 @@ def test_the_segments_outlive_a_daemon_and_serve_its_successor(tmp_path: Path, h
             assert source.wait("s", 1, WAIT_S) is not None
             stats = source.stats()
             assert stats["transport"] == "shm" and stats["shm_snapshots"] >= 2
-            assert source._segments == segments  # the same segments, handed over again
+            assert source.segments() == segments  # the same segments, handed over again
         finally:
             stop_daemon(second)
     finally:

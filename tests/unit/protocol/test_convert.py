@@ -21,10 +21,11 @@ from google.protobuf.message import Message
 
 from asteria_server.engine import BlockState, BlockStatus, CoherenceRegistry, EngineStats, solve
 from asteria_server.errors import InvalidInputError
-from asteria_server.protocol import convert
+from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
+from tests.protocol_readers import read_results, read_snapshot
 
 MiB = 1 << 20
 M = TypeVar("M", bound=Message)
@@ -122,14 +123,14 @@ def _chunks(messages: list[Any]) -> list[bytes]:
 @pytest.mark.parametrize("n", [1, 7, 1024])
 def test_inverse_root_task_round_trips(n: int, dtype: Any) -> None:
     task = _task(n, dtype)
-    messages = _wire(convert.snapshot_messages(task, session_id="s-1", chunk_bytes=64 * 1024))
+    messages = _wire(framing.snapshot_messages(task, session_id="s-1", chunk_bytes=64 * 1024))
     assert messages[0].WhichOneof("part") == "header"
     assert messages[0].header.session_id == "s-1"
     nbytes = n * n * np.dtype(dtype).itemsize
     chunks = _chunks(messages)
     assert len(chunks) == len(messages) - 1 == math.ceil(nbytes / (64 * 1024))
     assert all(0 < len(c) <= 64 * 1024 for c in chunks)
-    got = convert.read_snapshot(messages, tenant="alice")
+    got = read_snapshot(messages, tenant="alice")
     _assert_same_task(got, task, "alice")
 
 
@@ -138,31 +139,31 @@ def test_inverse_root_task_round_trips(n: int, dtype: Any) -> None:
 def test_refresh_task_round_trips_matrix_then_basis(n: int, dtypes: tuple[Any, Any]) -> None:
     matrix_dtype, basis_dtype = dtypes
     task = _task(n, matrix_dtype, basis_dtype=basis_dtype)
-    messages = _wire(convert.snapshot_messages(task, chunk_bytes=MiB))
+    messages = _wire(framing.snapshot_messages(task, chunk_bytes=MiB))
     header = messages[0].header
     assert header.has_basis and header.n == n
     assert header.dtype == convert._DTYPES[np.dtype(matrix_dtype)]
     assert header.basis_dtype == convert._DTYPES[np.dtype(basis_dtype)]
-    _assert_same_task(convert.read_snapshot(messages, tenant="alice"), task, "alice")
+    _assert_same_task(read_snapshot(messages, tenant="alice"), task, "alice")
 
 
 def test_16_mib_matrix_streams_in_1_mib_chunks() -> None:
     task = _task(2048, np.float32)  # 2048 * 2048 * 4 bytes = 16 MiB
     assert task.matrix.nbytes == 16 * MiB
-    messages = _wire(convert.snapshot_messages(task, chunk_bytes=MiB))
+    messages = _wire(framing.snapshot_messages(task, chunk_bytes=MiB))
     chunks = _chunks(messages)
     assert len(messages) == 17 and len(chunks) == 16
     assert all(len(c) == MiB for c in chunks)
     assert b"".join(chunks) == task.matrix.astype("<f4").tobytes()
-    got = convert.read_snapshot(messages, tenant="alice", max_chunk_bytes=MiB)
+    got = read_snapshot(messages, tenant="alice", max_chunk_bytes=MiB)
     _assert_same_task(got, task, "alice")
 
 
 def test_chunks_may_split_elements() -> None:
     task = _task(30, np.float64, basis_dtype=np.float32)  # 7200 + 3600 bytes
-    messages = _wire(convert.snapshot_messages(task, chunk_bytes=1000))
+    messages = _wire(framing.snapshot_messages(task, chunk_bytes=1000))
     assert [len(c) for c in _chunks(messages)] == [1000] * 7 + [200] + [1000] * 3 + [600]
-    _assert_same_task(convert.read_snapshot(messages, tenant="alice"), task, "alice")
+    _assert_same_task(read_snapshot(messages, tenant="alice"), task, "alice")
 
 
 def test_header_carries_defaults_and_the_session_decides_the_tenant() -> None:
@@ -170,13 +171,13 @@ def test_header_carries_defaults_and_the_session_decides_the_tenant() -> None:
     header = convert.snapshot_header(task)
     assert header.deadline == math.inf and header.base_version == -1 and not header.has_basis
     assert header.basis_dtype == pb.DTYPE_UNSPECIFIED
-    got = convert.read_snapshot(_wire(convert.snapshot_messages(task)), tenant="bob")
+    got = read_snapshot(_wire(framing.snapshot_messages(task)), tenant="bob")
     assert got.tenant == "bob" and got.deadline == math.inf and got.basis is None
 
 
 def test_receiver_exposes_the_session_before_the_bytes_arrive() -> None:
-    messages = _wire(convert.snapshot_messages(_task(4, np.float32), session_id="s-9"))
-    receiver = convert.SnapshotReceiver(messages[0])
+    messages = _wire(framing.snapshot_messages(_task(4, np.float32), session_id="s-9"))
+    receiver = framing.SnapshotReceiver(messages[0])
     assert receiver.session_id == "s-9" and receiver.header.block == "layers.3.mlp.weight/t0/L"
     for message in messages[1:]:
         receiver.feed(message)
@@ -186,17 +187,17 @@ def test_receiver_exposes_the_session_before_the_bytes_arrive() -> None:
 def test_array_chunks_are_c_order_little_endian() -> None:
     a = np.arange(12, dtype=np.float64).reshape(3, 4)
     want = a.astype("<f8").tobytes()
-    assert b"".join(convert.array_chunks(a.astype(">f8"), 5)) == want
-    assert b"".join(convert.array_chunks(np.asfortranarray(a), 7)) == want
-    assert b"".join(convert.array_chunks(a.T.copy().T, 64)) == want
+    assert b"".join(framing.array_chunks(a.astype(">f8"), 5)) == want
+    assert b"".join(framing.array_chunks(np.asfortranarray(a), 7)) == want
+    assert b"".join(framing.array_chunks(a.T.copy().T, 64)) == want
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_chunk_size_must_be_a_positive_int(bad: Any) -> None:
     with pytest.raises(ValueError, match="chunk_bytes must be an int >= 1"):
-        list(convert.snapshot_messages(_task(2, np.float32), chunk_bytes=bad))
+        list(framing.snapshot_messages(_task(2, np.float32), chunk_bytes=bad))
     with pytest.raises(ValueError, match="max_chunk_bytes must be an int >= 1"):
-        convert.ResultReceiver(max_chunk_bytes=bad)
+        framing.ResultReceiver(max_chunk_bytes=bad)
 
 
 # --------------------------------------------------------------------- broken snapshot streams
@@ -205,11 +206,11 @@ BLOCK = "'layers.3.mlp.weight/t0/L'"
 
 
 def _snapshot_stream(n: int = 16, dtype: Any = np.float64, **kw: Any) -> list[Any]:
-    return _wire(convert.snapshot_messages(_task(n, dtype, **kw), chunk_bytes=256))
+    return _wire(framing.snapshot_messages(_task(n, dtype, **kw), chunk_bytes=256))
 
 
 def _read(messages: list[Any], **kw: Any) -> SolveTask:
-    return convert.read_snapshot(messages, tenant="alice", **kw)
+    return read_snapshot(messages, tenant="alice", **kw)
 
 
 def test_truncated_snapshot_is_rejected_naming_the_block() -> None:
@@ -283,7 +284,7 @@ def test_bad_header_fields_are_rejected_before_the_bytes(
     messages = _snapshot_stream()
     setattr(messages[0].header, field, value)
     with pytest.raises(InvalidInputError, match=message) as e:
-        convert.SnapshotReceiver(messages[0])
+        framing.SnapshotReceiver(messages[0])
     assert "layers.3.mlp.weight/t0/L" in str(e.value)
 
 
@@ -312,20 +313,20 @@ def test_result_round_trips(n: int, dtype: Any, shape: str) -> None:
         )
     else:
         result = _result(n, dtype, refresh=shape == "refresh")
-    messages = _wire(convert.result_messages(result, chunk_bytes=256 * 1024))
+    messages = _wire(framing.result_messages(result, chunk_bytes=256 * 1024))
     header = messages[0].header
     assert header.n == n and header.matrix.num_bytes == result.matrix.nbytes
     assert header.HasField("rotation") == (shape == "refresh")
-    (got,) = convert.read_results(messages, max_chunk_bytes=256 * 1024)
+    (got,) = read_results(messages, max_chunk_bytes=256 * 1024)
     _assert_same_result(got, result)
 
 
 def test_16_mib_result_streams_in_1_mib_chunks() -> None:
     result = _result(2048, np.float32)  # matrix and rotation 16 MiB each
-    messages = _wire(convert.result_messages(result, chunk_bytes=MiB))
+    messages = _wire(framing.result_messages(result, chunk_bytes=MiB))
     sizes = [len(c) for c in _chunks(messages)]
     assert sizes == [MiB] * 16 + [2048 * 4, 2048 * 8] + [MiB] * 16
-    (got,) = convert.read_results(messages)
+    (got,) = read_results(messages)
     _assert_same_result(got, result)
 
 
@@ -336,8 +337,8 @@ def test_several_results_share_one_stream() -> None:
         _result(5, np.float32, version=9, kind=SolveKind.INVERSE_ROOT, eigenvalues=None,
                 permutation=None, rotation=None),
     ]  # fmt: skip
-    stream = _wire(m for r in results for m in convert.result_messages(r, chunk_bytes=48))
-    receiver = convert.ResultReceiver()
+    stream = _wire(m for r in results for m in framing.result_messages(r, chunk_bytes=48))
+    receiver = framing.ResultReceiver()
     got = [r for r in (receiver.feed(m) for m in stream) if r is not None]
     receiver.close()
     assert not receiver.in_progress
@@ -353,7 +354,7 @@ def test_real_solver_results_round_trip(refresh: bool) -> None:
     basis = np.linalg.qr(_matrix(6, np.float64, 5))[0] if refresh else None
     task = SolveTask(block="real", version=3, kind=SolveKind.EIGENBASIS, matrix=spd, basis=basis)
     result = solve(task)
-    (got,) = convert.read_results(_wire(convert.result_messages(result)))
+    (got,) = read_results(_wire(framing.result_messages(result)))
     _assert_same_result(got, result)
 
 
@@ -361,30 +362,30 @@ RESULT = "result of block 'layers.3.mlp.weight/t0/R' version 41"
 
 
 def _result_stream(**kw: Any) -> list[Any]:
-    return _wire(convert.result_messages(_result(8, np.float32, **kw), chunk_bytes=100))
+    return _wire(framing.result_messages(_result(8, np.float32, **kw), chunk_bytes=100))
 
 
 def test_truncated_result_is_rejected_at_close() -> None:
     messages = _result_stream()
-    receiver = convert.ResultReceiver()
+    receiver = framing.ResultReceiver()
     assert all(receiver.feed(m) is None for m in messages[:-1])
     assert receiver.in_progress
     with pytest.raises(InvalidInputError, match=f"{RESULT}: stream ended early.*rotation"):
         receiver.close()
     with pytest.raises(InvalidInputError, match="ended early"):
-        list(convert.read_results(messages[:-1]))
+        list(read_results(messages[:-1]))
 
 
 def test_result_stream_order_is_enforced() -> None:
     messages = _result_stream()
     with pytest.raises(InvalidInputError, match="a chunk arrived before any result header"):
-        list(convert.read_results(messages[1:]))
+        list(read_results(messages[1:]))
     with pytest.raises(InvalidInputError, match=f"{RESULT}: a new header arrived before"):
-        list(convert.read_results([*messages[:2], *messages]))
+        list(read_results([*messages[:2], *messages]))
     with pytest.raises(InvalidInputError, match=f"{RESULT}: stream is longer than announced"):
-        list(convert.read_results([*messages, messages[-1]]))
+        list(read_results([*messages, messages[-1]]))
     with pytest.raises(InvalidInputError, match="an empty message"):
-        list(convert.read_results([pb.StreamResultsResponse()]))
+        list(read_results([pb.StreamResultsResponse()]))
 
 
 @pytest.mark.parametrize(
@@ -407,7 +408,7 @@ def test_bad_result_headers_are_rejected(edit: Any, message: str) -> None:
     messages = _result_stream()
     edit(messages[0].header)
     with pytest.raises(InvalidInputError, match=message) as e:
-        list(convert.read_results(messages))
+        list(read_results(messages))
     assert "'layers.3.mlp.weight/t0/R'" in str(e.value)
 
 
@@ -417,7 +418,7 @@ def test_result_with_a_malformed_array_is_not_sent() -> None:
         convert.result_header(bad)
     bad = _result(4, np.float32, eigenvalues=np.zeros(5, np.float32))
     with pytest.raises(InvalidInputError, match=r"eigenvalues must have shape \(4,\)"):
-        list(convert.result_messages(bad))
+        list(framing.result_messages(bad))
     bad = _result(4, np.float32, matrix=np.zeros((4, 3), np.float32))
     with pytest.raises(InvalidInputError, match=r"matrix must have shape \(4, 4\)"):
         convert.result_header(bad)
@@ -582,12 +583,12 @@ class _Loopback(pb_grpc.PreconditionerServicer):
         self.tasks: list[SolveTask] = []
 
     def SubmitSnapshot(self, request_iterator: Iterator[Any], context: Any) -> Any:
-        self.tasks.append(convert.read_snapshot(request_iterator, tenant="from-session"))
+        self.tasks.append(read_snapshot(request_iterator, tenant="from-session"))
         return convert.outcome_to_proto(SubmitOutcome.QUEUED)
 
     def StreamResults(self, request: Any, context: Any) -> Iterator[Any]:
         for task in self.tasks:
-            yield from convert.result_messages(solve(task))
+            yield from framing.result_messages(solve(task))
 
 
 def test_streams_cross_a_real_grpc_channel() -> None:
@@ -603,12 +604,12 @@ def test_streams_cross_a_real_grpc_channel() -> None:
             task = SolveTask(
                 block="w", version=1, kind=SolveKind.INVERSE_ROOT, matrix=a @ a.T / 600
             )
-            answer = stub.SubmitSnapshot(convert.snapshot_messages(task), timeout=30)
+            answer = stub.SubmitSnapshot(framing.snapshot_messages(task), timeout=30)
             assert convert.outcome_from_proto(answer) is SubmitOutcome.QUEUED
             (got_task,) = servicer.tasks
             _assert_same_task(got_task, task, "from-session")
             stream = stub.StreamResults(pb.StreamResultsRequest(session_id="s"), timeout=30)
-            (result,) = convert.read_results(stream)
+            (result,) = read_results(stream)
             assert result.block == "w" and result.matrix.shape == (600, 600)
             assert result.tenant == "from-session"
     finally:

@@ -1,0 +1,172 @@
+"""The segment-handover sub-protocol spoken on the daemon's ``<socket>.shm`` Unix socket.
+
+Shared memory needs one thing gRPC cannot carry: a file descriptor. So a client on the daemon's
+host opens a second connection, a ``SOCK_SEQPACKET`` Unix socket (every message keeps its
+boundaries), and hands its memfd segments (``protocol.shm``) over there, one descriptor per
+message as ``SCM_RIGHTS``. The gRPC calls then only name the segments. Both ends of that socket
+(``asteria_server.service.handover`` and the client's ``transport.shm``) speak it through this
+module only.
+
+Every message is a UTF-8 JSON object of at most :data:`MAX_MESSAGE_BYTES` bytes carrying
+``"v": HANDOVER_VERSION``; every request gets exactly one :class:`Reply`. Requests:
+
+====================  =========================================================================
+``hello``             ``{"v", "op": "hello", "session_id"}``: binds the connection to an open
+                      gRPC session. Must come first, once.
+``attach`` (+1 fd)    ``{"v", "op": "attach", "segment_id", "size_bytes", "role", "block"}``:
+                      map the segment (sealed, of exactly ``size_bytes``). ``role`` is
+                      ``snapshot`` (the client writes snapshots there) or ``result`` (the
+                      daemon's solver writes block ``block``'s results there). Re-attaching an
+                      id replaces the segment.
+``detach``            ``{"v", "op": "detach", "segment_id"}``: forget a segment.
+====================  =========================================================================
+
+Reply: ``{"v", "ok": true}`` or ``{"v", "ok": false, "error": "..."}``. A message of another
+version is refused with an error naming both versions (and a reply the peer cannot decode as
+the version it speaks is its cue to upgrade or fall back to gRPC): bump :data:`HANDOVER_VERSION`
+whenever a field changes meaning.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from asteria_server.errors import InvalidInputError
+
+#: The version of this sub-protocol; both ends send it in every message.
+HANDOVER_VERSION = 1
+#: Largest handover message, either way.
+MAX_MESSAGE_BYTES = 4096
+
+
+class SegmentRole(enum.Enum):
+    """What a handed-over segment is for."""
+
+    SNAPSHOT = "snapshot"
+    RESULT = "result"
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Bind the connection to the gRPC session ``session_id``."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Attach:
+    """Map the segment whose descriptor comes with this message."""
+
+    segment_id: str
+    size_bytes: int
+    role: SegmentRole
+    block: str = ""  # the block whose results a RESULT segment receives
+
+
+@dataclass(frozen=True)
+class Detach:
+    """Forget segment ``segment_id``."""
+
+    segment_id: str
+
+
+HandoverRequest = Hello | Attach | Detach
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to one request."""
+
+    ok: bool
+    error: str = ""
+
+
+def _encode(fields: dict[str, Any]) -> bytes:
+    data = json.dumps({"v": HANDOVER_VERSION, **fields}).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise InvalidInputError(
+            f"handover message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES} (a block name "
+            "that long cannot use shared memory)"
+        )
+    return data
+
+
+def _decode(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        message = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidInputError(f"a handover {what} must be a JSON object") from None
+    if not isinstance(message, dict):
+        raise InvalidInputError(f"a handover {what} must be a JSON object")
+    version = message.get("v")
+    if version != HANDOVER_VERSION:
+        raise InvalidInputError(
+            f"handover {what} of protocol version {version!r}; this side speaks version "
+            f"{HANDOVER_VERSION} (upgrade the older of client and daemon)"
+        )
+    return message
+
+
+def _str(message: dict[str, Any], key: str, *, required: bool = True) -> str:
+    value = message.get(key, "")
+    if not isinstance(value, str) or (required and not value):
+        raise InvalidInputError(f"handover {message.get('op')!r} needs a non-empty string {key}")
+    return value
+
+
+def encode_request(request: HandoverRequest) -> bytes:
+    """The bytes of ``request`` on the socket."""
+    if isinstance(request, Hello):
+        return _encode({"op": "hello", "session_id": request.session_id})
+    if isinstance(request, Attach):
+        return _encode(
+            {
+                "op": "attach",
+                "segment_id": request.segment_id,
+                "size_bytes": request.size_bytes,
+                "role": request.role.value,
+                "block": request.block,
+            }
+        )
+    return _encode({"op": "detach", "segment_id": request.segment_id})
+
+
+def decode_request(data: bytes) -> HandoverRequest:
+    """The request in ``data``; InvalidInputError saying what is wrong with it."""
+    message = _decode(data, "request")
+    op = message.get("op")
+    if op == "hello":
+        return Hello(_str(message, "session_id"))
+    if op == "detach":
+        return Detach(_str(message, "segment_id"))
+    if op != "attach":
+        raise InvalidInputError(f"unknown handover op {op!r} (hello, attach or detach)")
+    size = message.get("size_bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise InvalidInputError(f"handover attach needs size_bytes >= 1, got {size!r}")
+    try:
+        role = SegmentRole(message.get("role"))
+    except ValueError:
+        raise InvalidInputError(
+            f"handover attach needs role snapshot or result, got {message.get('role')!r}"
+        ) from None
+    block = _str(message, "block", required=role is SegmentRole.RESULT)
+    return Attach(_str(message, "segment_id"), size, role, block)
+
+
+def encode_reply(reply: Reply) -> bytes:
+    """The bytes of ``reply`` on the socket (an over-long error is cut, never refused)."""
+    if reply.ok:
+        return _encode({"ok": True})
+    return _encode({"ok": False, "error": reply.error[: MAX_MESSAGE_BYTES // 2]})
+
+
+def decode_reply(data: bytes) -> Reply:
+    """The reply in ``data``; an empty ``data`` (the daemon closed the socket) is a refusal."""
+    if not data:
+        return Reply(False, "the daemon closed the handover connection")
+    message = _decode(data, "reply")
+    return Reply(bool(message.get("ok")), str(message.get("error", "")))
