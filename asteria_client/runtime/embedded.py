@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from asteria_client.runtime.shadow import PendingCopy, ShadowStream
 from asteria_client.runtime.source import (
     PreconditionerRequest,
     PreconditionerResult,
@@ -23,6 +22,7 @@ from asteria_client.runtime.source import (
     SourceRecord,
     result_from_engine,
 )
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
 from asteria_server.engine import EngineConfig, PreconditionerEngine, SolveResult, SolveTask
 from asteria_server.engine.workers import default_num_workers
 from asteria_server.errors import AsteriaError
@@ -50,7 +50,7 @@ class EmbeddedSource(PreconditionerSource):
     def __init__(self, config: EngineConfig | None = None, *, tenant: str = "local") -> None:
         self.tenant = tenant
         self._engine = PreconditionerEngine(config)
-        self._shadow = ShadowStream()
+        self._transfer = DeviceTransfer()
         self._devices: dict[str, torch.device] = {}
         self._pending: list[_PendingSubmit] = []
         self._submit_errors = 0
@@ -64,8 +64,8 @@ class EmbeddedSource(PreconditionerSource):
     # ------------------------------------------------------------------ snapshots in
     def submit(self, request: PreconditionerRequest) -> None:
         self._devices[request.block] = request.matrix.device
-        basis = None if request.basis is None else self._shadow.to_host(request.basis)
-        self._pending.append(_PendingSubmit(request, self._shadow.to_host(request.matrix), basis))
+        basis = None if request.basis is None else self._transfer.to_host(request.basis)
+        self._pending.append(_PendingSubmit(request, self._transfer.to_host(request.matrix), basis))
         self.pump()
 
     def seconds_per_n3(self) -> float:
@@ -122,7 +122,7 @@ class EmbeddedSource(PreconditionerSource):
         if result is None:
             return None
         device = self._devices.get(result.block, torch.device("cpu"))
-        return result_from_engine(result, device, self._shadow.to_device)
+        return result_from_engine(result, device, self._transfer.to_device)
 
     def take(self, block: str) -> PreconditionerResult | None:
         self.pump()
@@ -176,6 +176,7 @@ class EmbeddedSource(PreconditionerSource):
     def stats(self) -> dict[str, Any]:
         stats = self._engine.stats().to_dict()
         stats["submit_errors"] = self._submit_errors
+        stats["transfer"] = self._transfer.stats()
         return stats
 
     def close(self) -> None:

@@ -204,29 +204,32 @@ class NativeSource(PreconditionerSource):
 def result_from_engine(
     result: SolveResult,
     device: torch.device,
-    to_device: Callable[[np.ndarray, torch.device], torch.Tensor],
+    to_device: Callable[..., torch.Tensor],
     *,
     block: str | None = None,
 ) -> PreconditionerResult:
     """An engine's NumPy result as the optimizer's torch result on ``device``.
 
-    ``to_device`` moves one array (the shadow stream's copy for the embedded source, a plain
-    copy for the daemon's); ``block`` overrides the name (a transport's namespace removed).
+    ``to_device(array, device, key=...)`` moves one array (the transfer layer's side-stream
+    copy, staged in a pinned buffer per ``key``: the block and the field); ``block`` overrides
+    the name (a transport's namespace removed).
     """
+    name = result.block if block is None else block
 
-    def move(array: np.ndarray | None) -> torch.Tensor | None:
-        return None if array is None else to_device(array, device)
+    def move(array: np.ndarray | None, field_name: str) -> torch.Tensor | None:
+        return None if array is None else to_device(array, device, key=f"{name}/{field_name}")
 
+    matrix = move(result.matrix, "matrix")
+    assert matrix is not None
+    permutation = None if result.permutation is None else result.permutation.astype(np.int64)
     return PreconditionerResult(
-        block=result.block if block is None else block,
+        block=name,
         version=result.version,
         kind=result.kind,
-        matrix=to_device(result.matrix, device),
-        eigenvalues=move(result.eigenvalues),
-        permutation=move(
-            None if result.permutation is None else result.permutation.astype(np.int64)
-        ),
-        rotation=move(result.rotation),
+        matrix=matrix,
+        eigenvalues=move(result.eigenvalues, "eigenvalues"),
+        permutation=move(permutation, "permutation"),
+        rotation=move(result.rotation, "rotation"),
         base_version=result.base_version,
         solve_time_s=result.solve_time_s,
     )

@@ -117,9 +117,12 @@ class DaemonConnection:
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # One backoff policy: the session's (transport.session). gRPC's own reconnect
+            # backoff is pinned to the initial wait, so a reconnect the session asks for is
+            # never delayed further by the channel.
             ("grpc.initial_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
             ("grpc.min_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
-            ("grpc.max_reconnect_backoff_ms", int(self.config.backoff_max_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(self.config.backoff_initial_s * 1000)),
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
         ]

@@ -11,11 +11,15 @@ Three places run, and only the first is on the training path:
   one not sent yet (latest wins). It never touches the network and never raises.
 - a **sender thread** streams each slot's snapshot to the daemon (``SubmitSnapshot``), declaring
   new blocks first (``RegisterBlocks``);
-- a **session thread** opens the session, holds one ``StreamResults`` stream open and keeps, per
-  block, the newest result received (a result never replaces a newer one). When the daemon is
-  unreachable it retries with exponential backoff (``backoff_initial_s`` doubling up to
-  ``backoff_max_s``). On every new session it resubmits the newest snapshot of each block the
-  daemon has not answered yet, so a restarted daemon (a new *incarnation*) catches up at once.
+- a **session thread** (:class:`~asteria_client.transport.session.DaemonSession`) opens the
+  session, holds one ``StreamResults`` stream open and reconnects with one backoff policy; this
+  source keeps, per block, the newest result received (a result never replaces a newer one). On
+  every new session it resubmits the newest snapshot of each block the daemon has not answered
+  yet, so a restarted daemon (a new *incarnation*) catches up at once.
+
+The blocks' shared-memory segments and their handover are a
+:class:`~asteria_client.transport.segments.SegmentSet`'s, which also heals a lost handover
+connection.
 
 While there is no session, snapshots are dropped and counted, ``take`` finds nothing and ``wait``
 returns at once: the optimizer's staleness budget turns that into a local computation, so
@@ -26,7 +30,6 @@ training continues through a daemon restart. The calls themselves, each with a d
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -46,13 +49,15 @@ from asteria_client.runtime.source import (
     SourceRecord,
     result_from_engine,
 )
+from asteria_client.runtime.transfer import DeviceTransfer
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
-from asteria_client.transport.shm import ClientSegment, HandoverChannel, segments_for
+from asteria_client.transport.segments import SegmentSet
+from asteria_client.transport.session import DaemonSession
+from asteria_client.transport.shm import ClientSegment
 from asteria_server.errors import (
     AsteriaError,
     DaemonBusyError,
     InvalidInputError,
-    UnknownSessionError,
 )
 from asteria_server.protocol.shm import (
     ArraySpec,
@@ -73,6 +78,7 @@ _COUNTERS = (
     "shm_results",
     "shm_results_overwritten",
     "submits_busy",
+    "shm_refused_resent",
 )
 #: Submit times kept per block for latency measurement (versions awaiting a result).
 _SUBMIT_TIMES_KEPT = 16
@@ -98,11 +104,6 @@ def _specs_of(tensors: list[torch.Tensor]) -> list[ArraySpec] | None:
             return None
         specs.append(ArraySpec(dtype, tuple(tensor.shape)))
     return specs
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    host = torch.from_numpy(array if array.flags.writeable else array.copy())
-    return host.to(device)
 
 
 @dataclass
@@ -158,63 +159,47 @@ class DaemonSource(PreconditionerSource):
         )
         self._lock = threading.Condition()
         self._blocks: dict[str, _Block] = {}
-        self._session: SessionInfo | None = None
         self._registered: set[str] = set()  # blocks declared to the current session
-        self._incarnation = ""
-        self._incarnations_seen = 0
-        self._cancel_stream: Any = None
-        self._closed = False
-        self._last_connect_error = ""
         #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         #: Shared memory: wanted for a ``unix://`` daemon unless turned off.
-        self._want_shm = (
-            self.config.shared_memory
+        self._segments = SegmentSet(
+            enabled=self.config.shared_memory
             and env.transport != "grpc"
             and self.address.startswith("unix:")
         )
-        self._channel: HandoverChannel | None = None  # the current session's handover socket
-        self._channel_lock = threading.Lock()  # one handover request at a time
-        self._attached: set[str] = set()  # segment ids the current session holds
-        self._segments: dict[str, ClientSegment] = {}  # every segment of this source, by id
         self._counts = collections.Counter[str]()
-        self._threads = [
-            threading.Thread(target=self._session_loop, name="asteria-daemon-session", daemon=True),
-            threading.Thread(target=self._send_loop, name="asteria-daemon-sender", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._transfer = DeviceTransfer()  # results to the device on the side stream
+        self._session = DaemonSession(self._conn, self.config, self._lock, self)
+        self._sender = threading.Thread(
+            target=self._send_loop, name="asteria-daemon-sender", daemon=True
+        )
+        self._session.start()
+        self._sender.start()
         if not self.wait_connected(self.config.connect_timeout_s):
             logger.warning(
                 "no session with the daemon at %s after %.1f s (%s); training starts with local "
                 "computations and switches to the daemon once it answers",
                 self.address,
                 self.config.connect_timeout_s,
-                self._last_connect_error or "no answer",
+                self._session.last_connect_error or "no answer",
             )
 
     # ------------------------------------------------------------------ state, for tests and status
     @property
     def connected(self) -> bool:
         with self._lock:
-            return self._session is not None
+            return self._session.current is not None
 
     @property
     def incarnation_id(self) -> str:
         """The incarnation of the daemon last connected to ('' before the first session)."""
         with self._lock:
-            return self._incarnation
+            return self._session.incarnation_id
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Block until a session is open (True) or ``timeout_s`` passes (False)."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while self._session is None and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(left)
-            return self._session is not None
+        return self._session.wait_connected(timeout_s)
 
     # ------------------------------------------------------------------ snapshots in
     def submit(self, request: PreconditionerRequest) -> None:
@@ -255,7 +240,7 @@ class DaemonSource(PreconditionerSource):
             block.submitted_at[task.version] = time.monotonic()
             while len(block.submitted_at) > _SUBMIT_TIMES_KEPT:
                 del block.submitted_at[min(block.submitted_at)]
-            if self._session is None:
+            if self._session.current is None:
                 block.pending = False
                 block.dropped += 1
                 return
@@ -265,13 +250,14 @@ class DaemonSource(PreconditionerSource):
     def _send_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and (
-                    self._session is None or not any(b.pending for b in self._blocks.values())
+                while not self._session.closed and (
+                    self._session.current is None
+                    or not any(b.pending for b in self._blocks.values())
                 ):
                     self._lock.wait()
-                if self._closed:
+                if self._session.closed:
                     return
-                session = self._session
+                session = self._session.current
                 assert session is not None
                 batch = []
                 for block in self._blocks.values():
@@ -285,7 +271,7 @@ class DaemonSource(PreconditionerSource):
                 self._send(session, new, batch)
             except Exception as exc:  # a bug here must cost results, never the training run
                 logger.exception("sending snapshots to the daemon failed")
-                self._lost(session, exc)
+                self._session.lost(session, exc)
 
     def _send(
         self,
@@ -301,7 +287,7 @@ class DaemonSource(PreconditionerSource):
         except InvalidInputError as exc:
             logger.warning("the daemon refused to register %d blocks: %s", len(new), exc)
         except AsteriaError as exc:
-            self._lost(session, exc)
+            self._session.lost(session, exc)
             return
         for block, latest, sequence in batch:
             if latest.n > session.max_matrix_n:
@@ -311,8 +297,7 @@ class DaemonSource(PreconditionerSource):
             if task is None:
                 continue  # overwritten by a newer snapshot, which is pending itself
             try:
-                self._conn.submit(session, task, shm=shm)
-                self._counts["shm_snapshots" if shm else "chunked_snapshots"] += 1
+                self._submit_one(session, block, task, shm)
             except InvalidInputError as exc:
                 self._reject(task, str(exc))
                 continue
@@ -321,8 +306,29 @@ class DaemonSource(PreconditionerSource):
                 self._unanswered(block)
                 continue
             except AsteriaError as exc:
-                self._lost(session, exc)
+                self._session.lost(session, exc)
                 return
+
+    def _submit_one(
+        self, session: SessionInfo, block: _Block, task: SolveTask, shm: SegmentRef | None
+    ) -> None:
+        """Submit one snapshot; a refused shared-memory announcement is resent in chunks once,
+        after the block's segments were handed over again (the daemon may have lost them)."""
+        try:
+            self._conn.submit(session, task, shm=shm)
+        except InvalidInputError:
+            if shm is None or block.snapshot_seg is None or block.result_seg is None:
+                raise
+            self._segments.refused((block.snapshot_seg, block.result_seg))
+            copies = block.snapshot_seg.read(snapshot_specs(task), shm.sequence)
+            if copies is None:
+                return  # overwritten meanwhile: the newer snapshot is pending itself
+            basis = copies[1] if len(copies) > 1 else None
+            self._conn.submit(session, dataclasses.replace(task, matrix=copies[0], basis=basis))
+            self._counts["shm_refused_resent"] += 1
+            self._counts["chunked_snapshots"] += 1
+            return
+        self._counts["shm_snapshots" if shm else "chunked_snapshots"] += 1
 
     def _wire_form(
         self, block: _Block, task: SolveTask, sequence: int
@@ -336,7 +342,7 @@ class DaemonSource(PreconditionerSource):
         segment = block.snapshot_seg
         if sequence >= 0:
             assert segment is not None
-            if segment.segment_id in self._attached:
+            if self._segments.is_attached(segment):
                 return task, segment.ref(sequence)
             copies = segment.read(snapshot_specs(task), sequence)
             if copies is None:
@@ -358,62 +364,22 @@ class DaemonSource(PreconditionerSource):
         The new snapshot segment is written here once, before it is published to ``submit``;
         from then on the training thread is its only writer. False: use gRPC for this block.
         """
-        if not self._want_shm or block.shm_error or self._channel is None:
+        if block.shm_error:
             return False
         try:
-            snap, result = segments_for(task)
+            pair = self._segments.create(task)
         except SharedMemoryUnavailableError as exc:
             block.shm_error = str(exc)
-            logger.warning("block %s goes over gRPC: %s", task.block, exc)
             return False
-        for seg in (snap, result):
-            self._segments[seg.segment_id] = seg
-            self._hand_over(seg)
+        if pair is None:
+            return False
         with self._lock:
-            block.snapshot_seg, block.result_seg = snap, result
-        return snap.segment_id in self._attached
-
-    def _hand_over(self, seg: ClientSegment) -> None:
-        """Give ``seg`` to the current session's daemon; a refusal leaves it unattached."""
-        with self._channel_lock:
-            channel = self._channel
-            if channel is None:
-                return
-            try:
-                channel.attach(seg)
-            except SharedMemoryUnavailableError as exc:
-                logger.warning("segment of block %s not handed over: %s", seg.block, exc)
-                return
-            self._attached.add(seg.segment_id)
-
-    def _open_channel(self, session: SessionInfo) -> None:
-        """Connect to the new session's handover socket and hand every segment over again."""
-        self._close_channel()
-        if not (self._want_shm and session.shm_socket):
-            return
-        try:
-            channel = HandoverChannel(session.shm_socket, session.session_id)
-        except SharedMemoryUnavailableError as exc:
-            logger.warning("shared memory unavailable, using gRPC: %s", exc)
-            return
-        with self._channel_lock:
-            self._channel = channel
-        for seg in list(self._segments.values()):
-            self._hand_over(seg)
-
-    def _close_channel(self) -> None:
-        with self._channel_lock:
-            channel, self._channel = self._channel, None
-            self._attached = set()
-        if channel is not None:
-            channel.close()
+            block.snapshot_seg, block.result_seg = pair
+        return self._segments.is_attached(pair[0])
 
     def _read_result(self, ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
         """Copy a result out of its segment (session thread); None when a newer one replaced it."""
-        seg = self._segments.get(ref.segment_id)
-        if seg is None or seg.role != "result":
-            raise InvalidInputError(f"the daemon named an unknown result segment {ref.segment_id}")
-        copies = seg.read(specs, ref.sequence)
+        copies = self._segments.read_result(ref, specs)
         self._counts["shm_results" if copies is not None else "shm_results_overwritten"] += 1
         return copies
 
@@ -445,101 +411,21 @@ class DaemonSource(PreconditionerSource):
             block.sent_version = block.received_version
             self._lock.notify_all()
 
-    # ------------------------------------------------------------------ the session
-    def _lost(self, session: SessionInfo, exc: BaseException) -> None:
-        """The session failed: drop it (once) so the session thread reconnects."""
-        with self._lock:
-            if self._session is not session:
-                return
-            self._session = None
-            for block in self._blocks.values():
-                if block.pending:
-                    block.pending = False
-                    block.dropped += 1
-            cancel = self._cancel_stream
-            closed = self._closed
-            self._lock.notify_all()
-        if not closed:
-            logger.warning(
-                "lost the daemon at %s (%s); reconnecting in the background", self.address, exc
-            )
-        if cancel is not None:
-            cancel()
+    # ------------------------------------------------------------------ session events
+    def session_opened(self, session: SessionInfo, restarted: bool) -> None:
+        """A new session (lock held): resubmit every block's newest unanswered snapshot."""
+        self._registered = set()
+        for block in self._blocks.values():
+            block.sent_version = -1
+            latest = block.latest
+            block.pending = latest is not None and latest.version > block.received_version
 
-    def _session_loop(self) -> None:
-        backoff = self.config.backoff_initial_s
-        while not self._closed:
-            try:
-                session = self._conn.open_session()
-            except AsteriaError as exc:
-                self._note_connect_error(exc)
-                with self._lock:
-                    self._lock.wait_for(lambda: self._closed, timeout=backoff)
-                backoff = min(2 * backoff, self.config.backoff_max_s)
-                continue
-            opened = time.monotonic()
-            self._open_channel(session)
-            self._start(session)
-            reader = self._read_result if self._channel is not None else None
-            try:
-                results = self._conn.results(session, self._held(), self._set_cancel, reader=reader)
-                for result in results:
-                    self._receive(result)
-                    if self._closed:
-                        break
-                reason: BaseException = UnknownSessionError("the result stream ended")
-            except AsteriaError as exc:
-                reason = exc
-            except Exception as exc:  # a bug here must cost results, never the training run
-                logger.exception("receiving results from the daemon failed")
-                reason = exc
-            self._lost(session, reason)
-            self._close_channel()
-            if time.monotonic() - opened > self.config.backoff_max_s:
-                backoff = self.config.backoff_initial_s  # it was a working session: retry now
-                continue
-            with self._lock:  # a session that fails at once must not spin
-                self._lock.wait_for(lambda: self._closed, timeout=backoff)
-            backoff = min(2 * backoff, self.config.backoff_max_s)
+    def session_ready(self, session: SessionInfo) -> Any:
+        """Hand the segments over to the new session; the stream reads results from them."""
+        self._segments.open(session)
+        return self._read_result if self._segments.active else None
 
-    def _note_connect_error(self, exc: AsteriaError) -> None:
-        message = str(exc)
-        if message != self._last_connect_error:
-            self._last_connect_error = message
-            logger.warning("cannot open a session with the daemon at %s: %s", self.address, exc)
-
-    def _start(self, session: SessionInfo) -> None:
-        """Install a new session; resubmit every block's newest unanswered snapshot."""
-        with self._lock:
-            if self._incarnation and self._incarnation != session.incarnation_id:
-                logger.warning(
-                    "the daemon at %s restarted (incarnation %s -> %s); resubmitting %d blocks",
-                    self.address,
-                    self._incarnation,
-                    session.incarnation_id,
-                    len(self._blocks),
-                )
-            if self._incarnation != session.incarnation_id:
-                self._incarnations_seen += 1
-            self._incarnation = session.incarnation_id
-            self._session = session
-            self._registered = set()
-            self._last_connect_error = ""
-            for block in self._blocks.values():
-                block.sent_version = -1
-                latest = block.latest
-                block.pending = latest is not None and latest.version > block.received_version
-            self._lock.notify_all()
-        logger.info("session open with the daemon at %s (%s)", self.address, session.incarnation_id)
-
-    def _set_cancel(self, cancel: Any) -> None:
-        with self._lock:
-            self._cancel_stream = cancel
-            closed = self._closed
-        if closed:
-            cancel()
-
-    def _held(self) -> dict[str, int]:
+    def held_versions(self) -> dict[str, int]:
         with self._lock:
             return {
                 self._prefix + name: b.received_version
@@ -547,7 +433,17 @@ class DaemonSource(PreconditionerSource):
                 if b.received_version >= 0
             }
 
-    def _receive(self, result: SolveResult) -> None:
+    def session_lost(self, session: SessionInfo) -> None:
+        """The session ended (lock held): snapshots waiting for the sender are dropped."""
+        for block in self._blocks.values():
+            if block.pending:
+                block.pending = False
+                block.dropped += 1
+
+    def session_closed(self) -> None:
+        self._segments.close_channel()
+
+    def result(self, result: SolveResult) -> None:
         name = self._local_name(result.block)
         with self._lock:
             block = None if name is None else self._blocks.get(name)
@@ -565,7 +461,7 @@ class DaemonSource(PreconditionerSource):
     # ------------------------------------------------------------------ results out
     def _to_torch(self, result: SolveResult, device: torch.device) -> PreconditionerResult:
         return result_from_engine(
-            result, device, _to_device, block=result.block[len(self._prefix) :]
+            result, device, self._transfer.to_device, block=result.block[len(self._prefix) :]
         )
 
     def take(self, block: str) -> PreconditionerResult | None:
@@ -593,9 +489,11 @@ class DaemonSource(PreconditionerSource):
                 return None
             while record.ready is None or record.ready.version < min_version:
                 in_flight = self._in_flight(record)
-                hopeless = self._session is None or in_flight is None or in_flight < min_version
+                hopeless = (
+                    self._session.current is None or in_flight is None or in_flight < min_version
+                )
                 left = deadline - time.monotonic()
-                if self._closed or hopeless or left <= 0:
+                if self._session.closed or hopeless or left <= 0:
                     return None
                 self._lock.wait(left)
             result, record.ready = record.ready, None
@@ -605,7 +503,7 @@ class DaemonSource(PreconditionerSource):
     def in_flight_version(self, block: str) -> int | None:
         with self._lock:
             record = self._blocks.get(block)
-            if record is None or self._session is None:
+            if record is None or self._session.current is None:
                 return None
             return self._in_flight(record)
 
@@ -613,7 +511,7 @@ class DaemonSource(PreconditionerSource):
     def status(self) -> tuple[EngineStats, list[BlockStatus]] | None:
         """The daemon's engine numbers and this tenant's blocks, or None while unreachable."""
         with self._lock:
-            session = self._session
+            session = self._session.current
         if session is None:
             return None
         try:
@@ -628,11 +526,12 @@ class DaemonSource(PreconditionerSource):
             n[len(self._prefix) :]: s for n, s in remote.items() if n.startswith(self._prefix)
         }
         with self._lock:
-            connected = self._session is not None
+            connected = self._session.current is not None
+            incarnation = self._session.incarnation_id
             out = {}
             for name, block in self._blocks.items():
                 extra: dict[str, Any] = {
-                    "daemon_incarnation": self._incarnation,
+                    "daemon_incarnation": incarnation,
                     "connected": connected,
                     "daemon_block": self._prefix + name,
                     "submits_dropped": block.dropped,
@@ -681,16 +580,21 @@ class DaemonSource(PreconditionerSource):
                 "result_latency_p50_s": float(np.percentile(latencies, 50)) if timed else None,
                 "result_latency_p99_s": float(np.percentile(latencies, 99)) if timed else None,
                 "address": self.address,
-                "connected": self._session is not None,
-                "daemon_incarnation": self._incarnation,
-                "incarnations_seen": self._incarnations_seen,
+                "connected": self._session.current is not None,
+                "daemon_incarnation": self._session.incarnation_id,
+                "incarnations_seen": self._session.incarnations_seen,
                 "submits_dropped": sum(b.dropped for b in self._blocks.values()),
                 "submits_rejected": sum(b.rejected for b in self._blocks.values()),
-                "transport": "shm" if self._channel is not None else "grpc",
+                "transport": "shm" if self._segments.active else "grpc",
                 "shm_segments": len(self._segments),
+                "shm_rehandovers": self._segments.rehandovers,
                 "shm_blocks_refused": sum(bool(b.shm_error) for b in self._blocks.values()),
                 **{k: self._counts[k] for k in _COUNTERS},
             }
+
+    def segments(self) -> dict[str, ClientSegment]:
+        """This source's shared-memory segments by id (tests and diagnostics)."""
+        return self._segments.by_id()
 
     def result_latencies(self) -> list[float]:
         """Seconds from ``submit`` to the arrival of that version's result, oldest first, for the
@@ -699,20 +603,9 @@ class DaemonSource(PreconditionerSource):
             return list(self._latencies)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            session, cancel = self._session, self._cancel_stream
-            self._lock.notify_all()
-        if cancel is not None:
-            cancel()
-        if session is not None:
-            with contextlib.suppress(AsteriaError):  # a daemon gone or restarted: nothing to close
-                self._conn.close_session(session.session_id)
-        for thread in self._threads:
-            thread.join(timeout=self.config.call_timeout_s)
+        if self._session.closed:
+            return
+        self._session.close()
+        self._sender.join(timeout=self.config.call_timeout_s)
         self._conn.close()
-        self._close_channel()
-        for seg in self._segments.values():
-            seg.close()
+        self._segments.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import uuid
 from collections.abc import Sequence
@@ -154,6 +155,20 @@ class HandoverChannel:
             raise SharedMemoryUnavailableError(f"segment handover failed: {exc}") from None
         if not answer.ok:
             raise SharedMemoryUnavailableError(f"the daemon refused the segment: {answer.error}")
+
+    def alive(self) -> bool:
+        """False once the daemon closed this connection (it then dropped its mappings)."""
+        try:
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            events = poller.poll(0)
+            if not events:
+                return True
+            if events[0][1] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                return False
+            return self._sock.recv(1, socket.MSG_PEEK) != b""  # readable: data, or end of file
+        except (OSError, ValueError):
+            return False
 
     def close(self) -> None:
         self._sock.close()

@@ -1,0 +1,59 @@
+"""The daemon source's session and segment set heal what can break under a running trainer."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asteria_client.transport import DaemonClientConfig, DaemonSource
+from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
+from tests.integration.test_shm_traps import memfd_maps, root_request
+
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = start_daemon(tmp_path)
+    yield d
+    stop_daemon(d)
+
+
+def test_a_lost_handover_connection_is_noticed_and_the_segments_handed_over_again(
+    daemon: Daemon,
+) -> None:
+    """The daemon drops every mapping of a handover connection that closes. A client that kept
+    announcing those segments would have every later snapshot refused; this one notices,
+    reconnects the handover socket, hands the segments over again and keeps using them."""
+    source = DaemonSource(daemon.target, config=DaemonClientConfig(connect_timeout_s=WAIT_S))
+    try:
+        source.submit(root_request("b", 1, 32, 1))
+        assert source.wait("b", 1, WAIT_S) is not None
+        before = source.stats()
+        assert before["transport"] == "shm" and before["shm_snapshots"] == 1
+        mapped = len(memfd_maps(daemon.proc.pid))
+        assert mapped >= 2
+
+        # Break the connection under the client (as a daemon-side close or a reset would).
+        channel = source._segments._channel  # the one place this test reaches inside
+        assert channel is not None
+        channel._sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + WAIT_S
+        while len(memfd_maps(daemon.proc.pid)) >= mapped:  # the daemon let go of them
+            assert time.monotonic() < deadline, "the daemon kept the segments of a closed socket"
+            time.sleep(0.05)
+
+        for version in range(2, 6):
+            source.submit(root_request("b", version, 32, version))
+            assert source.wait("b", version, WAIT_S) is not None, f"version {version} lost"
+        after = source.stats()
+        assert after["submits_rejected"] == 0
+        assert after["shm_rehandovers"] == 1
+        assert after["shm_snapshots"] >= before["shm_snapshots"] + 3  # back on shared memory
+        assert len(memfd_maps(daemon.proc.pid)) == mapped
+    finally:
+        source.close()
