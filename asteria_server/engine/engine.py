@@ -13,6 +13,9 @@ Guarantees:
   and only if finite and well-formed. A failed solve keeps the last good result.
 - ``wait_result`` is bounded by its timeout and returns early when waiting cannot succeed.
 - ``close`` stops the thread, the workers and removes every shared-memory segment.
+- Nothing waits on a timer: the dispatcher sleeps on its workers' pipes and the pool's wake-up
+  fd (a submit or close writes to it), and a new result is *pushed* to the result listeners
+  (:meth:`PreconditionerEngine.add_result_listener`), so an idle engine uses no CPU.
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ from asteria_server.types import (
 
 logger = logging.getLogger(__name__)
 
-#: how long the dispatcher sleeps when nothing happens (it is woken on every submit).
-_IDLE_POLL_S = 1.0
+#: Told ``(tenant, block)`` when a block gets a newer result; see ``add_result_listener``.
+ResultListener = Callable[[str, str], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,6 +214,7 @@ class PreconditionerEngine:
         self._results_epoch = 0
         #: tenant -> block -> the results epoch at which the block's newest result arrived.
         self._result_epochs: dict[str, dict[str, int]] = {}
+        self._listeners: list[ResultListener] = []
         self._pool = WorkerPool(self.config.pool_config())
         self._thread = threading.Thread(
             target=self._dispatch_loop, name="asteria-engine-dispatch", daemon=True
@@ -269,6 +273,19 @@ class PreconditionerEngine:
         with self._cond:
             epochs = self._result_epochs.get(tenant, {})
             return [block for block, at in epochs.items() if at > epoch]
+
+    def add_result_listener(self, listener: ResultListener) -> None:
+        """Call ``listener(tenant, block)`` whenever a block gets a newer result.
+
+        It runs on the dispatcher thread, outside the engine's lock: it must be quick and must
+        not block (hand the news to another thread, e.g. with ``loop.call_soon_threadsafe``).
+        """
+        with self._cond:
+            self._listeners = [*self._listeners, listener]
+
+    def remove_result_listener(self, listener: ResultListener) -> None:
+        with self._cond:
+            self._listeners = [f for f in self._listeners if f is not listener]
 
     def wait_result(
         self, block: str, min_version: int, timeout_s: float, tenant: str = DEFAULT_TENANT
@@ -399,14 +416,17 @@ class PreconditionerEngine:
                         self._pool.submit(job_id, task)
                     except EngineUnavailableError as exc:
                         failed.append((job_id, task, str(exc)))
-                events = self._pool.poll(_IDLE_POLL_S)
+                events = self._pool.poll(None)  # until a worker speaks, a deadline or a wakeup
+                fresh: list[tuple[str, str]] = []
                 with self._cond:
                     for job_id, task, why in failed:
                         self._jobs.pop(job_id, None)
                         self._coord.fail(task, f"block {task.block!r}: {why}")
                         self._observe(job_id, task, None)
                     for event in events:
-                        self._record(event)
+                        if self._record(event):
+                            fresh.append(event.task.key)
+                    listeners = self._listeners
                     if self._pool.broken_reason is not None and self._broken is None:
                         self._broken = self._pool.broken_reason
                     if failed or events or self._broken:
@@ -414,6 +434,7 @@ class PreconditionerEngine:
                     if self._broken is not None:
                         self._fail_all_queued(self._broken)
                         return
+                self._tell(listeners, fresh)
         except Exception as exc:
             logger.exception("preconditioner engine dispatcher crashed")
             with self._cond:
@@ -421,19 +442,32 @@ class PreconditionerEngine:
                 self._fail_all_queued(self._broken)
                 self._cond.notify_all()
 
-    def _record(self, event: PoolEvent) -> None:
+    def _record(self, event: PoolEvent) -> bool:
+        """Book a finished task; True when its block got a newer result."""
         task = self._jobs.pop(event.job_id, event.task)
         failed_before = self._coord.solves_failed
+        fresh = False
         if event.result is not None:
             if self._coord.complete(task, event.result):
                 self._results_epoch += 1
                 tenant_epochs = self._result_epochs.setdefault(task.tenant, {})
                 tenant_epochs[task.block] = self._results_epoch
+                fresh = True
         else:
             self._coord.fail(task, event.error or "unknown worker failure")
         # complete() turns a malformed result into a failure: count what the coordinator counted.
         ok = self._coord.solves_failed == failed_before
         self._observe(event.job_id, task, event.result if ok else None)
+        return fresh
+
+    @staticmethod
+    def _tell(listeners: list[ResultListener], fresh: list[tuple[str, str]]) -> None:
+        for tenant, block in fresh:
+            for listener in listeners:
+                try:
+                    listener(tenant, block)
+                except Exception:  # a listener's bug must not stop the dispatcher
+                    logger.exception("a result listener failed")
 
     def _dispatch_times(self, task: SolveTask) -> tuple[float, float]:
         now = time.monotonic()

@@ -365,17 +365,20 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ polling
 
-    def poll(self, timeout_s: float) -> list[PoolEvent]:
-        """Wait up to ``timeout_s`` (less if a deadline or :meth:`wakeup` comes first) and
-        return the tasks that ended."""
+    def poll(self, timeout_s: float | None) -> list[PoolEvent]:
+        """Wait up to ``timeout_s`` (None: no limit; less if a worker speaks or dies, a solve or
+        start deadline passes, or :meth:`wakeup` comes first) and return the tasks that ended."""
         if self._closed:
             return []
         now = time.monotonic()
-        wait_s = max(0.0, timeout_s)
+        wait_s = None if timeout_s is None else max(0.0, timeout_s)
         for slot in self._slots:
             limit = self._deadline(slot)
             if limit is not None:
-                wait_s = min(wait_s, max(0.0, limit - now))
+                left = max(0.0, limit - now)
+                wait_s = left if wait_s is None else min(wait_s, left)
+        if wait_s is not None and math.isinf(wait_s):
+            wait_s = None  # a solve timeout of math.inf
         handles: list[Any] = [self._wake_r]
         for slot in self._slots:
             if slot.conn is not None and slot.process is not None:

@@ -6,8 +6,10 @@ sessions: ``OpenSession`` authenticates a tenant (constant-time token comparison
 call names its session, whose tenant namespaces every block it touches: a tenant never submits to,
 streams from or sees the status of another tenant's blocks.
 
-StreamResults polls the engine's result counter (``results_epoch``) every ``poll_interval_s`` and
-sends each subscribed block's newest result once per stream, holding at most one result at a time.
+StreamResults is woken, never polled: the engine tells the servicer (from its dispatcher thread,
+through ``loop.call_soon_threadsafe``) which tenant's block got a newer result, and the servicer
+sets the asyncio.Event of each of that tenant's streams. A woken stream sends each subscribed
+block's newest result once, holding at most one result at a time; an idle stream costs nothing.
 """
 
 from __future__ import annotations
@@ -46,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: The tenant of anonymous sessions (no tokens configured, Unix socket only).
 ANONYMOUS_TENANT = "local"
-#: How often an idle StreamResults checks for new results.
-DEFAULT_POLL_INTERVAL_S = 0.02
 #: Registered blocks kept per tenant (bounds memory; registration is advisory).
 MAX_REGISTERED_BLOCKS = 1_000_000
 #: Shared-memory copies larger than this run in a thread, off the event loop.
@@ -63,6 +63,14 @@ class ServiceLimits:
     max_matrix_n: int
     max_upload_bytes: int = 2 << 30
     upload_wait_s: float = 5.0
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One open StreamResults call: set ``wake`` when it has something to look at."""
+
+    session_id: str
+    wake: asyncio.Event
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,6 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         limits: ServiceLimits,
         *,
         max_sessions: int = 4096,
-        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
         handover: SegmentHandover | None = None,
     ) -> None:
@@ -129,11 +136,14 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._auth = authenticator
         self._limits = limits
         self._max_sessions = max_sessions
-        self._poll_interval_s = poll_interval_s
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._registered: dict[str, dict[str, tuple[int, SolveKind]]] = {}
-        self._stopping = asyncio.Event()
+        self._stopping = False
+        #: tenant -> its open StreamResults calls (touched on the event loop only)
+        self._streams: dict[str, set[_Stream]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        engine.add_result_listener(self._on_result)
         self._handover = handover
         self._uploads = UploadBudget(limits.max_upload_bytes)
 
@@ -149,8 +159,32 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         return counts
 
     def stop_streams(self) -> None:
-        """End every StreamResults stream at its next poll (daemon shutdown)."""
-        self._stopping.set()
+        """End every StreamResults stream now (daemon shutdown; on the event loop)."""
+        self._stopping = True
+        self._engine.remove_result_listener(self._on_result)
+        self._wake(lambda stream: True)
+
+    def _on_result(self, tenant: str, block: str) -> None:
+        """The engine's news of a newer result (its dispatcher thread): wake the tenant's
+        streams on the event loop."""
+        loop = self._loop
+        if loop is not None and tenant in self._streams:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+                loop.call_soon_threadsafe(self._wake_tenant, tenant)
+
+    def _wake_tenant(self, tenant: str) -> None:
+        for stream in self._streams.get(tenant, ()):
+            stream.wake.set()
+
+    def _wake(self, which: Callable[[_Stream], bool]) -> None:
+        for streams in self._streams.values():
+            for stream in streams:
+                if which(stream):
+                    stream.wake.set()
+
+    def _wake_session(self, session_id: str) -> None:
+        """The session ended: its streams see that and end."""
+        self._wake(lambda stream: stream.session_id == session_id)
 
     # ------------------------------------------------------------------ sessions
 
@@ -180,6 +214,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._sessions[session.session_id] = session
         while len(self._sessions) > self._max_sessions:
             _, dropped = self._sessions.popitem(last=False)
+            self._wake_session(dropped.session_id)
             logger.warning(
                 "session limit reached: dropped the oldest (tenant %r)",
                 dropped.tenant,
@@ -216,6 +251,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         except (UnknownSessionError, InvalidInputError) as exc:
             await _abort(context, exc)
         del self._sessions[request.session_id]
+        self._wake_session(request.session_id)
         if self._handover is not None:
             self._handover.drop_session(request.session_id)
         return pb.CloseSessionResponse()
@@ -344,28 +380,39 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         wanted = set(request.blocks)
         sent: dict[str, int] = dict(request.held_versions)
         epoch = -1
-        while not self._stopping.is_set() and session.session_id in self._sessions:
-            now_epoch = self._engine.results_epoch
-            if now_epoch != epoch:
-                changed = self._engine.blocks_with_results_since(epoch, tenant)
-                epoch = now_epoch
-                blocks = [b for b in changed if b in wanted] if wanted else changed
-                for block in sorted(blocks):
-                    result = self._engine.latest_result(
-                        block, tenant, newer_than=sent.get(block, -1)
-                    )
-                    if result is None:
-                        continue
-                    sent[block] = result.version
-                    shm = None
-                    if request.shm_results:
-                        shm = await self._to_segment(session.session_id, result)
-                    for message in framing.result_messages(
-                        result, chunk_bytes=self._limits.chunk_bytes, shm=shm
-                    ):
-                        yield message
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self._poll_interval_s)
+        self._loop = asyncio.get_running_loop()
+        stream = _Stream(session.session_id, asyncio.Event())
+        self._streams.setdefault(tenant, set()).add(stream)
+        try:
+            while not self._stopping and session.session_id in self._sessions:
+                stream.wake.clear()  # news from now on wakes the wait below
+                now_epoch = self._engine.results_epoch
+                if now_epoch != epoch:
+                    changed = self._engine.blocks_with_results_since(epoch, tenant)
+                    epoch = now_epoch
+                    blocks = [b for b in changed if b in wanted] if wanted else changed
+                    for block in sorted(blocks):
+                        result = self._engine.latest_result(
+                            block, tenant, newer_than=sent.get(block, -1)
+                        )
+                        if result is None:
+                            continue
+                        sent[block] = result.version
+                        shm = None
+                        if request.shm_results:
+                            shm = await self._to_segment(session.session_id, result)
+                        for message in framing.result_messages(
+                            result, chunk_bytes=self._limits.chunk_bytes, shm=shm
+                        ):
+                            yield message
+                    continue  # results may have come while this stream was sending
+                await stream.wake.wait()
+        finally:
+            streams = self._streams.get(tenant)
+            if streams is not None:
+                streams.discard(stream)
+                if not streams:
+                    del self._streams[tenant]
 
     async def _to_segment(self, session_id: str, result: SolveResult) -> SegmentRef | None:
         """Write ``result`` into the session's result segment of its block, if it handed one
