@@ -53,7 +53,7 @@ from asteria_client.runtime.transfer import DeviceTransfer
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
 from asteria_client.transport.segments import SegmentSet
 from asteria_client.transport.session import DaemonSession
-from asteria_client.transport.shm import ClientSegment
+from asteria_client.transport.shm import ClientSegment, PendingWrite
 from asteria_server.errors import (
     AsteriaError,
     DaemonBusyError,
@@ -123,6 +123,7 @@ class _Block:
     snapshot_seg: ClientSegment | None = None  # where ``submit`` writes, once created
     result_seg: ClientSegment | None = None  # where the daemon writes this block's results
     latest_sequence: int = -1  # ``latest`` lies in snapshot_seg under this sequence (-1: a copy)
+    latest_write: PendingWrite | None = None  # ``latest``'s device copy into snapshot_seg
     shm_error: str = ""  # why this block's segments could not be made (it uses gRPC)
 
 
@@ -213,9 +214,17 @@ class DaemonSource(PreconditionerSource):
         tensors = [request.matrix] if request.basis is None else [request.matrix, request.basis]
         specs = _specs_of(tensors)
         sequence = -1
+        write = None
         if segment is not None and specs is not None and segment.fits(specs):
-            # The training thread is the only writer of a published snapshot segment.
-            sequence = segment.write_tensors(specs, tensors)
+            # The training thread is the only writer of a published snapshot segment; a write
+            # still copying on the side stream is closed before the next one starts.
+            previous = block.latest_write
+            if previous is not None:
+                previous.finish()
+            if any(t.device.type == "cuda" for t in tensors):
+                write = segment.start_write(specs, tensors, self._transfer)
+            else:
+                sequence = segment.write_tensors(specs, tensors)
             arrays = segment.segment.views(specs)  # read-only use: shapes for the header
         else:
             arrays = [_host_copy(t) for t in tensors]
@@ -237,6 +246,7 @@ class DaemonSource(PreconditionerSource):
         with self._lock:
             block.latest = task
             block.latest_sequence = sequence
+            block.latest_write = write
             block.submitted_at[task.version] = time.monotonic()
             while len(block.submitted_at) > _SUBMIT_TIMES_KEPT:
                 del block.submitted_at[min(block.submitted_at)]
@@ -259,8 +269,18 @@ class DaemonSource(PreconditionerSource):
                     return
                 session = self._session.current
                 assert session is not None
+                writes = [b.latest_write for b in self._blocks.values() if b.pending]
+            for write in writes:  # device copies still in flight: wait here, not in the step
+                if write is not None:
+                    write.finish()
+            with self._lock:
+                if self._session.current is not session:
+                    continue
                 batch = []
                 for block in self._blocks.values():
+                    if block.pending and block.latest_write is not None:
+                        block.latest_sequence = block.latest_write.finish()  # done above
+                        block.latest_write = None
                     if block.pending and block.latest is not None:
                         batch.append((block, block.latest, block.latest_sequence))
                         # In flight from now on, so ``wait`` waits for it.

@@ -22,6 +22,7 @@ import contextlib
 import os
 import select
 import socket
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.handover import (
     MAX_MESSAGE_BYTES,
@@ -66,6 +68,7 @@ class ClientSegment:
     role: str  # "snapshot" or "result"
     block: str  # the block's name on the daemon
     _views: dict[tuple[ArraySpec, ...], list[torch.Tensor]] = field(default_factory=dict)
+    _registered: bool = False  # the mapping is page-locked for CUDA copies
 
     @classmethod
     def create(cls, role: str, block: str, specs: Sequence[ArraySpec]) -> ClientSegment:
@@ -90,6 +93,31 @@ class ClientSegment:
                 view.copy_(tensor.detach())
         return self.segment.end_write()
 
+    def start_write(
+        self,
+        specs: Sequence[ArraySpec],
+        tensors: Sequence[torch.Tensor],
+        transfer: DeviceTransfer,
+    ) -> PendingWrite:
+        """Begin writing ``tensors`` into the segment; device tensors are copied on the
+        transfer layer's side stream, straight into the (CUDA-registered) mapping, so the
+        training thread and the main stream do not wait. The seqlock stays odd — readers
+        reject the bytes — until :meth:`PendingWrite.finish` closes it."""
+        key = tuple(specs)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [torch.from_numpy(v) for v in self.segment.views(specs)]
+        if not self._registered:
+            self._registered = transfer.register(self._mapping_tensor())
+        self.segment.begin_write()
+        copies = [transfer.copy_into(t, view) for view, t in zip(views, tensors, strict=True)]
+        return PendingWrite(self.segment, copies)
+
+    def _mapping_tensor(self) -> torch.Tensor:
+        """The whole mapping as one byte tensor (what CUDA registers)."""
+        whole = self.segment.views([ArraySpec(np.dtype(np.uint8), (self.segment.capacity_bytes,))])
+        return torch.from_numpy(whole[0])
+
     def read(self, specs: Sequence[ArraySpec], sequence: int) -> list[np.ndarray] | None:
         return self.segment.read(specs, sequence)
 
@@ -101,6 +129,29 @@ class ClientSegment:
             os.close(self.fd)
         self._views.clear()
         self.segment.close()
+
+
+class PendingWrite:
+    """A snapshot being copied into its segment on the side stream; :meth:`finish` waits for
+    the copies (this thread only) and closes the seqlock, once, whoever calls it first."""
+
+    def __init__(self, segment: Segment, copies: list[PendingCopy]) -> None:
+        self._segment = segment
+        self._copies = copies
+        self._lock = threading.Lock()
+        self._sequence: int | None = None
+
+    def ready(self) -> bool:
+        return self._sequence is not None or all(c.ready() for c in self._copies)
+
+    def finish(self) -> int:
+        """The sequence that announces this write (waits for its copies the first time)."""
+        with self._lock:
+            if self._sequence is None:
+                for copy in self._copies:
+                    copy.wait()
+                self._sequence = self._segment.end_write()
+            return self._sequence
 
 
 def segments_for(task: SolveTask) -> tuple[ClientSegment, ClientSegment]:
