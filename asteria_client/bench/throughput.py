@@ -230,17 +230,16 @@ class DaemonClient:
 
     def __init__(self, address: str, *, shared_memory: bool = True) -> None:
         from asteria_client.transport.connection import DaemonConnection
-        from asteria_client.transport.shm import HandoverChannel
+        from asteria_client.transport.segments import SegmentSet
 
         self._conn = DaemonConnection(address)
         self._session = self._conn.open_session()
-        self._channel = (
-            HandoverChannel(self._session.shm_socket, self._session.session_id)
-            if shared_memory
-            else None
-        )
-        self._segments: dict[str, tuple[Any, Any]] = {}  # block -> (snapshot, result) segments
-        self._by_id: dict[str, Any] = {}
+        # The daemon source's own segment set: handover, and results read out of segments.
+        self._shm = SegmentSet(enabled=shared_memory)
+        self._shm.open(self._session)
+        if shared_memory and not self._shm.active:
+            raise RuntimeError(f"the daemon at {address} offers no shared memory")
+        self._segments: dict[str, Any] = {}  # block -> its snapshot segment
         self._arrivals: queue.Queue[tuple[str, int, float] | BaseException] = queue.Queue()
         self._cancel: Callable[[], object] | None = None
         self._cancel_set = threading.Event()
@@ -255,35 +254,19 @@ class DaemonClient:
         self._cancel = cancel
         self._cancel_set.set()
 
-    def _read_result(self, ref: Any, specs: Any) -> Any:
-        return self._by_id[ref.segment_id].read(specs, ref.sequence)
-
-    def _segments_of(self, task: Any) -> Any:
-        """The block's snapshot and result segments, made and handed over on first use."""
-        from asteria_client.transport.shm import segments_for
-
-        found = self._segments.get(task.block)
-        if found is None:
-            assert self._channel is not None
-            snap, result = segments_for(task)
-            for seg in (snap, result):
-                self._channel.attach(seg)
-                self._by_id[seg.segment_id] = seg
-            found = self._segments[task.block] = (snap, result)
-        return found
-
     def _submit(self, task: Any) -> None:
-        from asteria_server.protocol.convert import snapshot_specs
-
-        if self._channel is None:
+        if not self._shm.active:
             self._conn.submit(self._session, task)
             return
-        snap, _ = self._segments_of(task)
-        sequence = snap.segment.write(snapshot_specs(task), [task.matrix])
-        self._conn.submit(self._session, task, shm=snap.ref(sequence))
+        snap = self._segments.get(task.block)
+        if snap is None:  # made and handed over on the block's first snapshot
+            made = self._shm.create(task)
+            assert made is not None, "the segment set is active"
+            snap = self._segments[task.block] = made[0]
+        self._conn.submit(self._session, task, shm=snap.write_snapshot(task))
 
     def _drain(self) -> None:
-        reader = self._read_result if self._channel is not None else None
+        reader = self._shm.read_result if self._shm.active else None
         try:
             for result in self._conn.results(self._session, {}, self._on_call, reader=reader):
                 self._arrivals.put((result.block, result.version, time.perf_counter()))
@@ -340,10 +323,7 @@ class DaemonClient:
         except Exception as exc:  # the daemon is stopped right after; nothing to keep
             logger.debug("closing the benchmark session failed: %s", exc)
         self._conn.close()
-        if self._channel is not None:
-            self._channel.close()
-        for seg in self._by_id.values():
-            seg.close()
+        self._shm.close()
 
 
 # --------------------------------------------------------------------------- the run

@@ -49,9 +49,10 @@ from asteria_client.daemon_process import DaemonProcess
 from asteria_client.tables import markdown_table
 from asteria_client.transport.connection import DaemonConnection, SessionInfo
 from asteria_client.transport.shm import HandoverChannel, segments_for
-from asteria_server.protocol.framing import SegmentReader, array_chunks
-from asteria_server.protocol.shm import ArraySpec, SegmentRef, snapshot_specs
 from asteria_server.types import SolveKind, SolveResult, SolveTask
+
+#: What reads a result out of its segment (``DaemonConnection.results(reader=...)``).
+ResultReader = Callable[[Any, Any], "list[np.ndarray] | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _fetch(
     conn: DaemonConnection,
     session: SessionInfo,
     held: dict[str, int],
-    reader: SegmentReader | None,
+    reader: ResultReader | None,
 ) -> SolveResult:
     """One result from a new StreamResults call (the one block not in ``held``)."""
     stream = conn.results(session, held, lambda cancel: None, reader=reader)
@@ -134,19 +135,18 @@ def _measure_size(ends: _Endpoints, n: int, repeats: int, held: dict[str, int]) 
     matrix = (x @ x.T) / np.float32(n) + np.eye(n, dtype=np.float32)
     block = f"bench-transport-{n}"
     task = SolveTask(block=block, version=0, kind=SolveKind.INVERSE_ROOT, matrix=matrix)
-    specs = snapshot_specs(task)
     snap, result_seg = segments_for(task)
     ends.channel.attach(snap)
     ends.channel.attach(result_seg)
     tensor = torch.from_numpy(matrix)
     dst = np.zeros_like(matrix)
-    chunks = list(array_chunks(matrix, ends.s_tcp.max_chunk_bytes))
+    raw, size = matrix.reshape(-1).view(np.uint8), ends.s_tcp.max_chunk_bytes
+    chunks = [raw[i : i + size].tobytes() for i in range(0, raw.size, size)]  # as gRPC sends it
 
     def shm_submit() -> None:
-        sequence = snap.write_tensors(specs, [tensor])
-        ends.unix.submit(ends.s_unix, task, shm=snap.ref(sequence))
+        ends.unix.submit(ends.s_unix, task, shm=snap.write_snapshot(task, [tensor]))
 
-    def shm_read(ref: SegmentRef, want: list[ArraySpec]) -> list[np.ndarray] | None:
+    def shm_read(ref: Any, want: Any) -> list[np.ndarray] | None:
         return result_seg.read(want, ref.sequence)
 
     try:
@@ -156,7 +156,7 @@ def _measure_size(ends: _Endpoints, n: int, repeats: int, held: dict[str, int]) 
         _wait_solved(ends.tcp, ends.s_tcp, block)
         cases: dict[str, Callable[[], object]] = {
             "memcpy": lambda: np.copyto(dst, matrix),
-            "shm write": lambda: snap.write_tensors(specs, [tensor]),
+            "shm write": lambda: snap.write_snapshot(task, [tensor]),
             "shm submit": shm_submit,
             "gRPC submit (unix)": lambda: ends.unix.submit(ends.s_unix, task),
             "gRPC submit (tcp)": lambda: ends.tcp.submit(ends.s_tcp, task),

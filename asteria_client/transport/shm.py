@@ -51,6 +51,7 @@ from asteria_server.protocol.shm import (
     result_layout,
     segment_bytes,
     snapshot_layout,
+    snapshot_specs,
 )
 from asteria_server.types import SolveTask
 
@@ -92,6 +93,19 @@ class ClientSegment:
             else:  # one device-to-host copy straight into the segment
                 view.copy_(tensor.detach())
         return self.segment.end_write()
+
+    def write_snapshot(
+        self, task: SolveTask, tensors: Sequence[torch.Tensor] | None = None
+    ) -> SegmentRef:
+        """Write ``task``'s snapshot (the matrix, then the basis) into this snapshot segment
+        under the seqlock, and return the ref that announces it in ``submit(..., shm=ref)``.
+        With ``tensors`` (the same arrays as torch tensors, any device) they are copied through
+        :meth:`write_tensors`, as the daemon source does; else ``task``'s NumPy arrays are."""
+        specs = snapshot_specs(task)
+        if tensors is not None:
+            return self.ref(self.write_tensors(specs, tensors))
+        arrays = [task.matrix] if task.basis is None else [task.matrix, task.basis]
+        return self.ref(self.segment.write(specs, arrays))
 
     def start_write(
         self,
