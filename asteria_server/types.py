@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -60,6 +61,38 @@ class SubmitOutcome(enum.Enum):
     def accepted(self) -> bool:
         """True when the snapshot will be computed."""
         return self in (SubmitOutcome.QUEUED, SubmitOutcome.SUPERSEDED_QUEUED)
+
+
+class SharedSegment(Protocol):
+    """A shared-memory segment as the engine hands it on (``protocol.shm.Segment`` is one)."""
+
+    #: unique in this process while the segment lives (a descriptor number is reused, this not)
+    token: int
+    size_bytes: int
+
+    def fileno(self) -> int:
+        """A descriptor of the segment, open while this object lives."""
+        ...
+
+    def read(self, specs: Any, sequence: int) -> list[np.ndarray] | None:
+        """Private copies of the arrays written with ``sequence`` (None: overwritten since)."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class SharedArrays:
+    """Where a snapshot's or a result's arrays lie in a client's shared-memory segment.
+
+    The daemon's same-host path: the client wrote its snapshot into ``segment`` (a write that
+    ended with seqlock value ``sequence``), and a solver worker reads it from there and writes
+    the result into the client's result segment itself, so the daemon process copies neither.
+    ``segment_id`` is the client's name for the segment. Holding this keeps the segment (and its
+    descriptor) alive.
+    """
+
+    segment: SharedSegment
+    segment_id: str
+    sequence: int = 0
 
 
 def _fail(block: object, field_name: str, problem: str) -> InvalidInputError:
@@ -108,6 +141,10 @@ class SolveTask:
         deadline: priority; smaller is more urgent. The client passes the step at which this
             block would exceed its staleness budget. Compared only within one tenant.
         tenant: who the block belongs to; tenants never see each other's blocks.
+        shm_source: set when ``matrix`` and ``basis`` are views of a client's segment (the
+            daemon's same-host path): nobody but the solver worker reads them, under the seqlock
+            at ``shm_source.sequence``; a newer write there supersedes this task.
+        shm_result: the client's segment that receives this task's result, if it has one.
     """
 
     block: str
@@ -120,6 +157,8 @@ class SolveTask:
     base_version: int = -1
     deadline: float = math.inf
     tenant: str = DEFAULT_TENANT
+    shm_source: SharedArrays | None = None
+    shm_result: SharedArrays | None = None
 
     def __post_init__(self) -> None:
         block = self.block
@@ -184,6 +223,9 @@ class SolveResult:
         attempts: tries it took: solver attempts of the successful run plus worker runs lost to
             a crash or timeout before it.
         tenant: copied from the task.
+        shm: set when the worker wrote the arrays into a client's result segment (the write
+            that ended with ``shm.sequence``): the arrays are then views of it, which the client
+            may overwrite; whoever copies them must read under that seqlock.
     """
 
     block: str
@@ -198,6 +240,7 @@ class SolveResult:
     attempts: int
     tenant: str = DEFAULT_TENANT
     rotation: np.ndarray | None = None
+    shm: SharedArrays | None = None
 
     @property
     def key(self) -> tuple[str, str]:

@@ -37,7 +37,9 @@ def result_problem(task: SolveTask, result: SolveResult) -> str | None:
             return "eigenbasis result lacks its n eigenvalue estimates"
         if task.is_refresh and (result.permutation is None or result.permutation.shape != (n,)):
             return "QR refresh result lacks its permutation"
-    if not result.is_finite():
+    if result.shm is None and not result.is_finite():
+        # A result in a client's segment was checked by the worker before it wrote it; reading
+        # it here would be a race with that client, whose own business its segment is.
         return "result holds NaN or Inf"
     return None
 
@@ -88,6 +90,12 @@ class Coordinator:
         if not accepted:
             self.results_discarded += 1
         return accepted
+
+    def overwritten(self, task: SolveTask) -> None:
+        """A dispatched snapshot was overwritten in its client's segment before a worker read
+        it: the block is free again; the newer snapshot was (or will be) submitted itself."""
+        self.scheduler.finish(task.tenant, task.block, None)
+        self.registry.on_overwritten(task.tenant, task.block, task.version)
 
     def fail(self, task: SolveTask, message: str, *, measured_s: float | None = None) -> None:
         """A task failed for good (solver error, crash or timeout after its retries)."""

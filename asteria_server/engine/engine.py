@@ -26,7 +26,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -42,10 +43,12 @@ from asteria_server.engine.workers import (
     default_num_workers,
 )
 from asteria_server.errors import EngineUnavailableError
+from asteria_server.protocol.shm import private_result
 from asteria_server.types import (
     DEFAULT_TENANT,
     BlockStatus,
     EngineStats,
+    SharedSegment,
     SolveKind,
     SolveResult,
     SolveTask,
@@ -215,6 +218,8 @@ class PreconditionerEngine:
         #: tenant -> block -> the results epoch at which the block's newest result arrived.
         self._result_epochs: dict[str, dict[str, int]] = {}
         self._listeners: list[ResultListener] = []
+        #: clients' result segments whose client let go of them (see release_shared)
+        self._released: weakref.WeakSet[SharedSegment] = weakref.WeakSet()
         self._pool = WorkerPool(self.config.pool_config())
         self._thread = threading.Thread(
             target=self._dispatch_loop, name="asteria-engine-dispatch", daemon=True
@@ -286,6 +291,20 @@ class PreconditionerEngine:
     def remove_result_listener(self, listener: ResultListener) -> None:
         with self._cond:
             self._listeners = [f for f in self._listeners if f is not listener]
+
+    def release_shared(self, segments: Iterable[SharedSegment]) -> None:
+        """The daemon no longer serves these client segments (the client detached them or went
+        away): results held in them are copied into the engine's own memory now (a result
+        overwritten meanwhile is dropped), so that no mapping of a gone client is kept, and
+        results still to come for them are copied as they arrive."""
+        gone = set(segments)
+        if not gone:
+            return
+        with self._cond:
+            self._released.update(gone)
+            self._coord.registry.replace_results(
+                lambda r: private_result(r) if r.shm is not None and r.shm.segment in gone else r
+            )
 
     def wait_result(
         self, block: str, min_version: int, timeout_s: float, tenant: str = DEFAULT_TENANT
@@ -396,45 +415,8 @@ class PreconditionerEngine:
 
     def _dispatch_loop(self) -> None:
         try:
-            while True:
-                with self._cond:
-                    if self._closing:
-                        return
-                    batch = []
-                    for _ in range(self._pool.num_idle()):
-                        entry = self._coord.next_task()
-                        if entry is None:
-                            break
-                        self._next_job += 1
-                        self._jobs[self._next_job] = entry.task
-                        if self._observer is not None:
-                            self._dispatched[self._next_job] = self._dispatch_times(entry.task)
-                        batch.append((self._next_job, entry.task))
-                failed = []
-                for job_id, task in batch:  # copies into shared memory: outside the lock
-                    try:
-                        self._pool.submit(job_id, task)
-                    except EngineUnavailableError as exc:
-                        failed.append((job_id, task, str(exc)))
-                events = self._pool.poll(None)  # until a worker speaks, a deadline or a wakeup
-                fresh: list[tuple[str, str]] = []
-                with self._cond:
-                    for job_id, task, why in failed:
-                        self._jobs.pop(job_id, None)
-                        self._coord.fail(task, f"block {task.block!r}: {why}")
-                        self._observe(job_id, task, None)
-                    for event in events:
-                        if self._record(event):
-                            fresh.append(event.task.key)
-                    listeners = self._listeners
-                    if self._pool.broken_reason is not None and self._broken is None:
-                        self._broken = self._pool.broken_reason
-                    if failed or events or self._broken:
-                        self._cond.notify_all()
-                    if self._broken is not None:
-                        self._fail_all_queued(self._broken)
-                        return
-                self._tell(listeners, fresh)
+            while self._dispatch_round():
+                pass
         except Exception as exc:
             logger.exception("preconditioner engine dispatcher crashed")
             with self._cond:
@@ -442,13 +424,69 @@ class PreconditionerEngine:
                 self._fail_all_queued(self._broken)
                 self._cond.notify_all()
 
+    def _dispatch_round(self) -> bool:
+        """Feed idle workers, wait for news, book it; False when the dispatcher must stop.
+
+        A method of its own so that its locals (tasks, results: references to clients'
+        segments) are gone while the dispatcher waits for the next round."""
+        with self._cond:
+            if self._closing:
+                return False
+            batch = []
+            for _ in range(self._pool.num_idle()):
+                entry = self._coord.next_task()
+                if entry is None:
+                    break
+                self._next_job += 1
+                self._jobs[self._next_job] = entry.task
+                if self._observer is not None:
+                    self._dispatched[self._next_job] = self._dispatch_times(entry.task)
+                batch.append((self._next_job, entry.task))
+        failed = []
+        for job_id, task in batch:  # copies into shared memory: outside the lock
+            try:
+                self._pool.submit(job_id, task)
+            except EngineUnavailableError as exc:
+                failed.append((job_id, task, str(exc)))
+        del batch
+        events = self._pool.poll(None)  # until a worker speaks, a deadline or a wakeup
+        fresh: list[tuple[str, str]] = []
+        with self._cond:
+            for job_id, task, why in failed:
+                self._jobs.pop(job_id, None)
+                self._coord.fail(task, f"block {task.block!r}: {why}")
+                self._observe(job_id, task, None)
+            for event in events:
+                if self._record(event):
+                    fresh.append(event.task.key)
+            listeners = self._listeners
+            if self._pool.broken_reason is not None and self._broken is None:
+                self._broken = self._pool.broken_reason
+            if failed or events or self._broken:
+                self._cond.notify_all()
+            if self._broken is not None:
+                self._fail_all_queued(self._broken)
+                return False
+        self._tell(listeners, fresh)
+        return True
+
     def _record(self, event: PoolEvent) -> bool:
         """Book a finished task; True when its block got a newer result."""
         task = self._jobs.pop(event.job_id, event.task)
         failed_before = self._coord.solves_failed
         fresh = False
-        if event.result is not None:
-            if self._coord.complete(task, event.result):
+        if event.overwritten:
+            self._coord.overwritten(task)
+            self._dispatched.pop(event.job_id, None)
+            return False
+        result = event.result
+        if result is not None and result.shm is not None and result.shm.segment in self._released:
+            result = private_result(result)
+            if result is None:
+                self._coord.overwritten(task)
+                return False
+        if result is not None:
+            if self._coord.complete(task, result):
                 self._results_epoch += 1
                 tenant_epochs = self._result_epochs.setdefault(task.tenant, {})
                 tenant_epochs[task.block] = self._results_epoch
@@ -457,7 +495,7 @@ class PreconditionerEngine:
             self._coord.fail(task, event.error or "unknown worker failure")
         # complete() turns a malformed result into a failure: count what the coordinator counted.
         ok = self._coord.solves_failed == failed_before
-        self._observe(event.job_id, task, event.result if ok else None)
+        self._observe(event.job_id, task, result if ok else None)
         return fresh
 
     @staticmethod

@@ -135,6 +135,13 @@ class CoherenceRegistry:
         rec.result = result
         return True
 
+    def on_overwritten(self, tenant: str, block: str, version: int) -> None:
+        """A dispatched snapshot was overwritten in the client's segment before it was read:
+        no result and no failure (the newer snapshot is announced on its own)."""
+        rec = self._record(tenant, block)
+        if rec.running_version == version:
+            rec.running_version = -1
+
     def on_failure(self, tenant: str, block: str, version: int, message: str) -> bool:
         """A solve failed for good. Returns True when this failure marked the block FAILED."""
         rec = self._record(tenant, block)
@@ -147,6 +154,13 @@ class CoherenceRegistry:
             return False
         rec.failed = True
         return True
+
+    def replace_results(self, fn: Callable[[SolveResult], SolveResult | None]) -> None:
+        """Hold ``fn(r)`` instead of each held result ``r``; None drops it (the block keeps its
+        versions, times and counts, only its arrays go)."""
+        for rec in self._records.values():
+            if rec.result is not None:
+                rec.result = fn(rec.result)
 
     def take(self, tenant: str, block: str) -> SolveResult | None:
         """The newest computed result if not delivered yet (it becomes delivered), else None."""

@@ -1,14 +1,22 @@
-"""The solver worker process: map the pool's segments, solve, write the result back.
+"""The solver worker process: read a snapshot from a segment, solve, write the result to one.
 
-:func:`worker_main` is the entry point the pool starts with ``spawn``/``forkserver``. Messages on
-its pipe are small dicts (see ``WorkerPool._send``); the factor and the result travel through the
-memfd segments the pool owns, whose fds follow a message marked ``"fds"`` (this side maps them,
-see :mod:`asteria_server.engine.shm`). The layout of the output segment is fixed: the float32 n×n
-matrix, then float32 eigenvalues, then the int64 permutation, then the float32 n×n rotation.
+:func:`worker_main` is the entry point the pool starts. Messages on its pipe are small dicts (see
+``WorkerPool._send``). Every array travels through shared-memory segments of the one layout of
+:mod:`asteria_server.protocol.shm`: the pool's own, or, on the daemon's same-host path, the
+client's snapshot and result segments themselves. Their descriptors follow a message that lists
+them under ``"map"``; ``"release"`` names segments to unmap.
 
-Replies: ``("ready", pid)`` once at start, then per task ``("done", job, meta)`` or
-``("error", job, message)``. A worker exits when told (``None``) or when its parent's end of the
-pipe closes, so it never outlives the engine by more than one solve.
+The worker does not trust a segment. ``map_segment`` maps only a sealed memfd of the announced
+size with a segment header; views never reach past the mapping; the snapshot is read under the
+seqlock, converted to float64 on the way (the solver's working copy is that read); the solver
+rejects a non-finite, asymmetric or indefinite factor; the result is checked finite before it is
+written under the result segment's seqlock. Whatever goes wrong is a per-task ``error`` reply.
+
+Replies: ``("ready", pid)`` once at start, then per task ``("done", job, meta)`` (``meta`` holds
+the result's fields and the sequence its write ended with), ``("overwritten", job)`` (a newer
+snapshot replaced this one before it was read) or ``("error", job, message)``. A worker exits when
+told (``None``) or when its parent's end of the pipe closes, so it never outlives the engine by
+more than one solve.
 """
 
 from __future__ import annotations
@@ -24,79 +32,96 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from asteria_server.engine import faults
-from asteria_server.engine.shm import (
-    MappedSegment,
-    eigenvalues_offset,
-    permutation_offset,
-    receive_segment_fds,
-    release_segment,
-    rotation_offset,
-    segment_view,
-)
+from asteria_server.engine.shm import receive_segment_fds
 from asteria_server.engine.solvers import EighSolver, SolverConfig
 from asteria_server.errors import SolverError
-from asteria_server.types import SolveKind, SolveTask
+from asteria_server.protocol.shm import (
+    ArraySpec,
+    Segment,
+    map_segment,
+    result_arrays,
+    result_specs,
+)
+from asteria_server.types import ACCEPTED_DTYPES, SolveKind, SolveTask
 
 
-def _map_handed(conn: Connection, msg: dict[str, Any], cache: dict[str, MappedSegment]) -> None:
-    """Map the segments whose fds follow ``msg`` (a new worker, or segments replaced)."""
-    if not msg.get("fds"):
-        return
-    fds = receive_segment_fds(conn, 2)
-    for role, fd in zip(("in", "out"), fds, strict=True):
-        old = cache.pop(role, None)
+def _map_handed(conn: Connection, msg: dict[str, Any], cache: dict[int, Segment]) -> None:
+    """Unmap the segments ``msg`` releases; map those whose fds follow it."""
+    for token in msg["release"]:
+        old = cache.pop(token, None)
         if old is not None:
-            release_segment(old)
-        cache[role] = MappedSegment(msg[role], fd)
+            old.close()
+    entries = msg["map"]
+    fds = receive_segment_fds(conn, len(entries))
+    for (token, size), fd in zip(entries, fds, strict=True):
+        try:
+            cache[token] = map_segment(fd, size)  # checks seals, size and header
+        except Exception:
+            cache.pop(token, None)  # the task that needs it reports the error
+        finally:
+            os.close(fd)
 
 
-def _run_job(
-    msg: dict[str, Any], solver: EighSolver, cache: dict[str, MappedSegment]
-) -> tuple[Any, ...]:
+def _segment(cache: dict[int, Segment], token: int) -> Segment:
+    segment = cache.get(token)
+    if segment is None:
+        raise SolverError("its shared-memory segment could not be mapped (not a sealed segment)")
+    return segment
+
+
+def _snapshot_specs(msg: dict[str, Any]) -> list[ArraySpec]:
+    n = msg["n"]
+    specs = [ArraySpec(np.dtype(dtype), tuple(shape)) for dtype, shape in msg["snapshot"][2]]
+    if not 1 <= len(specs) <= 2 or any(
+        s.dtype not in ACCEPTED_DTYPES or s.shape != (n, n) for s in specs
+    ):
+        raise SolverError(f"the snapshot must be one or two float {n}x{n} matrices")
+    return specs
+
+
+def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment]) -> tuple[Any, ...]:
     fault = faults.Fault(msg["fault"]) if msg["fault"] else None
     faults.inject_before_solve(fault)
-    n = msg["n"]
-    inp, out = cache["in"], cache["out"]
-    if (inp.name, out.name) != (msg["in"], msg["out"]):
-        raise RuntimeError(f"segments {msg['in']}, {msg['out']} were never handed over")
-    matrix = segment_view(inp, (n, n), msg["matrix_dtype"])
-    basis = None
-    if msg["basis_dtype"] is not None:
-        basis = segment_view(inp, (n, n), msg["basis_dtype"], offset=matrix.nbytes)
-    task = SolveTask(
-        block=msg["block"],
-        version=msg["version"],
-        kind=SolveKind(msg["kind"]),
-        matrix=matrix,
-        exponent=msg["exponent"],
-        epsilon=msg["epsilon"],
-        basis=basis,
-        base_version=msg["base_version"],
-        tenant=msg["tenant"],
-    )
+    job = msg["job"]
     try:
+        token, sequence, _ = msg["snapshot"]
+        specs = _snapshot_specs(msg)
+        arrays = _segment(cache, token).read_into(
+            specs, sequence, [np.empty(s.shape, np.float64) for s in specs]
+        )
+        if arrays is None:
+            return ("overwritten", job)
+        task = SolveTask(
+            block=msg["block"],
+            version=msg["version"],
+            kind=SolveKind(msg["kind"]),
+            matrix=arrays[0],
+            exponent=msg["exponent"],
+            epsilon=msg["epsilon"],
+            basis=arrays[1] if len(arrays) > 1 else None,
+            base_version=msg["base_version"],
+            tenant=msg["tenant"],
+        )
         result = solver.solve(task)
+        out = result_arrays(result)
+        faults.corrupt_output(fault, *[a for a in out if a.dtype.kind == "f"])
+        if not all(bool(np.isfinite(a).all()) for a in out):
+            raise SolverError("result holds NaN or Inf")
+        written = _segment(cache, msg["result"]).write(result_specs(result), out)
     except SolverError as exc:
-        return ("error", msg["job"], str(exc))
-    out_matrix = segment_view(out, (n, n), np.float32)
-    out_matrix[...] = result.matrix
-    out_eigs = segment_view(out, (n,), np.float32, offset=eigenvalues_offset(n))
-    if result.eigenvalues is not None:
-        out_eigs[...] = result.eigenvalues
-    if result.permutation is not None:
-        segment_view(out, (n,), np.int64, offset=permutation_offset(n))[...] = result.permutation
-    if result.rotation is not None:
-        segment_view(out, (n, n), np.float32, offset=rotation_offset(n))[...] = result.rotation
-    faults.corrupt_output(fault, out_matrix, out_eigs)
+        return ("error", job, str(exc))
     meta = {
         "epsilon_used": result.epsilon_used,
         "solve_time_s": result.solve_time_s,
         "attempts": result.attempts,
-        "has_eigenvalues": result.eigenvalues is not None,
-        "has_permutation": result.permutation is not None,
-        "has_rotation": result.rotation is not None,
+        "fields": [
+            name
+            for name in ("matrix", "eigenvalues", "permutation", "rotation")
+            if getattr(result, name) is not None
+        ],
+        "sequence": written,
     }
-    return ("done", msg["job"], meta)
+    return ("done", job, meta)
 
 
 def worker_main(conn: Connection, blas_threads: int, solver_config: SolverConfig) -> None:
@@ -104,7 +129,7 @@ def worker_main(conn: Connection, blas_threads: int, solver_config: SolverConfig
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threadpool_limits(limits=blas_threads, user_api="blas")
     solver = EighSolver(dataclasses.replace(solver_config, blas_threads=None))
-    cache: dict[str, MappedSegment] = {}
+    cache: dict[int, Segment] = {}
     try:
         conn.send(("ready", os.getpid()))
         while True:
@@ -127,8 +152,8 @@ def worker_main(conn: Connection, blas_threads: int, solver_config: SolverConfig
             except (BrokenPipeError, OSError):
                 break
     finally:
-        for shm in cache.values():
-            release_segment(shm)
+        for segment in cache.values():
+            segment.close()
         conn.close()
 
 

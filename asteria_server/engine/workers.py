@@ -28,31 +28,38 @@ import math
 import multiprocessing.connection as mpc
 import os
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from asteria_server.engine import faults
 from asteria_server.engine.launch import START_METHODS, WorkerHandle, start_worker
 from asteria_server.engine.shm import (
     SEGMENT_PREFIX,
-    OwnedSegment,
-    eigenvalues_offset,
-    input_capacity_bytes,
-    output_capacity_bytes,
-    permutation_offset,
-    rotation_offset,
+    input_bytes,
+    output_bytes,
+    pool_segment,
     send_segment_fds,
 )
 from asteria_server.engine.solvers import SolverConfig
 from asteria_server.errors import EngineUnavailableError
-from asteria_server.types import SolveResult, SolveTask
+from asteria_server.protocol.shm import (
+    RESULT_FIELDS,
+    Segment,
+    payload_bytes,
+    result_field_spec,
+    result_layout,
+    snapshot_specs,
+)
+from asteria_server.types import SharedArrays, SharedSegment, SolveResult, SolveTask
 
 logger = logging.getLogger(__name__)
 
 #: consecutive worker deaths before ever becoming ready, after which the pool gives up.
 MAX_START_FAILURES = 3
+#: segments one worker keeps mapped (besides those dropped as soon as nothing holds them).
+MAX_MAPPED_PER_WORKER = 64
 
 
 def default_num_workers() -> int:
@@ -148,13 +155,15 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class PoolEvent:
-    """A task's end: ``result`` on success, else ``error`` says why (after all retries)."""
+    """A task's end: ``result`` on success, else ``error`` says why (after all retries);
+    ``overwritten``: neither, its snapshot was overwritten by a newer one before it was read."""
 
     job_id: int
     task: SolveTask
     result: SolveResult | None
     error: str | None
     worker_runs: int
+    overwritten: bool = False
 
 
 @dataclass
@@ -162,6 +171,7 @@ class _Job:
     job_id: int
     task: SolveTask
     runs: int = 1  # worker runs, counting the current one
+    result_to: SharedSegment | None = None  # where the current run writes its result
 
 
 @dataclass
@@ -173,10 +183,12 @@ class _Slot:
     started_at: float = 0.0
     job: _Job | None = None
     sent_at: float | None = None  # when the current job reached a ready worker
-    inp: OwnedSegment | None = None
-    out: OwnedSegment | None = None
-    #: names of the (input, output) segments the current worker process has received
-    handed: tuple[str, str] | None = None
+    inp: Segment | None = None
+    out: Segment | None = None
+    names: dict[int, str] = field(default_factory=dict)  # own segments' token -> name
+    #: segments the current worker process maps, by token (oldest first), as weak references:
+    #: one that died (its client let go of it) is unmapped at the worker's next task
+    handed: OrderedDict[int, weakref.ref[Any]] = field(default_factory=OrderedDict)
 
 
 class WorkerPool:
@@ -221,8 +233,10 @@ class WorkerPool:
         return [s.process.pid for s in self._slots if s.process is not None and s.process.pid]
 
     def segment_names(self) -> list[str]:
-        """Names of the live shared-memory segments."""
-        return [seg.name for s in self._slots for seg in (s.inp, s.out) if seg is not None]
+        """Names of the pool's own live shared-memory segments."""
+        return [
+            s.names[seg.token] for s in self._slots for seg in (s.inp, s.out) if seg is not None
+        ]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -236,7 +250,7 @@ class WorkerPool:
             self.config.cpu_affinity,
         )
         slot.process, slot.conn, slot.ready = process, parent_conn, False
-        slot.handed = None  # a new process: it has none of the slot's segments yet
+        slot.handed = OrderedDict()  # a new process: it maps no segment yet
         slot.started_at, slot.sent_at = time.monotonic(), None
 
     def _kill(self, slot: _Slot) -> int | None:
@@ -271,8 +285,9 @@ class WorkerPool:
             self._kill(slot)
             for seg in (slot.inp, slot.out):
                 if seg is not None:
-                    seg.destroy()
+                    seg.close()
             slot.inp = slot.out = None
+            slot.handed.clear()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -305,19 +320,20 @@ class WorkerPool:
             self._send(slot)
 
     def _ensure_segments(self, slot: _Slot, n: int) -> None:
-        need_in, need_out = input_capacity_bytes(n), output_capacity_bytes(n)
-        if slot.inp is None or slot.inp.size < need_in:
-            new = OwnedSegment(need_in, prefix=self.config.segment_prefix)
-            self.segment_names_created.append(new.name)
-            if slot.inp is not None:
-                slot.inp.destroy()
-            slot.inp = new
-        if slot.out is None or slot.out.size < need_out:
-            new = OwnedSegment(need_out, prefix=self.config.segment_prefix)
-            self.segment_names_created.append(new.name)
-            if slot.out is not None:
-                slot.out.destroy()
-            slot.out = new
+        need_in, need_out = input_bytes(n), output_bytes(n)
+        if slot.inp is None or slot.inp.size_bytes < need_in:
+            slot.inp = self._new_segment(slot, slot.inp, need_in)
+        if slot.out is None or slot.out.size_bytes < need_out:
+            slot.out = self._new_segment(slot, slot.out, need_out)
+
+    def _new_segment(self, slot: _Slot, old: Segment | None, size: int) -> Segment:
+        name, new = pool_segment(size, prefix=self.config.segment_prefix)
+        self.segment_names_created.append(name)
+        slot.names[new.token] = name
+        if old is not None:
+            slot.names.pop(old.token, None)
+            old.close()
+        return new
 
     def _send(self, slot: _Slot) -> None:
         job, conn = slot.job, slot.conn
@@ -325,15 +341,20 @@ class WorkerPool:
             job is not None and conn is not None and slot.inp is not None and slot.out is not None
         )
         task, n = job.task, job.task.n
-        view = slot.inp.view((n, n), task.matrix.dtype)
-        np.copyto(view, task.matrix)
-        basis_dtype = None
-        if task.basis is not None:
-            basis_dtype = task.basis.dtype.str
-            bview = slot.inp.view((n, n), task.basis.dtype, offset=view.nbytes)
-            np.copyto(bview, task.basis)
-            del bview
-        del view
+        specs = snapshot_specs(task)
+        source: SharedSegment
+        if task.shm_source is not None:  # the client's segment: read by the worker itself
+            source, sequence = task.shm_source.segment, task.shm_source.sequence
+        else:
+            source = slot.inp
+            sequence = slot.inp.write(
+                specs, [a for a in (task.matrix, task.basis) if a is not None]
+            )
+        result_to: SharedSegment = slot.out
+        if task.shm_result is not None and self._fits(task.shm_result.segment, task):
+            result_to = task.shm_result.segment
+        job.result_to = result_to
+        release, hand = self._hand_plan(slot, [source, result_to])
         fault = faults.fault_for(task.block, self.config.test_fault_prefix, job.runs)
         msg = {
             "job": job.job_id,
@@ -342,26 +363,52 @@ class WorkerPool:
             "version": task.version,
             "kind": task.kind.value,
             "n": n,
-            "matrix_dtype": task.matrix.dtype.str,
-            "basis_dtype": basis_dtype,
             "exponent": float(task.exponent),
             "epsilon": float(task.epsilon),
             "base_version": task.base_version,
-            "in": slot.inp.name,
-            "out": slot.out.name,
+            "snapshot": (source.token, sequence, [(s.dtype.str, s.shape) for s in specs]),
+            "result": result_to.token,
+            "release": release,
+            "map": [(seg.token, seg.size_bytes) for seg in hand],  # their fds follow
             "fault": None if fault is None else fault.value,
         }
-        segments = (slot.inp.name, slot.out.name)
-        hand_over = slot.handed != segments
-        msg["fds"] = hand_over  # the segments' fds follow the message
         slot.sent_at = time.monotonic()
         try:
             conn.send(msg)
-            if hand_over:
-                send_segment_fds(conn, [slot.inp.fd, slot.out.fd])
-                slot.handed = segments
+            send_segment_fds(conn, [seg.fileno() for seg in hand])
         except OSError:
             self._lost_worker(slot, "its pipe broke while sending the task")
+
+    @staticmethod
+    def _fits(segment: SharedSegment, task: SolveTask) -> bool:
+        """Whether any result of ``task`` fits ``segment`` (else it comes back through the pool's
+        own segment and is sent in chunks)."""
+        return payload_bytes(result_layout(task.n, task.kind)) <= segment.size_bytes - 4096
+
+    @staticmethod
+    def _hand_plan(
+        slot: _Slot, using: list[SharedSegment]
+    ) -> tuple[list[int], list[SharedSegment]]:
+        """Which segments the worker should unmap (tokens) and which it must be handed (their
+        descriptors follow the message), to use the segments ``using`` now."""
+        handed = slot.handed
+        hand = []
+        for seg in using:
+            if seg.token in handed:
+                handed.move_to_end(seg.token)
+            elif seg not in hand:
+                hand.append(seg)
+                handed[seg.token] = weakref.ref(seg)
+        in_use = {seg.token for seg in using}
+        release = [t for t, ref in handed.items() if ref() is None and t not in in_use]
+        for token in handed:
+            if len(handed) - len(release) <= MAX_MAPPED_PER_WORKER:
+                break
+            if token not in in_use and token not in release:
+                release.append(token)
+        for token in release:
+            del handed[token]
+        return release, hand
 
     # ------------------------------------------------------------------ polling
 
@@ -436,34 +483,40 @@ class WorkerPool:
         slot.job, slot.sent_at = None, None
         if kind == "done":
             self._events.append(self._collect(slot, job, msg[2]))
+        elif kind == "overwritten":
+            self._events.append(PoolEvent(job.job_id, job.task, None, None, job.runs, True))
         else:
             self._events.append(PoolEvent(job.job_id, job.task, None, str(msg[2]), job.runs))
 
     def _collect(self, slot: _Slot, job: _Job, meta: dict[str, Any]) -> PoolEvent:
-        assert slot.out is not None
-        task, n = job.task, job.task.n
-        matrix = slot.out.view((n, n), np.float32).copy()
-        eigenvalues = permutation = None
-        if meta["has_eigenvalues"]:
-            eigenvalues = slot.out.view((n,), np.float32, offset=eigenvalues_offset(n)).copy()
-        if meta["has_permutation"]:
-            permutation = slot.out.view((n,), np.int64, offset=permutation_offset(n)).copy()
-        rotation = None
-        if meta.get("has_rotation"):
-            rotation = slot.out.view((n, n), np.float32, offset=rotation_offset(n)).copy()
+        task, n, sequence = job.task, job.task.n, int(meta["sequence"])
+        names = [name for name in RESULT_FIELDS if name in meta["fields"]]
+        specs = [result_field_spec(name, n) for name in names]
+        segment = job.result_to
+        shm = None
+        if segment is slot.out and slot.out is not None:  # ours: copied out, the one buffer
+            arrays = slot.out.read(specs, sequence)
+            if arrays is None:  # only this pool writes there; a worker killed mid-write?
+                return PoolEvent(job.job_id, task, None, "result segment was torn", job.runs)
+        else:  # the client's: views of it, and where the client will read it
+            assert isinstance(segment, Segment) and task.shm_result is not None
+            arrays = segment.views(specs)
+            shm = SharedArrays(segment, task.shm_result.segment_id, sequence)
+        by_name = dict(zip(names, arrays, strict=True))
         result = SolveResult(
             block=task.block,
             version=task.version,
             kind=task.kind,
-            matrix=matrix,
-            eigenvalues=eigenvalues,
-            permutation=permutation,
-            rotation=rotation,
+            matrix=by_name["matrix"],
+            eigenvalues=by_name.get("eigenvalues"),
+            permutation=by_name.get("permutation"),
+            rotation=by_name.get("rotation"),
             base_version=task.base_version,
             epsilon_used=float(meta["epsilon_used"]),
             solve_time_s=float(meta["solve_time_s"]),
             attempts=int(meta["attempts"]) + job.runs - 1,
             tenant=task.tenant,
+            shm=shm,
         )
         return PoolEvent(job.job_id, task, result, None, job.runs)
 

@@ -46,6 +46,7 @@ moves them across.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import itertools
@@ -54,6 +55,7 @@ import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -165,6 +167,20 @@ def result_specs(result: SolveResult) -> list[ArraySpec]:
     return [ArraySpec(a.dtype, a.shape) for a in result_arrays(result)]
 
 
+def private_result(result: SolveResult) -> SolveResult | None:
+    """``result`` with private copies of the arrays it holds in a client's segment
+    (``result.shm``), read under that segment's seqlock; None when they were overwritten since.
+    A result not in a segment is returned as it is."""
+    if result.shm is None:
+        return result
+    copies = result.shm.segment.read(result_specs(result), result.shm.sequence)
+    if copies is None:
+        return None
+    names = [name for name in RESULT_FIELDS if getattr(result, name) is not None]
+    arrays: dict[str, Any] = dict(zip(names, copies, strict=True))
+    return dataclasses.replace(result, shm=None, **arrays)
+
+
 class Segment:
     """A mapped segment: its sequence word and views of its arrays.
 
@@ -263,8 +279,12 @@ class Segment:
             self._mmap.close()
 
 
-def create_segment(size_bytes: int, *, name: str = "asteria") -> tuple[int, Segment]:
+def create_segment(
+    size_bytes: int, *, name: str = "asteria", own_fd: bool = False
+) -> tuple[int, Segment]:
     """A new sealed, reserved, pre-faulted segment of ``size_bytes`` (whole pages) and its fd.
+    With ``own_fd`` the segment closes the fd when it is closed or collected (its
+    :meth:`Segment.fileno`); else the caller owns it.
 
     Raises :class:`SharedMemoryUnavailableError` with the reason when this host cannot provide
     it (no memfd, out of memory, a file-size limit, ...): the caller should fall back to gRPC.
@@ -297,7 +317,7 @@ def create_segment(size_bytes: int, *, name: str = "asteria") -> tuple[int, Segm
     except BaseException:
         os.close(fd)
         raise
-    segment = Segment(buffer, size_bytes)
+    segment = Segment(buffer, size_bytes, fd if own_fd else None)
     segment._words[_CAPACITY_AT] = size_bytes - HEADER_BYTES
     segment._words[_MAGIC_AT] = MAGIC
     return fd, segment

@@ -64,6 +64,9 @@ class SegmentHandover:
         max_segments: segments one connection may hold (each is one mapping in the daemon).
         max_mapped_bytes: bytes one connection may have mapped.
         mode: the socket's file mode (0600; 0660 when the daemon's group may connect).
+        on_release: told the segments the daemon stops serving (detached, replaced, or their
+            connection closed), so that nothing keeps a gone client's memory mapped
+            (``PreconditionerEngine.release_shared``); called from a connection's thread.
     """
 
     def __init__(
@@ -74,8 +77,10 @@ class SegmentHandover:
         max_segments: int = 4096,
         max_mapped_bytes: int = 64 << 30,
         mode: int = 0o600,
+        on_release: Callable[[list[Segment]], None] | None = None,
     ) -> None:
         self.path = path
+        self._on_release = on_release
         self._mode = mode
         self._is_session = is_session
         self._max_segments = max_segments
@@ -147,9 +152,11 @@ class SegmentHandover:
         """Forget the session's segments (CloseSession); its connection is closed."""
         with self._lock:
             conn = self._by_session.pop(session_id, None)
+            released = [] if conn is None else list(conn.segments.values())
             if conn is not None:
                 conn.segments.clear()
                 conn.results.clear()
+        self._release(released)
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
@@ -210,8 +217,10 @@ class SegmentHandover:
                 self._connections.discard(conn)
                 if self._by_session.get(conn.session_id) is conn:
                     del self._by_session[conn.session_id]
+                released = list(conn.segments.values())
                 conn.segments.clear()  # the mappings go with the last reference
                 conn.results.clear()
+            self._release(released)
             conn.sock.close()
             logger.debug("handover connection of session %s closed", conn.session_id or "-")
 
@@ -234,6 +243,7 @@ class SegmentHandover:
                 if segment is not None:
                     conn.mapped_bytes -= segment.size_bytes
                 conn.results = {b: s for b, s in conn.results.items() if s != segment_id}
+            self._release([segment] if segment is not None else [])
             return
         assert isinstance(request, Attach)
         if len(fds) != 1:
@@ -257,3 +267,11 @@ class SegmentHandover:
             conn.mapped_bytes += segment.size_bytes
             if request.role is SegmentRole.RESULT:
                 conn.results[request.block] = segment_id
+        self._release([old] if old is not None else [])
+
+    def _release(self, segments: list[Segment]) -> None:
+        if segments and self._on_release is not None:
+            try:
+                self._on_release(segments)
+            except Exception:  # the engine's trouble must not take the handover down
+                logger.exception("releasing %d shared-memory segments failed", len(segments))

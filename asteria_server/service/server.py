@@ -213,6 +213,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
                 is_session=lambda session_id: servicer.has_session(session_id),
                 max_segments=config.max_shm_segments,
                 mode=config.socket_mode,
+                on_release=engine.release_shared,
             )
         servicer = PreconditionerServicer(
             engine,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -39,10 +40,10 @@ from asteria_server.protocol import convert, framing
 from asteria_server.protocol.errors import to_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
-from asteria_server.protocol.shm import SegmentRef, result_arrays, result_specs
+from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
-from asteria_server.types import SubmitOutcome, TransportStats
+from asteria_server.types import SharedArrays, SubmitOutcome, TransportStats
 
 logger = logging.getLogger(__name__)
 
@@ -344,16 +345,25 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     async def _from_segment(
         self, receiver: framing.SnapshotReceiver, session: Session
     ) -> SolveTask | None:
-        """Copy a snapshot announced in shared memory out of the session's segment."""
+        """The task of a snapshot announced in shared memory, *not copied*: its arrays are views
+        of the session's segment, which the solver worker reads itself (under the seqlock), and
+        its result goes to the session's result segment of the block, if there is one. None
+        when a newer write already replaced it (a cheap look at the sequence word)."""
         if self._handover is None:
             raise InvalidInputError("this daemon offers no shared memory; send chunks instead")
-        assert receiver.shm is not None
-        segment = self._handover.segment(session.session_id, receiver.shm.segment_id)
-        if sum(spec.num_bytes for spec in receiver.specs) > _COPY_IN_THREAD_BYTES:
-            copies = await asyncio.to_thread(segment.read, receiver.specs, receiver.shm.sequence)
-        else:
-            copies = segment.read(receiver.specs, receiver.shm.sequence)
-        return None if copies is None else receiver.task_from(copies, tenant=session.tenant)
+        ref = receiver.shm
+        assert ref is not None
+        segment = self._handover.segment(session.session_id, ref.segment_id)
+        views = segment.views(receiver.specs)  # InvalidInputError: does not fit the segment
+        if segment.sequence != ref.sequence:
+            return None
+        task = receiver.task_from(views, tenant=session.tenant)
+        found = self._handover.result_segment(session.session_id, task.block)
+        return dataclasses.replace(
+            task,
+            shm_source=SharedArrays(segment, ref.segment_id, ref.sequence),
+            shm_result=None if found is None else SharedArrays(found[1], found[0]),
+        )
 
     def _check_registered(self, tenant: str, header: pb.SnapshotHeader) -> None:
         spec = self._registered.get(tenant, {}).get(header.block)
@@ -398,13 +408,16 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                         if result is None:
                             continue
                         sent[block] = result.version
-                        shm = None
-                        if request.shm_results:
-                            shm = await self._to_segment(session.session_id, result)
+                        sending = await self._to_send(
+                            session.session_id, result, request.shm_results
+                        )
+                        if sending is None:
+                            continue
                         for message in framing.result_messages(
-                            result, chunk_bytes=self._limits.chunk_bytes, shm=shm
+                            sending[0], chunk_bytes=self._limits.chunk_bytes, shm=sending[1]
                         ):
                             yield message
+                        result = sending = None  # hold no client's segment while idle
                     continue  # results may have come while this stream was sending
                 await stream.wake.wait()
         finally:
@@ -414,27 +427,28 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 if not streams:
                     del self._streams[tenant]
 
-    async def _to_segment(self, session_id: str, result: SolveResult) -> SegmentRef | None:
-        """Write ``result`` into the session's result segment of its block, if it handed one
-        over and the result fits; None sends it in chunks instead."""
-        found = (
-            None
-            if self._handover is None
-            else self._handover.result_segment(session_id, result.block)
-        )
-        if found is None:
-            return None
-        segment_id, segment = found
-        specs, arrays = result_specs(result), result_arrays(result)
-        try:
-            if sum(spec.num_bytes for spec in specs) > _COPY_IN_THREAD_BYTES:
-                sequence = await asyncio.to_thread(segment.write, specs, arrays)
-            else:
-                sequence = segment.write(specs, arrays)
-        except InvalidInputError as exc:
-            logger.warning("result of block %r sent in chunks: %s", result.block, exc)
-            return None
-        return SegmentRef(segment_id, sequence)
+    async def _to_send(
+        self, session_id: str, result: SolveResult, shm_results: bool
+    ) -> tuple[SolveResult, SegmentRef | None] | None:
+        """How to send ``result`` on this session's stream: announced where the worker wrote it,
+        when that is this session's result segment of the block; else in chunks (copied out of
+        another session's segment first, under its seqlock). None: it was overwritten meanwhile
+        (a newer result of the block follows).
+
+        The daemon process never writes into a client's segment: its solver workers are the
+        only writers of result segments, so a seqlock never has two writers."""
+        if result.shm is None:
+            return result, None
+        target = None
+        if shm_results and self._handover is not None:
+            target = self._handover.result_segment(session_id, result.block)
+        if target is not None and target[1] is result.shm.segment:
+            return result, SegmentRef(result.shm.segment_id, result.shm.sequence)
+        if sum(spec.num_bytes for spec in result_specs(result)) > _COPY_IN_THREAD_BYTES:
+            copied = await asyncio.to_thread(private_result, result)
+        else:
+            copied = private_result(result)
+        return None if copied is None else (copied, None)
 
     # ------------------------------------------------------------------ status
 

@@ -1,0 +1,134 @@
+"""The solver pool reads a client's snapshot segment and writes its result segment itself.
+
+This is the daemon's same-host path without the daemon: segments made the way a client makes
+them (``protocol.shm``), tasks pointing at them the way the servicer builds them. Checked: the
+result lands in the client's segment under its seqlock and equals the solver's; a snapshot
+overwritten before the worker reads it ends as *overwritten*; a bad segment is that task's error
+and the pool keeps serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from asteria_server.engine import solve
+from asteria_server.engine.workers import PoolConfig, PoolEvent, WorkerPool
+from asteria_server.protocol.shm import (
+    Segment,
+    create_segment,
+    map_segment,
+    result_layout,
+    segment_bytes,
+    snapshot_layout,
+    snapshot_specs,
+)
+from asteria_server.types import SharedArrays, SolveKind, SolveTask
+from tests.unit.engine.test_engine import spd
+
+WAIT_S = 60.0
+N = 24
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    p = WorkerPool(PoolConfig(num_workers=1, solve_timeout_s=30.0))
+    yield p
+    p.close()
+
+
+def run(pool: WorkerPool, job_id: int, task: SolveTask) -> PoolEvent:
+    pool.submit(job_id, task)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        events = pool.poll(0.5)
+        if events:
+            return events[0]
+    raise AssertionError("no answer from the worker pool")
+
+
+def client_segments(kind: SolveKind) -> tuple[Segment, Segment]:
+    """A snapshot and a result segment as a client makes them, mapped as the daemon maps them."""
+    out = []
+    for specs in (snapshot_layout(N, kind, 4), result_layout(N, kind)):
+        fd, own = create_segment(segment_bytes(specs))
+        out.append(map_segment(fd, own.size_bytes, keep_fd=True))
+        own.close()
+        os.close(fd)
+    return out[0], out[1]
+
+
+def shm_task(kind: SolveKind, snap: Segment, result: Segment, version: int) -> SolveTask:
+    plain = SolveTask(block="b", version=version, kind=kind, matrix=spd(N, version))
+    sequence = snap.write(snapshot_specs(plain), [plain.matrix])
+    views = snap.views(snapshot_specs(plain))
+    return dataclasses.replace(
+        plain,
+        matrix=views[0],
+        shm_source=SharedArrays(snap, "snap", sequence),
+        shm_result=SharedArrays(result, "res"),
+    )
+
+
+@pytest.mark.parametrize("kind", list(SolveKind))
+def test_the_worker_writes_the_result_into_the_clients_segment(
+    pool: WorkerPool, kind: SolveKind
+) -> None:
+    snap, res = client_segments(kind)
+    task = shm_task(kind, snap, res, 1)
+    expected = solve(dataclasses.replace(task, matrix=spd(N, 1), shm_source=None))
+    event = run(pool, 1, task)
+    assert event.result is not None and event.result.shm is not None
+    assert event.result.shm.segment is res and event.result.shm.segment_id == "res"
+    # What the client reads under the seqlock at the announced sequence is the solver's result.
+    specs = [spec for spec in result_layout(N, kind)][: 2 if kind is SolveKind.EIGENBASIS else 1]
+    copies = res.read(specs, event.result.shm.sequence)
+    assert copies is not None
+    np.testing.assert_allclose(copies[0], expected.matrix, rtol=1e-5, atol=1e-6)
+    if kind is SolveKind.EIGENBASIS:
+        assert expected.eigenvalues is not None
+        np.testing.assert_allclose(copies[1], expected.eigenvalues, rtol=1e-5)
+
+
+def test_an_overwritten_snapshot_is_neither_solved_nor_a_failure(pool: WorkerPool) -> None:
+    snap, res = client_segments(SolveKind.INVERSE_ROOT)
+    task = shm_task(SolveKind.INVERSE_ROOT, snap, res, 1)
+    snap.write(snapshot_specs(task), [spd(N, 2)])  # the client's next snapshot, not announced
+    event = run(pool, 2, task)
+    assert event.overwritten and event.result is None and event.error is None
+
+
+def test_a_bad_snapshot_is_that_tasks_error_and_the_pool_keeps_serving(pool: WorkerPool) -> None:
+    snap, res = client_segments(SolveKind.INVERSE_ROOT)
+    task = shm_task(SolveKind.INVERSE_ROOT, snap, res, 1)
+    snap.views(snapshot_specs(task))[0][0, 0] = np.nan  # written outside the seqlock
+    event = run(pool, 3, task)
+    assert event.result is None and event.error is not None and "NaN or Inf" in event.error
+    restarts = pool.restarts
+    # An unsealed "segment": the worker refuses to map it; its task fails, nothing crashes.
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    own_fd, own = create_segment(snap.size_bytes)
+    os.ftruncate(fd, snap.size_bytes)
+    os.close(own_fd)
+    own.close()
+
+    class Unsealed:
+        token, size_bytes = 10**9, snap.size_bytes
+
+        def fileno(self) -> int:
+            return fd
+
+        def read(self, specs: object, sequence: int) -> None:
+            return None
+
+    bad = dataclasses.replace(task, shm_source=SharedArrays(Unsealed(), "x", 2))  # type: ignore[arg-type]
+    event = run(pool, 4, bad)
+    os.close(fd)
+    assert event.result is None and event.error is not None and "mapped" in event.error
+    good = run(pool, 5, shm_task(SolveKind.INVERSE_ROOT, snap, res, 6))
+    assert good.result is not None and pool.restarts == restarts
