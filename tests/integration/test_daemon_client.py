@@ -180,8 +180,9 @@ def test_kill_9_falls_back_locally_then_a_restarted_daemon_takes_over(tmp_path: 
         assert not any(row["connected"] for row in rows)
         assert sum(row["submits_dropped"] for row in rows) > 0
 
-        (tmp_path / "d.ready").unlink()
-        second = start_daemon(tmp_path)  # the same socket path
+        # The same socket path; the launcher waits on a fresh ready file of its own, so the
+        # killed daemon's leftover cannot pass for the new one's.
+        second = start_daemon(tmp_path)
         assert incarnation(second) != incarnation(first)
         _wait_for(
             lambda: source.connected and source.incarnation_id == incarnation(second),
