@@ -166,10 +166,10 @@ def _bare_worker(conn: Connection, index: int, num_workers: int, niceness: int) 
             conn.send(("loaded", len(share)))
         else:
             kind = SolveKind(msg[1])
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for matrix in share:
                 bare_solve(matrix, kind)
-            conn.send(("done", time.perf_counter() - start))
+            conn.send(("done", (time.perf_counter() - start, time.process_time() - cpu)))
     conn.close()
 
 
@@ -178,6 +178,7 @@ class BarePool:
 
     def __init__(self, num_workers: int, niceness: int) -> None:
         ctx = mp.get_context("spawn")
+        self.last_cpu_s = 0.0  # CPU seconds of every process in the last round
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         for index in range(num_workers):
@@ -206,7 +207,7 @@ class BarePool:
         start = time.perf_counter()
         for conn in self._conns:
             conn.send(("run", kind.value))
-        self._gather()
+        self.last_cpu_s = sum(cpu for _, cpu in self._gather())
         return time.perf_counter() - start
 
     def close(self) -> None:
@@ -240,7 +241,8 @@ class DaemonClient:
         if shared_memory and not self._shm.active:
             raise RuntimeError(f"the daemon at {address} offers no shared memory")
         self._segments: dict[str, Any] = {}  # block -> its snapshot segment
-        self._arrivals: queue.Queue[tuple[str, int, float] | BaseException] = queue.Queue()
+        #: (block, version, arrival time, the worker's solve seconds) or the stream's failure
+        self._arrivals: queue.Queue[tuple[str, int, float, float] | BaseException] = queue.Queue()
         self._cancel: Callable[[], object] | None = None
         self._cancel_set = threading.Event()
         self._closing = False
@@ -269,7 +271,8 @@ class DaemonClient:
         reader = self._shm.read_result if self._shm.active else None
         try:
             for result in self._conn.results(self._session, {}, self._on_call, reader=reader):
-                self._arrivals.put((result.block, result.version, time.perf_counter()))
+                arrived = time.perf_counter()
+                self._arrivals.put((result.block, result.version, arrived, result.solve_time_s))
         except BaseException as exc:  # surfaced by run_round unless we are closing
             if not self._closing:
                 self._arrivals.put(exc)
@@ -307,11 +310,29 @@ class DaemonClient:
                 ) from None
             if isinstance(item, BaseException):
                 raise RuntimeError(f"the daemon's results stream failed: {item}") from item
-            block, got, arrived = item
+            block, got, arrived, _ = item
             if got == version and block in pending:
                 pending.discard(block)
                 last = arrived
         return last - start
+
+    def latency(
+        self, matrix: np.ndarray, kind: SolveKind, block: str, version: int
+    ) -> tuple[float, float]:
+        """One block alone: seconds from its submit to its result in this process, and the
+        seconds the worker's solve took."""
+        from asteria_server.types import SolveTask
+
+        task = SolveTask(block=block, version=version, kind=kind, matrix=matrix, epsilon=EPSILON)
+        start = time.perf_counter()
+        self._submit(task)
+        deadline = time.monotonic() + ROUND_SLACK_S
+        while True:
+            item = self._arrivals.get(timeout=max(0.0, deadline - time.monotonic()))
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"the daemon's results stream failed: {item}") from item
+            if item[:2] == (block, version):
+                return item[2] - start, item[3]
 
     def close(self) -> None:
         self._closing = True
@@ -349,6 +370,22 @@ def calibrate_batch(n: int, cfg: ThroughputConfig) -> tuple[int, float]:
         return cfg.batch, seconds
     per_worker = max(MIN_BLOCKS_PER_WORKER, round(cfg.target_round_s / max(seconds, 1e-6)))
     return min(MAX_BATCH, per_worker * cfg.workers), seconds
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants (the daemon and
+    its solver workers), from /proc."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(tree_cpu_s(int(child)) for child in f.read().split())
+    except (FileNotFoundError, ProcessLookupError):
+        pass  # it exited meanwhile
+    return total
 
 
 def _entry(
@@ -411,20 +448,38 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
                 version += 1
                 daemon_s: list[float] = []
                 bare_s: list[float] = []
+                daemon_cpu: list[float] = []  # CPU-s per solve: daemon + workers + client
+                bare_cpu: list[float] = []
                 for r in range(cfg.rounds):
-                    if r % 2 == 0:
+                    for side in ("daemon", "bare") if r % 2 == 0 else ("bare", "daemon"):
+                        if side == "bare":
+                            bare_s.append(bare.run_round(kind))
+                            bare_cpu.append(bare.last_cpu_s / batch)
+                            continue
+                        cpu = tree_cpu_s(daemon.pid) + time.process_time()
                         daemon_s.append(client.run_round(matrices, kind, prefix, version))
-                        bare_s.append(bare.run_round(kind))
-                    else:
-                        bare_s.append(bare.run_round(kind))
-                        daemon_s.append(client.run_round(matrices, kind, prefix, version))
+                        cpu = tree_cpu_s(daemon.pid) + time.process_time() - cpu
+                        daemon_cpu.append(cpu / batch)
                     version += 1
                     _progress(
                         f"n={n} {kind.value} round {r + 1}/{cfg.rounds}: daemon "
                         f"{daemon_s[-1]:.3f} s, bare {bare_s[-1]:.3f} s "
                         f"(ratio {bare_s[-1] / daemon_s[-1]:.3f})"
                     )
-                entries.append(_entry(n, kind, batch, daemon_s, bare_s))
+                entry = _entry(n, kind, batch, daemon_s, bare_s)
+                entry["cpu_s_per_solve_vs_bare"] = (
+                    summarize(daemon_cpu)["median"] / summarize(bare_cpu)["median"]
+                )
+                # One block at a time: what submit -> result adds to the worker's solve.
+                latencies, solves = [], []
+                for i in range(max(5, 2 * cfg.rounds)):
+                    latency_s, solve_s = client.latency(matrices[0], kind, f"{prefix}-lat", i)
+                    latencies.append(latency_s)
+                    solves.append(solve_s)
+                entry["result_overhead_ms_p50"] = 1e3 * (
+                    summarize(latencies)["median"] - summarize(solves)["median"]
+                )
+                entries.append(entry)
     finally:
         if client is not None:
             client.close()
@@ -451,6 +506,7 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
 
 def _table(results: Sequence[dict[str, Any]], markdown: bool) -> list[str]:
     head = ["n", "kind", "batch", "daemon solves/s", "bare solves/s", "ratio", "paired (min-max)"]
+    head += ["CPU/solve vs bare", "result overhead ms"]
     rows = [
         [
             str(e["n"]),
@@ -461,6 +517,8 @@ def _table(results: Sequence[dict[str, Any]], markdown: bool) -> list[str]:
             f"{e['ratio']:.3f}" + ("" if e["target_met"] else " (below target)"),
             f"{e['paired_ratio_median']:.3f} ({e['paired_ratio_min']:.3f}-"
             f"{e['paired_ratio_max']:.3f})",
+            f"{e.get('cpu_s_per_solve_vs_bare', math.nan):.3f}",
+            f"{e.get('result_overhead_ms_p50', math.nan):.2f}",
         ]
         for e in results
     ]
@@ -477,6 +535,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"ratio = bare median round / daemon median round (target >= {report['ratio_target']}); "
         f"{cfg['workers']} daemon workers vs {cfg['workers']} bare processes, 1 BLAS thread "
         f"each, {cfg['rounds']} alternating rounds; paired = per-round ratios",
+        "CPU/solve vs bare = CPU-s per solve of daemon + workers + client / bare loop's "
+        "(target <= 1.10); result overhead = median submit->result of one block alone - "
+        "median worker solve time (target <= 2 ms at n=256)",
     ]
     return "\n".join(lines)
 
