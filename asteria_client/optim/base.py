@@ -48,7 +48,7 @@ from asteria_server.errors import (
 from asteria_server.types import SolveKind
 
 if TYPE_CHECKING:
-    from asteria_server.engine import EngineConfig
+    from asteria_client.runtime.embedded import EngineConfig
 
 logger = logging.getLogger(__name__)
 

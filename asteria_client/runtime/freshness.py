@@ -41,7 +41,7 @@ from asteria_client.runtime.staleness import BarrierStats, StalenessPolicy, fres
 from asteria_server.errors import AsteriaError, InvalidInputError, SolverError
 
 if TYPE_CHECKING:
-    from asteria_server.engine import EngineConfig
+    from asteria_client.runtime.embedded import EngineConfig
 
 logger = logging.getLogger(__name__)
 

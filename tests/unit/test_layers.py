@@ -252,15 +252,7 @@ def test_type_checking_imports_are_exempt_only_from_the_optim_rule(skeleton: Pat
 REAL_RULES = [
     pytest.param(1, id="server-has-no-torch-or-client"),
     pytest.param(2, id="optim-uses-only-the-runtime-package"),
-    pytest.param(
-        3,
-        id="only-embedded-imports-the-engine",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="optim/base.py and runtime/freshness.py import asteria_server.engine."
-            "EngineConfig (under TYPE_CHECKING): import it from asteria_client.runtime.embedded",
-        ),
-    ),
+    pytest.param(3, id="only-embedded-imports-the-engine"),
     pytest.param(4, id="protocol-has-no-engine"),
 ]
 
