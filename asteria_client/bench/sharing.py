@@ -313,24 +313,26 @@ def _fmt_ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f} ms"
 
 
+def _run_cells(run: dict[str, Any]) -> list[str]:
+    """One N's row of the terminal table and the report's (which adds the daemon's CPU)."""
+    return [
+        str(run["num_clients"]),
+        f"{run['aggregate_solves_per_s']:.1f}",
+        f"{run['aggregate_solves_per_s_span']:.1f}",
+        f"{run['fairness_jain']:.3f}",
+        _fmt_ms(run["latency_p50_median_s"]),
+        _fmt_ms(run["latency_p99_max_s"]),
+        f"{run['steps_per_s_mean']:.2f}",
+        str(run["barrier_waits"]),
+        str(run["local_fallbacks"]),
+        f"{run['overlap_fraction']:.0%}",
+    ]
+
+
 def format_report(report: dict[str, Any]) -> str:
     head = ["N", "solves/s", "span", "fairness", "p50", "p99 max", "steps/s", "waits"]
     head += ["fallbk", "overlap"]
-    rows = [
-        [
-            str(run["num_clients"]),
-            f"{run['aggregate_solves_per_s']:.1f}",
-            f"{run['aggregate_solves_per_s_span']:.1f}",
-            f"{run['fairness_jain']:.3f}",
-            _fmt_ms(run["latency_p50_median_s"]),
-            _fmt_ms(run["latency_p99_max_s"]),
-            f"{run['steps_per_s_mean']:.2f}",
-            str(run["barrier_waits"]),
-            str(run["local_fallbacks"]),
-            f"{run['overlap_fraction']:.0%}",
-        ]
-        for run in report["runs"]
-    ]
+    rows = [_run_cells(run) for run in report["runs"]]
     lines = text_table([head, *rows], align=">")
     lines.append(
         "solves/s: sum of each client's results / its run time; span: all results / first start "
@@ -401,21 +403,7 @@ def report_section(data: dict[str, Any]) -> str:
     runs = []
     for run in data["runs"]:
         cpu = run.get("daemon_cpu_s")
-        runs.append(
-            [
-                str(run["num_clients"]),
-                f"{run['aggregate_solves_per_s']:.1f}",
-                f"{run['aggregate_solves_per_s_span']:.1f}",
-                f"{run['fairness_jain']:.3f}",
-                _fmt_ms(run["latency_p50_median_s"]),
-                _fmt_ms(run["latency_p99_max_s"]),
-                f"{run['steps_per_s_mean']:.2f}",
-                str(run["barrier_waits"]),
-                str(run["local_fallbacks"]),
-                f"{run['overlap_fraction']:.0%}",
-                "-" if cpu is None else f"{cpu:.1f}",
-            ]
-        )
+        runs.append([*_run_cells(run), "-" if cpu is None else f"{cpu:.1f}"])
     lines += markdown_table(RUN_COLUMNS, runs, align=">")
     lines += [
         "",
