@@ -134,6 +134,14 @@ def make_factor(n: int, seed: int, index: int) -> np.ndarray:
     return a
 
 
+def _load_lapack() -> None:
+    """Load SciPy (and the BLAS it ships) *before* limiting BLAS threads: threadpoolctl limits
+    only libraries already loaded, and a bare process whose SciPy BLAS came later ran with every
+    core per process — oversubscribed, several times slower than the daemon it is the ceiling
+    for."""
+    import scipy.linalg  # noqa: F401
+
+
 def bare_solve(matrix: np.ndarray, kind: SolveKind) -> None:
     """The LAPACK/BLAS work of one engine solve (``solvers.EighSolver``), nothing else."""
     import scipy.linalg
@@ -150,6 +158,7 @@ def bare_solve(matrix: np.ndarray, kind: SolveKind) -> None:
 
 def _bare_worker(conn: Connection, index: int, num_workers: int, niceness: int) -> None:
     """A bare process: hold its share of the batch, run it when told, report the seconds."""
+    _load_lapack()
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=1, user_api="blas")
@@ -356,6 +365,7 @@ def _progress(message: str) -> None:
 
 def calibrate_batch(n: int, cfg: ThroughputConfig) -> tuple[int, float]:
     """B for size n (a multiple of the worker count) and the measured seconds per bare solve."""
+    _load_lapack()
     from threadpoolctl import threadpool_limits
 
     matrix = make_factor(n, cfg.seed, 0)
