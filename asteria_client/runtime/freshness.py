@@ -147,6 +147,8 @@ class FreshnessRuntime:
         self._lag_at_use: dict[str, int] = {}
         self._frequency: dict[str, int] = {}
         self._pumped_epoch: int | None = None
+        #: id(tile) -> (the tile, the results epoch of its last scan)
+        self._scanned: dict[int, tuple[weakref.ref[TileBlocks], int]] = {}
         self._hooks: list[Any] = []
         self._warned: set[str] = set()
         # The source is released when the runtime is collected, even without close(): the
@@ -199,6 +201,15 @@ class FreshnessRuntime:
         self.install_ready(tile, install)
 
     def install_ready(self, tile: TileBlocks, install: InstallFn) -> None:
+        """Install every ready result of the tile's blocks. When the source counts arriving
+        results, a tile already scanned since the last arrival is not scanned again: a step
+        then costs one counter read per tile, not one source round trip per block."""
+        epoch = self.source.results_epoch()  # read before the scan: an arrival during it counts
+        if epoch is not None:
+            seen = self._scanned.get(id(tile))
+            if seen is not None and seen[0]() is tile and seen[1] == epoch:
+                return
+            self._scanned[id(tile)] = (weakref.ref(tile), epoch)
         for dim, block in tile.preconditioned():
             result = self._take_newer(block, tile.versions[dim])
             if result is not None:
@@ -221,6 +232,7 @@ class FreshnessRuntime:
     ) -> None:
         """Install ready results, then make every block of the tile meet the staleness budget:
         wait (bounded) for a result in flight, else compute the block locally."""
+        self.source.pump()  # finished transfers move on even when nothing is taken
         self.install_ready(tile, install)
         for dim, block in tile.preconditioned():
             self._frequency[block] = frequency

@@ -161,6 +161,7 @@ class DaemonSource(PreconditionerSource):
         self._lock = threading.Condition()
         self._blocks: dict[str, _Block] = {}
         self._registered: set[str] = set()  # blocks declared to the current session
+        self._results_epoch = 0  # results received so far: lets the runtime skip idle scans
         #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         #: Shared memory: wanted for a ``unix://`` daemon unless turned off.
@@ -471,6 +472,7 @@ class DaemonSource(PreconditionerSource):
                 return  # not ours, or older than one received: versions never go back
             block.received_version = result.version
             block.ready = result
+            self._results_epoch += 1
             submitted = block.submitted_at.pop(result.version, None)
             if submitted is not None:
                 self._latencies.append(time.monotonic() - submitted)
@@ -492,6 +494,9 @@ class DaemonSource(PreconditionerSource):
             result, record.ready = record.ready, None
             device = record.device
         return self._to_torch(result, device)
+
+    def results_epoch(self) -> int | None:
+        return self._results_epoch  # an int read: no lock needed
 
     def _in_flight(self, block: _Block) -> int | None:
         """The newest version queued or sent in this session and not answered yet (locked)."""
