@@ -387,8 +387,9 @@ def report_section(data: dict[str, Any]) -> str:
     lines = [
         f"{cfg['steps']} steps per run ({data.get('schedule', 'interleaved')}), precondition "
         f"frequency {cfg['precondition_frequency']}, staleness budget {cfg['staleness_budget']}, "
-        f"{cfg['threads']} trainer thread(s), {cfg['engine_workers']} engine worker(s); "
-        f"statistics after {cfg['warmup_steps']} warm-up steps.",
+        f"{cfg['threads']} trainer thread(s), {cfg['engine_workers']} engine worker(s), "
+        f"device {cfg.get('device', 'cpu')}; statistics after {cfg['warmup_steps']} warm-up "
+        "steps.",
         "",
         cpu_settings(data),
         "",
