@@ -10,6 +10,10 @@
 - ``ASTERIA_TLS_CA``: a PEM file of the certificate authority to trust for a TCP daemon that
   serves TLS; set, the client connects with TLS (``host:port`` addresses only).
 
+The launcher's run id is read here too: ``TORCHELASTIC_RUN_ID`` (set by ``torchrun``) names the
+job when ``ASTERIA_JOB`` does not, so the data-parallel replicas of one job share their blocks
+on a daemon without any setting (torchrun's placeholder ``none`` does not count).
+
 Explicit arguments always win over the environment; :func:`client_env` only fills the gaps.
 :func:`environ_without_asteria` is the environment for a child process (a daemon, a trainer) that
 must not inherit this process's settings.
@@ -29,6 +33,7 @@ ENV_TOKEN = "ASTERIA_TOKEN"
 ENV_JOB = "ASTERIA_JOB"
 ENV_TRANSPORT = "ASTERIA_TRANSPORT"
 ENV_TLS_CA = "ASTERIA_TLS_CA"
+ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
 TRANSPORTS = ("auto", "grpc")
 
 
@@ -42,6 +47,12 @@ class ClientEnv:
     job: str = ""
     transport: str = "auto"
     tls_ca: str | None = None
+    run_id: str = ""  # the launcher's (torchrun) run id; "" when not launched by one
+
+    @property
+    def job_name(self) -> str:
+        """``ASTERIA_JOB``, else the launcher's run id, else ""."""
+        return self.job or self.run_id
 
 
 def client_env(environ: Mapping[str, str] | None = None) -> ClientEnv:
@@ -59,7 +70,13 @@ def client_env(environ: Mapping[str, str] | None = None) -> ClientEnv:
         job=env.get(ENV_JOB, ""),
         transport=transport,
         tls_ca=env.get(ENV_TLS_CA) or None,
+        run_id=_run_id(env.get(ENV_RUN_ID, "")),
     )
+
+
+def _run_id(value: str) -> str:
+    value = value.strip()
+    return "" if value.lower() in ("", "none") else value
 
 
 def environ_without_asteria(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -145,10 +145,11 @@ class DaemonSource(PreconditionerSource):
         env = client_env()
         self.address = resolve_address(address)
         self.config = config or DaemonClientConfig()
-        #: Prefix of this source's block names on the daemon: the job (data-parallel replicas
+        #: Prefix of this source's block names on the daemon: the job (``ASTERIA_JOB``, else the
+        #: launcher's run id; data-parallel replicas
         #: of one job share blocks and results), else a name of its own, so that another run in
         #: the same tenant never hands this one its results.
-        self.namespace = (env.job if job is None else job) or f"run-{uuid.uuid4().hex[:12]}"
+        self.namespace = (env.job_name if job is None else job) or f"run-{uuid.uuid4().hex[:12]}"
         self._prefix = f"{self.namespace}:"
         self._conn = DaemonConnection(
             self.address,

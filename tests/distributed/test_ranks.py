@@ -1,0 +1,170 @@
+"""Real ranks (torch.distributed on gloo, spawned processes): the job layout, and DDP replicas
+whose optimizers equal one process with the whole batch."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from asteria_client import SOAP, Shampoo
+from asteria_client.distributed import JobLayout, discover_layout
+from asteria_server.engine import EngineConfig
+
+WORLD = 2
+STEPS = 20
+BATCH = 16  # per rank; the single-process reference sees WORLD * BATCH
+DIM = 12
+
+
+def _init(rank: int, tmp: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),  # a hung collective fails, never hangs CI
+    )
+
+
+def _spawn(fn: Any, *args: Any) -> None:
+    mp.start_processes(fn, args=args, nprocs=WORLD, start_method="spawn", join=True)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_layout_from_host_names() -> None:
+    layout = JobLayout.from_hosts(["a", "a", "b", "b"], 2, "job")
+    assert (layout.node, layout.node_rank, layout.num_nodes) == ("b", 1, 2)
+    assert (layout.local_rank, layout.local_world_size, layout.is_node_leader) == (0, 2, True)
+    assert layout.local_ranks == (2, 3) and layout.ranks_by_node == ((0, 1), (2, 3))
+    assert not JobLayout.from_hosts(["a", "a", "b", "b"], 3, "job").is_node_leader
+
+
+def test_no_process_group_means_no_layout() -> None:
+    assert discover_layout() is None
+
+
+def _layout_rank(rank: int, tmp: str) -> None:
+    if rank == 1:
+        os.environ["TORCHELASTIC_RUN_ID"] = "not-rank-0s"  # ranks disagree: rank 0 wins
+    _init(rank, tmp)
+    try:
+        layout = discover_layout()
+        torch.save(layout, f"{tmp}/layout{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_discover_one_layout_and_one_job_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ASTERIA_JOB", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-42")  # what torchrun sets
+    _spawn(_layout_rank, str(tmp_path))
+    layouts = [torch.load(tmp_path / f"layout{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert [lay.rank for lay in layouts] == [0, 1]
+    assert all(lay.world_size == WORLD and lay.num_nodes == 1 for lay in layouts)
+    assert [lay.local_rank for lay in layouts] == [0, 1]
+    assert [lay.is_node_leader for lay in layouts] == [True, False]
+    assert {lay.job_id for lay in layouts} == {"run-42"}
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+def _model() -> torch.nn.Module:
+    """Square layers and more samples than dims: full-rank factors, whose eigenbases are
+    defined. (Rank-deficient factors have an arbitrary null-space basis, which turns the rounding
+    difference of an all-reduced gradient into a different trajectory.)"""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(DIM, DIM), torch.nn.Tanh(), torch.nn.Linear(DIM, DIM)
+    )
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(WORLD * BATCH, DIM, generator=g) for _ in range(STEPS)]
+
+
+def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "shampoo-native":
+        return Shampoo(model.named_parameters(), lr=1e-2, precondition_frequency=3, mode="native")
+    mode = name.split("-")[1]
+    config = EngineConfig(num_workers=1) if mode == "embedded" else None
+    return SOAP(
+        model.named_parameters(),
+        lr=1e-2,
+        precondition_frequency=3,
+        mode=mode,
+        staleness_budget=0,
+        engine_config=config,
+    )
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int | None) -> None:
+    for batch in _batches():
+        x = batch if rank is None else batch[rank * BATCH : (rank + 1) * BATCH]
+        opt.zero_grad()
+        (model(x) - x).square().mean().backward()
+        opt.step()
+
+
+def _ddp_rank(rank: int, tmp: str, name: str) -> None:
+    torch.set_num_threads(1)
+    _init(rank, tmp)
+    try:
+        model = _model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = _optimizer(ddp.module, name)
+        try:
+            _train(ddp, opt, rank)
+        finally:
+            opt.close()  # type: ignore[attr-defined]
+        torch.save(model.state_dict(), f"{tmp}/params{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["soap-native", "soap-embedded", "shampoo-native"])
+def test_ddp_replicas_equal_one_process_with_the_whole_batch(tmp_path: Path, name: str) -> None:
+    """Gradients are averaged, so every replica's optimizer sees the whole batch's gradient:
+    2 ranks x batch b end where 1 rank with batch 2b does (S = 0 for the embedded engine)."""
+    _spawn(_ddp_rank, str(tmp_path), name)
+    single = _model()
+    torch.set_num_threads(1)
+    opt = _optimizer(single, name)
+    try:
+        _train(single, opt, None)
+    finally:
+        opt.close()  # type: ignore[attr-defined]
+    reference = single.state_dict()
+    for rank in range(WORLD):
+        replica = torch.load(tmp_path / f"params{rank}.pt")
+        for key, value in reference.items():
+            torch.testing.assert_close(replica[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize(
+    "environ,expected",
+    [
+        ({"TORCHELASTIC_RUN_ID": "abc"}, "abc"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, ""),  # torchrun's placeholder is no name
+        ({"TORCHELASTIC_RUN_ID": "abc", "ASTERIA_JOB": "mine"}, "mine"),
+        ({}, ""),
+    ],
+)
+def test_the_job_name_defaults_to_the_launchers_run_id(
+    environ: dict[str, str], expected: str
+) -> None:
+    from asteria_client.config import client_env
+
+    assert client_env(environ).job_name == expected
