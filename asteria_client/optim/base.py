@@ -301,6 +301,13 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             for dim, pre in enumerate(plan.preconditioned)
         ]
 
+    def _zero_factors(self, blocks: list[str | None], grad: torch.Tensor) -> list[Any]:
+        """A zero n×n factor for every preconditioned dim of a tile (None elsewhere)."""
+        return [
+            None if block is None else grad.new_zeros(size, size)
+            for block, size in zip(blocks, grad.shape, strict=True)
+        ]
+
     def _eigenbasis_request(
         self, tile: Any, dim: int, version: int, group: dict[str, Any]
     ) -> PreconditionerRequest:

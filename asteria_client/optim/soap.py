@@ -169,10 +169,7 @@ class SOAP(AsteriaOptimizer):
     # ------------------------------------------------------------------ tiles and blocks
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> SOAPTile:
         blocks = self._block_names(name, tile)
-        factors = [
-            None if block is None else grad.new_zeros(size, size)
-            for block, size in zip(blocks, grad.shape, strict=True)
-        ]
+        factors = self._zero_factors(blocks, grad)
         return SOAPTile.named(
             blocks,
             exp_avg=torch.zeros_like(grad),

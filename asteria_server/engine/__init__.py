@@ -1,8 +1,8 @@
 """The preconditioner engine: pure Python + NumPy/SciPy, no transport.
 
-It runs embedded in a training process and, unchanged, inside the node daemon. Modules:
-``tasks`` (value types), ``solvers`` (the math), ``registry`` (versions per block),
-``scheduler`` (what runs next), ``coordinator`` (registry + scheduler in step), ``shm``,
+It runs embedded in a training process and, unchanged, inside the node daemon (its value types
+live in :mod:`asteria_server.types`). Modules: ``solvers`` (the math), ``registry`` (versions
+per block), ``scheduler`` (what runs next), ``coordinator`` (registry + scheduler in step), ``shm``,
 ``workers`` and ``worker_process`` (the process pool, both sides), ``faults`` (test-only fault
 injection), ``engine`` (the thread-safe facade).
 """
