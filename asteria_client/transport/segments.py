@@ -156,8 +156,9 @@ class SegmentSet:
 
     # ------------------------------------------------------------------ segments
     def create(self, task: SolveTask) -> tuple[ClientSegment, ClientSegment] | None:
-        """A new snapshot and result segment for ``task``'s block, handed over; None when they
-        cannot be made here (the block then goes over gRPC; raises nothing)."""
+        """A new snapshot and result segment for ``task``'s block, handed over; None without a
+        handover channel. Raises SharedMemoryUnavailableError (after a warning) when they cannot
+        be made on this host: the caller sends that block over gRPC from then on."""
         if not self.enabled or self._channel is None:
             return None
         try:

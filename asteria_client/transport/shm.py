@@ -69,7 +69,8 @@ class ClientSegment:
     role: str  # "snapshot" or "result"
     block: str  # the block's name on the daemon
     _views: dict[tuple[ArraySpec, ...], list[torch.Tensor]] = field(default_factory=dict)
-    _registered: bool = False  # the mapping is page-locked for CUDA copies
+    #: the transfer layer that page-locked the mapping for CUDA copies (None: not registered)
+    _registered: DeviceTransfer | None = None
 
     @classmethod
     def create(cls, role: str, block: str, specs: Sequence[ArraySpec]) -> ClientSegment:
@@ -121,8 +122,8 @@ class ClientSegment:
         views = self._views.get(key)
         if views is None:
             views = self._views[key] = [torch.from_numpy(v) for v in self.segment.views(specs)]
-        if not self._registered:
-            self._registered = transfer.register(self._mapping_tensor())
+        if self._registered is None and transfer.register(self._mapping_tensor()):
+            self._registered = transfer
         self.segment.begin_write()
         copies = [transfer.copy_into(t, view) for view, t in zip(views, tensors, strict=True)]
         return PendingWrite(self.segment, copies)
@@ -139,6 +140,9 @@ class ClientSegment:
         return SegmentRef(self.segment_id, sequence)
 
     def close(self) -> None:
+        if self._registered is not None:  # unregister before the mapping goes away
+            self._registered.unregister(self._mapping_tensor())
+            self._registered = None
         with contextlib.suppress(OSError):
             os.close(self.fd)
         self._views.clear()
