@@ -59,6 +59,7 @@ def _layout_rank(rank: int, tmp: str) -> None:
     try:
         layout = discover_layout()
         torch.save(layout, f"{tmp}/layout{rank}.pt")
+        dist.barrier()  # see _ddp_rank
     finally:
         dist.destroy_process_group()
 
@@ -130,6 +131,11 @@ def _ddp_rank(rank: int, tmp: str, name: str) -> None:
         finally:
             opt.close()  # type: ignore[attr-defined]
         torch.save(model.state_dict(), f"{tmp}/params{rank}.pt")
+        # Every rank gets here before any tears gloo down (a group destroyed while a peer still
+        # talks to it aborts the process: "terminate called without an active exception"), and
+        # the reducer, which holds the group, goes first.
+        del ddp, opt
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
