@@ -291,12 +291,32 @@ class BlockStatus:
     state: BlockState
     last_error: str | None
     queue_position: int | None
+    tier: str = ""  # where its newest result is held: "host", "shm", "spill"; "" none
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready mapping (``state`` as its string value)."""
         out = asdict(self)
         out["state"] = self.state.value
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerState:
+    """One solver worker now, for ``asteria status``.
+
+    ``state`` is ``starting``, ``idle``, ``busy``, ``overdue`` (running past twice its expected
+    cost and at least a second) or ``stopped`` (its process is stopped by a signal). ``block``
+    is empty when idle, or when the viewer may not see the block's tenant.
+    """
+
+    index: int
+    pid: int
+    state: str
+    block: str = ""
+    n: int = 0
+    elapsed_s: float = 0.0
+    expected_s: float = 0.0
+    timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,6 +337,12 @@ class EngineStats:
     seconds_per_n3: float
     closed: bool
     broken_reason: str | None
+    workers: tuple[WorkerState, ...] = ()
+    cache_host_bytes: int = 0
+    cache_budget_bytes: int = 0  # 0: unbounded
+    results_spilled: int = 0
+    spill_bytes: int = 0
+    results_dropped: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -16,6 +16,7 @@ business, as for any other source of a task or result.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from asteria_server.types import (
     SolveTask,
     SubmitOutcome,
     TransportStats,
+    WorkerState,
 )
 
 _KINDS: dict[SolveKind, pb.SolveKind.ValueType] = {
@@ -354,6 +356,7 @@ def block_status_to_proto(status: BlockStatus) -> pb.BlockStatus:
         state=_STATES[status.state],
         last_error=status.last_error,
         queue_position=status.queue_position,
+        tier=status.tier,
     )
 
 
@@ -386,6 +389,7 @@ def block_status_from_proto(message: pb.BlockStatus) -> BlockStatus:
         state=state,
         last_error=m.last_error if m.HasField("last_error") else None,
         queue_position=m.queue_position if m.HasField("queue_position") else None,
+        tier=m.tier,
     )
 
 
@@ -406,6 +410,12 @@ def engine_stats_to_proto(stats: EngineStats) -> pb.EngineStats:
         seconds_per_n3=stats.seconds_per_n3,
         closed=stats.closed,
         broken_reason=stats.broken_reason,
+        workers=[pb.WorkerStatus(**dataclasses.asdict(w)) for w in stats.workers],
+        cache_host_bytes=stats.cache_host_bytes,
+        cache_budget_bytes=stats.cache_budget_bytes,
+        results_spilled=stats.results_spilled,
+        spill_bytes=stats.spill_bytes,
+        results_dropped=stats.results_dropped,
     )
 
 
@@ -427,6 +437,24 @@ def engine_stats_from_proto(message: pb.EngineStats) -> EngineStats:
         seconds_per_n3=m.seconds_per_n3,
         closed=m.closed,
         broken_reason=m.broken_reason if m.HasField("broken_reason") else None,
+        workers=tuple(
+            WorkerState(
+                index=w.index,
+                pid=w.pid,
+                state=w.state,
+                block=w.block,
+                n=w.n,
+                elapsed_s=w.elapsed_s,
+                expected_s=w.expected_s,
+                timeout_s=w.timeout_s,
+            )
+            for w in m.workers
+        ),
+        cache_host_bytes=m.cache_host_bytes,
+        cache_budget_bytes=m.cache_budget_bytes,
+        results_spilled=m.results_spilled,
+        spill_bytes=m.spill_bytes,
+        results_dropped=m.results_dropped,
     )
 
 

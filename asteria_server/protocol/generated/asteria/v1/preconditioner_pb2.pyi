@@ -297,9 +297,9 @@ class CloseSessionRequest(_message.Message):
     session_id: _builtins.str
     """The session to close."""
     forget_blocks: _builtins.bool
-    """True asks to drop the session's blocks and results now; false keeps them cached for a
-    restart. Not supported yet: a daemon answers INVALID_ARGUMENT and keeps the session open, so
-    a caller never believes blocks were dropped that were not.
+    """True also forgets every block of the session's job (within its tenant) now: versions,
+    queued snapshots, cached and spilled results; a solve running for one of them is discarded
+    when it ends. Other jobs' blocks stay. False keeps them cached for a restart.
     """
     def __init__(
         self,
@@ -811,6 +811,12 @@ class EngineStats(_message.Message):
     SECONDS_PER_N3_FIELD_NUMBER: _builtins.int
     CLOSED_FIELD_NUMBER: _builtins.int
     BROKEN_REASON_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    CACHE_HOST_BYTES_FIELD_NUMBER: _builtins.int
+    CACHE_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    RESULTS_SPILLED_FIELD_NUMBER: _builtins.int
+    SPILL_BYTES_FIELD_NUMBER: _builtins.int
+    RESULTS_DROPPED_FIELD_NUMBER: _builtins.int
     incarnation_id: _builtins.str
     """Identifies this run of the daemon; changes when it restarts."""
     uptime_s: _builtins.float
@@ -839,6 +845,21 @@ class EngineStats(_message.Message):
     """True once the engine began shutting down."""
     broken_reason: _builtins.str
     """Why the engine stopped taking work, when it did; unset while healthy."""
+    cache_host_bytes: _builtins.int
+    """Bytes of results held in the daemon's own memory (the host tier of the result cache)."""
+    cache_budget_bytes: _builtins.int
+    """The host tier's budget in bytes; 0 when unbounded."""
+    results_spilled: _builtins.int
+    """Results spilled to the spill directory now, and their bytes on disk."""
+    spill_bytes: _builtins.int
+    results_dropped: _builtins.int
+    """Results evicted without a copy (no spill directory, or a spill file failed its checksum),
+    all time: their blocks' clients resubmit.
+    """
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]:
+        """Each solver worker now: what it runs and for how long (a hung one shows here)."""
+
     def __init__(
         self,
         *,
@@ -856,16 +877,74 @@ class EngineStats(_message.Message):
         seconds_per_n3: _builtins.float = ...,
         closed: _builtins.bool = ...,
         broken_reason: _builtins.str | None = ...,
+        workers: _abc.Iterable[Global___WorkerStatus] | None = ...,
+        cache_host_bytes: _builtins.int = ...,
+        cache_budget_bytes: _builtins.int = ...,
+        results_spilled: _builtins.int = ...,
+        spill_bytes: _builtins.int = ...,
+        results_dropped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_broken_reason", b"_broken_reason", "broken_reason", b"broken_reason"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_broken_reason", b"_broken_reason", "blocks", b"blocks", "broken_reason", b"broken_reason", "closed", b"closed", "incarnation_id", b"incarnation_id", "num_workers", b"num_workers", "queue_depth", b"queue_depth", "results_discarded", b"results_discarded", "seconds_per_n3", b"seconds_per_n3", "solves_done", b"solves_done", "solves_failed", b"solves_failed", "uptime_s", b"uptime_s", "worker_restarts", b"worker_restarts", "workers_busy", b"workers_busy", "workers_idle", b"workers_idle"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_broken_reason", b"_broken_reason", "blocks", b"blocks", "broken_reason", b"broken_reason", "cache_budget_bytes", b"cache_budget_bytes", "cache_host_bytes", b"cache_host_bytes", "closed", b"closed", "incarnation_id", b"incarnation_id", "num_workers", b"num_workers", "queue_depth", b"queue_depth", "results_discarded", b"results_discarded", "results_dropped", b"results_dropped", "results_spilled", b"results_spilled", "seconds_per_n3", b"seconds_per_n3", "solves_done", b"solves_done", "solves_failed", b"solves_failed", "spill_bytes", b"spill_bytes", "uptime_s", b"uptime_s", "worker_restarts", b"worker_restarts", "workers", b"workers", "workers_busy", b"workers_busy", "workers_idle", b"workers_idle"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__broken_reason: _TypeAlias = _typing.Literal["broken_reason"]  # noqa: Y015
     _WhichOneofArgType__broken_reason: _TypeAlias = _typing.Literal["_broken_reason", b"_broken_reason"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__broken_reason) -> _WhichOneofReturnType__broken_reason | None: ...
 
 Global___EngineStats: _TypeAlias = EngineStats  # noqa: Y015
+
+@_typing.final
+class WorkerStatus(_message.Message):
+    """One solver worker (mirrors the engine's WorkerState)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    BLOCK_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    ELAPSED_S_FIELD_NUMBER: _builtins.int
+    EXPECTED_S_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The worker's slot in the pool (stable across restarts of its process)."""
+    pid: _builtins.int
+    """The worker process's pid; 0 while none runs."""
+    state: _builtins.str
+    """"starting", "idle", "busy", "overdue" (running far past its expected cost) or "stopped"
+    (its process is stopped by a signal).
+    """
+    block: _builtins.str
+    """The block it runs, when the caller's tenant owns it; empty otherwise."""
+    n: _builtins.int
+    """The factor dimension it runs (0 when idle)."""
+    elapsed_s: _builtins.float
+    """Seconds the current solve has run."""
+    expected_s: _builtins.float
+    """The cost model's estimate for it."""
+    timeout_s: _builtins.float
+    """When the worker is killed and replaced, in seconds from the solve's start."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        state: _builtins.str = ...,
+        block: _builtins.str = ...,
+        n: _builtins.int = ...,
+        elapsed_s: _builtins.float = ...,
+        expected_s: _builtins.float = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "elapsed_s", b"elapsed_s", "expected_s", b"expected_s", "index", b"index", "n", b"n", "pid", b"pid", "state", b"state", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerStatus: _TypeAlias = WorkerStatus  # noqa: Y015
 
 @_typing.final
 class BlockStatus(_message.Message):
@@ -896,6 +975,7 @@ class BlockStatus(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     QUEUE_POSITION_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """The tenant the block belongs to."""
     block: _builtins.str
@@ -940,6 +1020,10 @@ class BlockStatus(_message.Message):
     """0-based position in the daemon's run order, all tenants together (0 runs next); unset when
     nothing of the block is queued.
     """
+    tier: _builtins.str
+    """Where its newest result is held: "host" (daemon memory), "shm" (the client's result
+    segment), "spill" (the spill directory); empty when none is held.
+    """
     def __init__(
         self,
         *,
@@ -964,10 +1048,11 @@ class BlockStatus(_message.Message):
         state: Global___BlockState.ValueType = ...,
         last_error: _builtins.str | None = ...,
         queue_position: _builtins.int | None = ...,
+        tier: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_age_s", b"_age_s", "_delivered_age_s", b"_delivered_age_s", "_last_error", b"_last_error", "_last_solve_s", b"_last_solve_s", "_queue_position", b"_queue_position", "_submitted_age_s", b"_submitted_age_s", "age_s", b"age_s", "delivered_age_s", b"delivered_age_s", "last_error", b"last_error", "last_solve_s", b"last_solve_s", "queue_position", b"queue_position", "submitted_age_s", b"submitted_age_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_age_s", b"_age_s", "_delivered_age_s", b"_delivered_age_s", "_last_error", b"_last_error", "_last_solve_s", b"_last_solve_s", "_queue_position", b"_queue_position", "_submitted_age_s", b"_submitted_age_s", "age_s", b"age_s", "block", b"block", "consecutive_failures", b"consecutive_failures", "delivered_age_s", b"delivered_age_s", "delivered_version", b"delivered_version", "duplicates", b"duplicates", "failures", b"failures", "in_flight_version", b"in_flight_version", "last_error", b"last_error", "last_solve_s", b"last_solve_s", "queue_position", b"queue_position", "queued_version", b"queued_version", "running_version", b"running_version", "stale_ignored", b"stale_ignored", "staleness_steps", b"staleness_steps", "state", b"state", "submitted_age_s", b"submitted_age_s", "submitted_version", b"submitted_version", "superseded", b"superseded", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_age_s", b"_age_s", "_delivered_age_s", b"_delivered_age_s", "_last_error", b"_last_error", "_last_solve_s", b"_last_solve_s", "_queue_position", b"_queue_position", "_submitted_age_s", b"_submitted_age_s", "age_s", b"age_s", "block", b"block", "consecutive_failures", b"consecutive_failures", "delivered_age_s", b"delivered_age_s", "delivered_version", b"delivered_version", "duplicates", b"duplicates", "failures", b"failures", "in_flight_version", b"in_flight_version", "last_error", b"last_error", "last_solve_s", b"last_solve_s", "queue_position", b"queue_position", "queued_version", b"queued_version", "running_version", b"running_version", "stale_ignored", b"stale_ignored", "staleness_steps", b"staleness_steps", "state", b"state", "submitted_age_s", b"submitted_age_s", "submitted_version", b"submitted_version", "superseded", b"superseded", "tenant", b"tenant", "tier", b"tier", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__age_s: _TypeAlias = _typing.Literal["age_s"]  # noqa: Y015
     _WhichOneofArgType__age_s: _TypeAlias = _typing.Literal["_age_s", b"_age_s"]  # noqa: Y015
