@@ -53,6 +53,8 @@ ANONYMOUS_TENANT = "local"
 MAX_REGISTERED_BLOCKS = 1_000_000
 #: Shared-memory copies larger than this run in a thread, off the event loop.
 _COPY_IN_THREAD_BYTES = 4 << 20
+#: Seconds before a stream looks again at a result that was overwritten while it copied it out.
+_RETRY_COPY_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -390,29 +392,36 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         wanted = set(request.blocks)
         sent: dict[str, int] = dict(request.held_versions)
         epoch = -1
-        self._loop = asyncio.get_running_loop()
+        retry: set[str] = set()  # blocks whose copy-out found the result overwritten
+        loop = self._loop = asyncio.get_running_loop()
         stream = _Stream(session.session_id, asyncio.Event())
         self._streams.setdefault(tenant, set()).add(stream)
         try:
             while not self._stopping and session.session_id in self._sessions:
                 stream.wake.clear()  # news from now on wakes the wait below
                 now_epoch = self._engine.results_epoch
-                if now_epoch != epoch:
+                if now_epoch != epoch or retry:
                     changed = self._engine.blocks_with_results_since(epoch, tenant)
                     epoch = now_epoch
                     blocks = [b for b in changed if b in wanted] if wanted else changed
+                    blocks = set(blocks) | retry
+                    retry = set()
                     for block in sorted(blocks):
                         result = self._engine.latest_result(
                             block, tenant, newer_than=sent.get(block, -1)
                         )
                         if result is None:
                             continue
-                        sent[block] = result.version
                         sending = await self._to_send(
                             session.session_id, result, request.shm_results
                         )
                         if sending is None:
+                            # Overwritten while copied out (another replica's segment): look
+                            # again shortly, whether or not a newer result is announced.
+                            retry.add(block)
+                            loop.call_later(_RETRY_COPY_S, stream.wake.set)
                             continue
+                        sent[block] = result.version
                         for message in framing.result_messages(
                             sending[0], chunk_bytes=self._limits.chunk_bytes, shm=sending[1]
                         ):
