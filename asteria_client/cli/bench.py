@@ -14,17 +14,27 @@ one invocation (shared machines are noisy), never an absolute time to compare ac
 
 
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
-    from asteria_client.bench import convergence, report, sharing, spikes, throughput, transport
+    from asteria_client.bench import (
+        convergence,
+        defaults,
+        report,
+        sharing,
+        spikes,
+        throughput,
+        transport,
+    )
 
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks (convergence, spikes, transport, throughput, sharing) and their report",
+        help="benchmarks (convergence, defaults, spikes, transport, throughput, sharing) "
+        "and their report",
         description=BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     benches = parser.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=ArgumentParser)
     handlers: dict[str, Handler] = {
         "convergence": convergence.register(benches),
+        "defaults": defaults.register(benches),
         "spikes": spikes.register(benches),
         "sharing": sharing.register(benches),
         "throughput": throughput.register(benches),

@@ -18,11 +18,13 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from asteria_client.optim.base import Mode, resolve_mode
 from asteria_client.train.config import Schedule, TrainConfig
@@ -221,8 +223,16 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: TrainConfig, *, device: torch.device | None = None, corpus: Corpus | None = None
+        self,
+        cfg: TrainConfig,
+        *,
+        device: torch.device | None = None,
+        corpus: Corpus | None = None,
+        optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     ) -> None:
+        """``optimizer_factory`` (benchmarks against other libraries' optimizers) builds the
+        optimizer from the model instead of ``cfg.optimizer``; everything else, the schedule
+        included, follows ``cfg`` as usual."""
         self.cfg = cfg
         self.device = device if device is not None else resolve_device(cfg.device)
         self.corpus = corpus if corpus is not None else load_corpus()
@@ -246,7 +256,10 @@ class Trainer:
             engine_workers=cfg.engine_workers,
             engine_cpu_affinity=cfg.engine_cpu_affinity,
         )
-        self.optimizer = build_optimizer(self.model, settings)
+        if optimizer_factory is not None:
+            self.optimizer = optimizer_factory(self.model)
+        else:
+            self.optimizer = build_optimizer(self.model, settings)
         attach = getattr(self.optimizer, "attach", None)
         if attach is not None:
             attach(self.model)  # hooks install finished results during forward and backward
@@ -276,7 +289,7 @@ class Trainer:
         logger.info(
             "training a %d-parameter GPT with %s (lr %.3g) for %d steps on %s",
             self.model.num_params,
-            cfg.optimizer.value,
+            cfg.optimizer.value if optimizer_factory is None else type(self.optimizer).__name__,
             cfg.resolved_lr,
             cfg.steps,
             self.device,

@@ -74,9 +74,12 @@ class OptimizerSettings:
     weight_decay: float
     mode: Mode | None = None  # None: the optimizer's default (embedded without a daemon)
     precondition_frequency: int | None = None
+    betas: tuple[float, float] | None = None  # second-order only; None: the optimizer's own
     staleness_budget: int | None = None
     engine_workers: int | None = None
     engine_cpu_affinity: tuple[int, ...] | None = None  # the embedded engine's solver CPUs
+    # Further keyword arguments of Asteria's optimizer (benchmarks: a refresh schedule, ...).
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -111,6 +114,9 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings) -> torch.opti
     extra: dict[str, Any] = {"mode": None if settings.mode is None else settings.mode.value}
     if settings.precondition_frequency is not None:
         extra["precondition_frequency"] = settings.precondition_frequency
+    if settings.betas is not None:
+        extra["betas"] = settings.betas
+    extra.update(settings.options)
     if settings.staleness_budget is not None:
         extra["staleness_budget"] = settings.staleness_budget
     engine: dict[str, Any] = {}
