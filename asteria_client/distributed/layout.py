@@ -38,6 +38,8 @@ class JobLayout:
     local_world_size: int
     #: global ranks on each node, by node rank
     ranks_by_node: tuple[tuple[int, ...], ...]
+    #: every rank's host name, by rank
+    hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -75,13 +77,19 @@ class JobLayout:
             local_rank=local.index(rank),
             local_world_size=len(local),
             ranks_by_node=ranks_by_node,
+            hosts=tuple(hosts),
         )
+
+
+def distributed_job() -> bool:
+    """True in a process of an initialized ``torch.distributed`` job."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def discover_layout(group: Any = None, *, job_id: str | None = None) -> JobLayout | None:
     """This rank's layout in ``group`` (default: the world), or None when ``torch.distributed``
     is not initialized (a single process). Collective: every rank of the group must call it."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed_job():
         return None
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asteria_client.distributed import JobLayout, distributed_job, job_source
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
 from asteria_client.runtime import (
@@ -113,6 +114,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         source: PreconditionerSource | None = None,
         address: str | None = None,
         model: torch.nn.Module | None = None,
+        process_group: Any = None,
+        share_blocks: bool = True,
     ) -> None:
         self._namer = ParamNamer(model_names(model))
         self._positional_warned = 0  # positional names already warned about
@@ -132,14 +135,35 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._plans: dict[str, BlockingPlan] = {}
         super().__init__(named_param_groups(params, self._namer), defaults)
         #: Where results come from and how fresh they are: the only thing the math talks to.
+        if source is None:
+            source = self._make_source(mode, engine_config, address, process_group, share_blocks)
         self.runtime = FreshnessRuntime(
-            source if source is not None else make_source(mode, engine_config, address=address),
+            source,
             policy,
             mode=mode,
             needs_first_result=self.needs_first_result,
         )
         self.skipped_steps = 0
         self._warn_costly_blocks()
+
+    def _make_source(
+        self,
+        mode: Mode,
+        engine_config: EngineConfig | None,
+        address: str | None,
+        process_group: Any,
+        share_blocks: bool,
+    ) -> PreconditionerSource:
+        """The source of ``mode``; in a ``torch.distributed`` job (and unless ``share_blocks``
+        is False) one whose blocks the job's data-parallel replicas share: each is uploaded and
+        solved once (per node with a daemon, per job embedded), see
+        :mod:`asteria_client.distributed.replicas`. Collective then: every rank constructs."""
+        #: This rank's place in its job (None: a single process, or sharing turned off).
+        self.layout: JobLayout | None = None
+        if mode is Mode.NATIVE or not share_blocks or not distributed_job():
+            return make_source(mode, engine_config, address=address)
+        source, self.layout = job_source(mode, engine_config, address=address, group=process_group)
+        return source
 
     # ------------------------------------------------------------------ parameters and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -17,6 +17,8 @@ from asteria_client.config import client_env
 from asteria_server.errors import AsteriaError, InvalidInputError
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.errors import from_status
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc as jpb_grpc
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef
@@ -24,6 +26,29 @@ from asteria_server.types import BlockStatus, EngineStats, SolveResult, SolveTas
 
 #: Largest gRPC message this client sends or accepts (a 1 MiB chunk plus framing fits).
 MAX_MESSAGE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobNodeInfo:
+    """One node of a registered job: its host, its global ranks, the daemon serving them."""
+
+    host: str
+    ranks: tuple[int, ...]
+    daemon_address: str = ""
+    daemon_incarnation: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegisteredJob:
+    """A job's layout as registered with a daemon (``node_rank``: the node that daemon serves);
+    the age and count are filled in by ``list_jobs``."""
+
+    job: str
+    world_size: int
+    nodes: tuple[JobNodeInfo, ...]
+    node_rank: int
+    registered_age_s: float = 0.0
+    registrations: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +168,7 @@ class DaemonConnection:
             credentials = grpc.ssl_channel_credentials(root_certificates=root)
             self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = pb_grpc.PreconditionerStub(self._channel)
+        self._jobs = jpb_grpc.JobsStub(self._channel)
 
     def open_session(self) -> SessionInfo:
         request = pb.OpenSessionRequest(
@@ -191,6 +217,60 @@ class DaemonConnection:
             self._stub.SubmitSnapshot(messages, timeout=self.config.call_timeout_s)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+
+    def register_job(self, session_id: str, job: RegisteredJob) -> bool:
+        """Record ``job``'s layout with the daemon (``job.node_rank``: the node it serves);
+        True when the daemon knew the job and replaced its layout."""
+        request = jpb.RegisterJobRequest(
+            session_id=session_id,
+            node_rank=job.node_rank,
+            layout=jpb.JobLayout(
+                job=job.job,
+                world_size=job.world_size,
+                nodes=[
+                    jpb.JobNode(
+                        host=node.host,
+                        ranks=list(node.ranks),
+                        daemon_address=node.daemon_address,
+                        daemon_incarnation=node.daemon_incarnation,
+                    )
+                    for node in job.nodes
+                ],
+            ),
+        )
+        try:
+            reply = self._jobs.RegisterJob(request, timeout=self.config.call_timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return bool(reply.replaced)
+
+    def list_jobs(self, session_id: str) -> list[RegisteredJob]:
+        """The jobs the session's tenant registered with the daemon, newest first."""
+        try:
+            reply = self._jobs.ListJobs(
+                jpb.ListJobsRequest(session_id=session_id), timeout=self.config.call_timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return [
+            RegisteredJob(
+                job=entry.layout.job,
+                world_size=entry.layout.world_size,
+                nodes=tuple(
+                    JobNodeInfo(
+                        host=node.host,
+                        ranks=tuple(node.ranks),
+                        daemon_address=node.daemon_address,
+                        daemon_incarnation=node.daemon_incarnation,
+                    )
+                    for node in entry.layout.nodes
+                ),
+                node_rank=entry.node_rank,
+                registered_age_s=entry.registered_age_s,
+                registrations=entry.registrations,
+            )
+            for entry in reply.jobs
+        ]
 
     def status(
         self, session_id: str = "", *, timeout_s: float | None = None

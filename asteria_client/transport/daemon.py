@@ -50,7 +50,12 @@ from asteria_client.runtime.source import (
     result_from_engine,
 )
 from asteria_client.runtime.transfer import DeviceTransfer
-from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
+from asteria_client.transport.connection import (
+    DaemonClientConfig,
+    DaemonConnection,
+    RegisteredJob,
+    SessionInfo,
+)
 from asteria_client.transport.segments import SegmentSet
 from asteria_client.transport.session import DaemonSession
 from asteria_client.transport.shm import ClientSegment, PendingWrite
@@ -79,6 +84,7 @@ _COUNTERS = (
     "shm_results_overwritten",
     "submits_busy",
     "shm_refused_resent",
+    "snapshots_expected",
 )
 #: Submit times kept per block for latency measurement (versions awaiting a result).
 _SUBMIT_TIMES_KEPT = 16
@@ -111,6 +117,9 @@ class _Block:
     """What the client knows about one block."""
 
     device: torch.device
+    #: False for a block first seen in a result (a warm start from what the daemon holds for
+    #: the job): its device is taken from the first snapshot.
+    device_known: bool = True
     latest: SolveTask | None = None  # newest snapshot, kept for a resubmit after a reconnect
     pending: bool = False  # ``latest`` waits for the sender
     sent_version: int = -1  # newest version the current session accepted
@@ -162,6 +171,7 @@ class DaemonSource(PreconditionerSource):
         self._lock = threading.Condition()
         self._blocks: dict[str, _Block] = {}
         self._registered: set[str] = set()  # blocks declared to the current session
+        self._job: RegisteredJob | None = None  # registered again on every new session
         self._results_epoch = 0  # results received so far: lets the runtime skip idle scans
         #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -205,11 +215,33 @@ class DaemonSource(PreconditionerSource):
         return self._session.wait_connected(timeout_s)
 
     # ------------------------------------------------------------------ snapshots in
+    def _block(self, name: str, device: torch.device) -> _Block:
+        """The record of block ``name`` (locked), made on first sight; a record made for a
+        result that came before this process used the block learns its device here."""
+        block = self._blocks.get(name)
+        if block is None:
+            block = self._blocks[name] = _Block(device=device)
+        elif not block.device_known:
+            block.device, block.device_known = device, True
+        return block
+
+    def expect(self, request: PreconditionerRequest) -> None:
+        """Another rank of this node uploads this snapshot (data-parallel replicas hold the
+        same factor): count its result as in flight here, so ``wait`` waits for it, without
+        copying or sending anything. The daemon delivers every result of the job's namespace
+        to every session of it."""
+        with self._lock:
+            block = self._block(request.block, request.matrix.device)
+            if self._session.current is not None:
+                block.sent_version = max(block.sent_version, request.version)
+            block.submitted_at[request.version] = time.monotonic()
+            while len(block.submitted_at) > _SUBMIT_TIMES_KEPT:
+                del block.submitted_at[min(block.submitted_at)]
+            self._counts["snapshots_expected"] += 1
+
     def submit(self, request: PreconditionerRequest) -> None:
         with self._lock:
-            block = self._blocks.get(request.block)
-            if block is None:
-                block = self._blocks[request.block] = _Block(device=request.matrix.device)
+            block = self._block(request.block, request.matrix.device)
             if block.latest is not None and request.version <= block.latest.version:
                 return  # versions never go back
             segment = block.snapshot_seg
@@ -443,8 +475,11 @@ class DaemonSource(PreconditionerSource):
             block.pending = latest is not None and latest.version > block.received_version
 
     def session_ready(self, session: SessionInfo) -> Any:
-        """Hand the segments over to the new session; the stream reads results from them."""
+        """Hand the segments over to the new session; the stream reads results from them.
+        A job registered before is registered again (a restarted daemon forgot it)."""
         self._segments.open(session)
+        if self._job is not None:
+            self._register_job(session, self._job)
         return self._read_result if self._segments.active else None
 
     def held_versions(self) -> dict[str, int]:
@@ -467,10 +502,14 @@ class DaemonSource(PreconditionerSource):
 
     def result(self, result: SolveResult) -> None:
         name = self._local_name(result.block)
+        if name is None:
+            return  # another job's block
         with self._lock:
-            block = None if name is None else self._blocks.get(name)
-            if block is None or result.version <= block.received_version:
-                return  # not ours, or older than one received: versions never go back
+            block = self._blocks.get(name)
+            if block is None:  # held by the daemon from before this process: a warm start
+                block = self._blocks[name] = _Block(device=torch.device("cpu"), device_known=False)
+            if result.version <= block.received_version:
+                return  # older than one received: versions never go back
             block.received_version = result.version
             block.ready = result
             self._results_epoch += 1
@@ -490,8 +529,8 @@ class DaemonSource(PreconditionerSource):
     def take(self, block: str) -> PreconditionerResult | None:
         with self._lock:
             record = self._blocks.get(block)
-            if record is None or record.ready is None:
-                return None
+            if record is None or record.ready is None or not record.device_known:
+                return None  # (a warm-start result waits for the block's first snapshot)
             result, record.ready = record.ready, None
             device = record.device
         return self._to_torch(result, device)
@@ -532,6 +571,35 @@ class DaemonSource(PreconditionerSource):
             if record is None or self._session.current is None:
                 return None
             return self._in_flight(record)
+
+    # ------------------------------------------------------------------ jobs
+    def register_job(self, job: RegisteredJob) -> bool:
+        """Register the job's layout with the daemon now and again on every new session (a
+        restarted daemon learns it back). False when there is no session now: the next one
+        registers it."""
+        with self._lock:
+            self._job = job
+            session = self._session.current
+        return session is not None and self._register_job(session, job)
+
+    def _register_job(self, session: SessionInfo, job: RegisteredJob) -> bool:
+        try:
+            self._conn.register_job(session.session_id, job)
+        except AsteriaError as exc:  # the job registry is advisory: training goes on
+            logger.warning("the daemon did not register job %r: %s", job.job, exc)
+            return False
+        return True
+
+    def jobs(self) -> list[RegisteredJob]:
+        """The jobs this tenant registered with the daemon ([] while unreachable)."""
+        with self._lock:
+            session = self._session.current
+        if session is None:
+            return []
+        try:
+            return self._conn.list_jobs(session.session_id)
+        except AsteriaError:
+            return []
 
     # ------------------------------------------------------------------ status
     def status(self) -> tuple[EngineStats, list[BlockStatus]] | None:

@@ -29,9 +29,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from asteria_server.config import DaemonConfig, TcpAddress, UnixAddress
 from asteria_server.engine import EngineConfig, PreconditionerEngine
 from asteria_server.engine.engine import SolveObserver
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.service.handover import SegmentHandover
+from asteria_server.service.jobs import JobsServicer
 from asteria_server.service.servicer import Authenticator, PreconditionerServicer, ServiceLimits
 
 if TYPE_CHECKING:
@@ -229,6 +231,9 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             handover=handover,
         )
         pb_grpc.add_PreconditionerServicer_to_server(servicer, server)
+        jobs_pb2_grpc.add_JobsServicer_to_server(
+            JobsServicer(servicer.session_tenant, engine.incarnation_id), server
+        )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         with _umask(0o177):

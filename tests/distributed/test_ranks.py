@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 from asteria_client import SOAP, Shampoo
 from asteria_client.distributed import JobLayout, discover_layout
 from asteria_server.engine import EngineConfig
+from tests.integration.test_daemon import LaunchedDaemon, start_daemon, stop_daemon
 
 WORLD = 2
 STEPS = 20
@@ -96,19 +98,19 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randn(WORLD * BATCH, DIM, generator=g) for _ in range(STEPS)]
 
 
-def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
-    if name == "shampoo-native":
-        return Shampoo(model.named_parameters(), lr=1e-2, precondition_frequency=3, mode="native")
-    mode = name.split("-")[1]
-    config = EngineConfig(num_workers=1) if mode == "embedded" else None
-    return SOAP(
-        model.named_parameters(),
-        lr=1e-2,
-        precondition_frequency=3,
-        mode=mode,
-        staleness_budget=0,
-        engine_config=config,
-    )
+def _optimizer(model: torch.nn.Module, name: str, address: str = "") -> torch.optim.Optimizer:
+    """``name`` is optimizer-mode; S = 0, so replicas must install the same versions at the
+    same steps as one process does."""
+    optimizer, mode = name.split("-")
+    kwargs: dict[str, Any] = {"mode": mode, "precondition_frequency": 3}
+    if mode == "embedded":
+        kwargs["engine_config"] = EngineConfig(num_workers=1)
+    if mode == "daemon":
+        kwargs["address"] = address
+    if mode != "native":
+        kwargs["staleness_budget"] = 0
+    cls = Shampoo if optimizer == "shampoo" else SOAP
+    return cls(model.named_parameters(), lr=1e-2, **kwargs)
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int | None) -> None:
@@ -119,18 +121,20 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int | None)
         opt.step()
 
 
-def _ddp_rank(rank: int, tmp: str, name: str) -> None:
+def _ddp_rank(rank: int, tmp: str, name: str, address: str) -> None:
     torch.set_num_threads(1)
     _init(rank, tmp)
     try:
         model = _model()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = _optimizer(ddp.module, name)
+        opt = _optimizer(ddp.module, name, address)
         try:
             _train(ddp, opt, rank)
+            stats = opt.runtime_stats()["source"]  # type: ignore[attr-defined]
         finally:
             opt.close()  # type: ignore[attr-defined]
         torch.save(model.state_dict(), f"{tmp}/params{rank}.pt")
+        torch.save(stats, f"{tmp}/stats{rank}.pt")
         # Every rank gets here before any tears gloo down (a group destroyed while a peer still
         # talks to it aborts the process: "terminate called without an active exception"), and
         # the reducer, which holds the group, goes first.
@@ -140,18 +144,47 @@ def _ddp_rank(rank: int, tmp: str, name: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["soap-native", "soap-embedded", "shampoo-native"])
-def test_ddp_replicas_equal_one_process_with_the_whole_batch(tmp_path: Path, name: str) -> None:
+@pytest.fixture(scope="module")
+def node_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedDaemon]:
+    """One daemon for the node, as in production: every rank of every test's job uses it."""
+    daemon = start_daemon(tmp_path_factory.mktemp("node"))
+    yield daemon
+    stop_daemon(daemon)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "soap-native",
+        "soap-embedded",
+        "soap-daemon",
+        "shampoo-native",
+        "shampoo-embedded",
+        "shampoo-daemon",
+    ],
+)
+def test_ddp_replicas_equal_one_process_with_the_whole_batch(
+    tmp_path: Path, name: str, request: pytest.FixtureRequest
+) -> None:
     """Gradients are averaged, so every replica's optimizer sees the whole batch's gradient:
-    2 ranks x batch b end where 1 rank with batch 2b does (S = 0 for the embedded engine)."""
-    _spawn(_ddp_rank, str(tmp_path), name)
+    2 ranks x batch b end where 1 rank with batch 2b does (S = 0 for the engine and the daemon,
+    whose blocks the replicas share: each is solved on one rank or uploaded by one)."""
+    address = request.getfixturevalue("node_daemon").target if name.endswith("daemon") else ""
+    _spawn(_ddp_rank, str(tmp_path), name, address)
     single = _model()
     torch.set_num_threads(1)
-    opt = _optimizer(single, name)
+    opt = _optimizer(single, name, address)
     try:
         _train(single, opt, None)
     finally:
         opt.close()  # type: ignore[attr-defined]
+    stats = [torch.load(tmp_path / f"stats{rank}.pt") for rank in range(WORLD)]
+    if name.endswith("embedded"):  # each rank solved its own blocks and received the others'
+        assert all(s["share"] == "job" and not s["exchange_failed"] for s in stats)
+        assert all(s["blocks_owned"] > 0 and s["exchange_results_received"] > 0 for s in stats)
+    if name.endswith("daemon"):  # each rank uploaded its own blocks and was sent the others'
+        assert all(s["share"] == "node" and s["snapshots_uploaded"] > 0 for s in stats)
+        assert all(s["snapshots_left_to_peers"] > 0 for s in stats)
     reference = single.state_dict()
     for rank in range(WORLD):
         replica = torch.load(tmp_path / f"params{rank}.pt")

@@ -1,0 +1,435 @@
+"""Data-parallel replicas share their blocks: one upload and one solve per block and version.
+
+Under DDP every replica averages the same gradients, so every rank holds the same factors and
+needs the same roots and bases. Computing them on every rank is waste. Instead each block gets
+one **owner**, and only the owner hands its snapshots over:
+
+- **daemon mode** (:class:`NodeShareSource`): the ranks of one node share that node's daemon, so
+  the owner is one of the *local* ranks. It uploads the snapshot; the daemon solves it once and
+  streams the result to every session of the job (the job id is the blocks' namespace there);
+  the other local ranks only note that the version is in flight, so their barrier waits for it.
+- **embedded mode** (:class:`ExchangeSource`): each rank runs its own engine, so the owner is any
+  rank of the job. The owner's engine solves it; a side thread exchanges finished results among
+  all ranks (an ``all_gather_object`` on a gloo group of its own, off the training step) and
+  every rank installs them like its own. At S = 0 every rank waits for the same version, so all
+  of them install it at the same step.
+
+Owners are chosen by cost, greedily: a new block goes to the member with the least estimated
+work so far (n³ per solve; ties to the lower rank). Every replica sees the same blocks in the
+same order with the same sizes, so all of them compute the same map without talking.
+
+Blocks of sharded parameters (FSDP2: the name carries the shard's coordinates, ``@``) differ
+from rank to rank and are never shared. A failed exchange turns into "every rank computes its
+own blocks" with one warning — a lost peer never stops training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from asteria_client.distributed.layout import JobLayout, discover_layout
+from asteria_client.runtime.source import (
+    PreconditionerRequest,
+    PreconditionerResult,
+    PreconditionerSource,
+    SourceRecord,
+)
+
+if TYPE_CHECKING:
+    from asteria_client.runtime.embedded import EngineConfig
+    from asteria_client.transport.daemon import DaemonSource
+
+logger = logging.getLogger(__name__)
+
+#: Marks the name of a shard's block (FSDP2): it belongs to one rank and is never shared.
+SHARD_MARK = "@"
+#: Seconds a result exchange round may take before the exchange is declared failed.
+EXCHANGE_TIMEOUT_S = 30.0
+#: Pause between exchange rounds: short right after results moved, longer while idle.
+_ROUND_PAUSE_MIN_S = 0.001
+_ROUND_PAUSE_MAX_S = 0.01
+
+
+class BlockOwners:
+    """Which member (a rank) owns each block: the least loaded one when the block is first seen."""
+
+    def __init__(self, members: Sequence[int]) -> None:
+        if not members:
+            raise ValueError("BlockOwners needs at least one member")
+        self.members = tuple(members)
+        self._load = dict.fromkeys(self.members, 0.0)
+        self._owner: dict[str, int] = {}
+
+    def owner(self, block: str, n: int) -> int:
+        found = self._owner.get(block)
+        if found is None:
+            found = min(self.members, key=lambda m: (self._load[m], m))
+            self._owner[block] = found
+            self._load[found] += float(n) ** 3
+        return found
+
+    def owned_by(self, member: int) -> list[str]:
+        return [b for b, m in self._owner.items() if m == member]
+
+    def load(self) -> dict[int, float]:
+        """Estimated work (sum of n³) per member."""
+        return dict(self._load)
+
+
+def _shared(block: str) -> bool:
+    return SHARD_MARK not in block
+
+
+def _delegate_rest(cls: type) -> type:
+    """Forward every public method of PreconditionerSource that ``cls`` does not define itself
+    to ``self.inner``, so a wrapper stays complete when the interface grows."""
+    for name, value in vars(PreconditionerSource).items():
+        if name.startswith("_") or not callable(value) or name in vars(cls):
+            continue
+
+        def forward(self: Any, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+            return getattr(self.inner, _name)(*args, **kwargs)
+
+        forward.__name__ = name
+        forward.__doc__ = f"``inner.{name}``."
+        setattr(cls, name, forward)
+    cls.__abstractmethods__ = frozenset()  # type: ignore[attr-defined]
+    return cls
+
+
+@_delegate_rest
+class NodeShareSource(PreconditionerSource):
+    """A daemon source whose blocks are uploaded by one local rank each (module docstring)."""
+
+    synchronous = False
+
+    def __init__(self, inner: DaemonSource, layout: JobLayout) -> None:
+        self.inner = inner
+        self.layout = layout
+        self.owners = BlockOwners(layout.local_ranks)
+        self.uploaded = 0  # snapshots this rank handed to the daemon
+        self.left_to_peers = 0  # snapshots another local rank uploads
+
+    def submit(self, request: PreconditionerRequest) -> None:
+        n = int(request.matrix.shape[0])
+        if not _shared(request.block) or self.owners.owner(request.block, n) == self.layout.rank:
+            self.uploaded += 1
+            self.inner.submit(request)
+        else:
+            self.left_to_peers += 1
+            self.inner.expect(request)
+
+    def take(self, block: str) -> PreconditionerResult | None:
+        return self.inner.take(block)
+
+    def record(self, block: str) -> SourceRecord:
+        return self.inner.record(block)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.inner.stats(),
+            "share": "node",
+            "blocks_owned": len(self.owners.owned_by(self.layout.rank)),
+            "snapshots_uploaded": self.uploaded,
+            "snapshots_left_to_peers": self.left_to_peers,
+        }
+
+    def __getattr__(self, name: str) -> Any:  # status(), jobs(), segments(), address, ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@_delegate_rest
+class ExchangeSource(PreconditionerSource):
+    """An embedded source whose blocks are solved on one rank each and exchanged (module
+    docstring). ``group`` is the job's process group (None: the world)."""
+
+    synchronous = False
+
+    def __init__(self, inner: PreconditionerSource, layout: JobLayout, group: Any = None) -> None:
+        self.inner = inner
+        self.layout = layout
+        ranks = list(range(layout.world_size))
+        self.owners = BlockOwners(ranks)
+        # A group of its own, on gloo whatever the training backend: the exchange runs on a
+        # side thread and must never interleave with the training's collectives.
+        self._group = dist.new_group(
+            ranks=None if group is None else dist.get_process_group_ranks(group),
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S),
+        )
+        self._cond = threading.Condition()
+        self._ready: dict[str, PreconditionerResult] = {}  # newest result not taken yet
+        self._received: dict[str, int] = {}  # newest version received per block
+        self._expected: dict[str, int] = {}  # newest version submitted (on every rank alike)
+        self._given_up: dict[str, int] = {}  # newest version its owner could not compute
+        self._devices: dict[str, torch.device] = {}
+        self._mine: set[str] = set()  # owned blocks with a result still to come from ``inner``
+        self._epoch = 0
+        self._closing = False
+        self.failed = ""  # why the exchange stopped ("" while it runs)
+        self.counts = {"rounds": 0, "results_sent": 0, "results_received": 0, "given_up": 0}
+        self._thread = threading.Thread(
+            target=self._run, name="asteria-result-exchange", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ snapshots in
+    def _is_mine(self, block: str, n: int) -> bool:
+        return (
+            bool(self.failed)
+            or not _shared(block)
+            or self.owners.owner(block, n) == self.layout.rank
+        )
+
+    def submit(self, request: PreconditionerRequest) -> None:
+        block = request.block
+        with self._cond:
+            self._devices[block] = request.matrix.device
+            mine = self._is_mine(block, int(request.matrix.shape[0]))
+        if mine:  # handed over before the exchange looks for it: never a false give-up
+            self.inner.submit(request)
+        with self._cond:
+            self._expected[block] = max(self._expected.get(block, -1), request.version)
+            if mine:
+                self._mine.add(block)
+
+    # ------------------------------------------------------------------ the exchange
+    def _outgoing(self) -> list[tuple[str, Any]]:
+        """Results (and give-ups) of owned blocks, to broadcast this round (exchange thread)."""
+        out: list[tuple[str, Any]] = []
+        with self._cond:
+            mine = list(self._mine)
+        for block in mine:
+            running = self.inner.in_flight_version(block)  # look first, then take: no gap
+            result = self.inner.take(block)
+            if result is not None:
+                out.append(("result", _to_cpu(result)))
+            elif running is None:
+                with self._cond:
+                    expected = self._expected.get(block, -1)
+                    if self._received.get(block, -1) < expected:
+                        out.append(("given_up", (block, expected)))
+            if running is None:
+                with self._cond:
+                    self._mine.discard(block)
+        return out
+
+    def _run(self) -> None:
+        pause = _ROUND_PAUSE_MAX_S
+        try:
+            while True:
+                out = self._outgoing()
+                closing = self._closing
+                gathered: list[Any] = [None] * self.layout.world_size
+                dist.all_gather_object(gathered, (closing, out), group=self._group)
+                moved = sum(len(items) for _, items in gathered)
+                with self._cond:
+                    self.counts["rounds"] += 1
+                    self.counts["results_sent"] += sum(kind == "result" for kind, _ in out)
+                    for _, items in gathered:
+                        for kind, item in items:
+                            if kind == "result":
+                                self._deliver(item)
+                            else:
+                                block, version = item
+                                self._given_up[block] = max(self._given_up.get(block, -1), version)
+                                self.counts["given_up"] += 1
+                    if moved:
+                        self._cond.notify_all()
+                if all(flag for flag, _ in gathered):
+                    return  # every rank closed: the last round
+                pause = _ROUND_PAUSE_MIN_S if moved else min(2 * pause, _ROUND_PAUSE_MAX_S)
+                time.sleep(pause)
+        except Exception as exc:  # a lost peer: every rank computes its own blocks from now on
+            with self._cond:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                self._cond.notify_all()
+            if not self._closing:
+                logger.warning(
+                    "the result exchange between ranks stopped (%s); this rank computes all its "
+                    "blocks itself from now on",
+                    self.failed,
+                )
+
+    def _deliver(self, result: PreconditionerResult) -> None:
+        """Keep a received result if it is newer (locked)."""
+        block = result.block
+        if result.version <= self._received.get(block, -1):
+            return
+        self._received[block] = result.version
+        self.counts["results_received"] += 1
+        device = self._devices.get(block, torch.device("cpu"))
+        self._ready[block] = _to_device(result, device)
+        self._epoch += 1
+
+    # ------------------------------------------------------------------ results out
+    def take(self, block: str) -> PreconditionerResult | None:
+        with self._cond:
+            result = self._ready.pop(block, None)
+            failed = bool(self.failed)
+        if result is None and failed:
+            return self.inner.take(block)
+        return result
+
+    def wait(self, block: str, min_version: int, timeout_s: float) -> PreconditionerResult | None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                ready = self._ready.get(block)
+                if ready is not None and ready.version >= min_version:
+                    return self._ready.pop(block)
+                if self.failed:
+                    break
+                left = deadline - time.monotonic()
+                hopeless = (
+                    self._expected.get(block, -1) < min_version
+                    or self._given_up.get(block, -1) >= min_version
+                )
+                if hopeless or left <= 0:
+                    return None
+                self._cond.wait(left)
+        return self.inner.wait(block, min_version, max(0.0, deadline - time.monotonic()))
+
+    def in_flight_version(self, block: str) -> int | None:
+        with self._cond:
+            if self.failed:
+                return self.inner.in_flight_version(block)
+            expected = self._expected.get(block, -1)
+            return expected if expected > self._received.get(block, -1) else None
+
+    def results_epoch(self) -> int | None:
+        return self._epoch
+
+    def records(self) -> dict[str, SourceRecord]:
+        out = self.inner.records()
+        with self._cond:
+            for block, expected in self._expected.items():
+                owner = self.owners.owner(block, 0) if _shared(block) else self.layout.rank
+                record = out.setdefault(block, SourceRecord(submitted_version=expected))
+                record.computed_version = max(
+                    record.computed_version, self._received.get(block, -1)
+                )
+                record.extra["owner_rank"] = owner
+        return out
+
+    def record(self, block: str) -> SourceRecord:
+        return self.records().get(block, SourceRecord())
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                **self.inner.stats(),
+                "share": "job",
+                "blocks_owned": len(self.owners.owned_by(self.layout.rank)),
+                "exchange_failed": self.failed,
+                **{f"exchange_{k}": v for k, v in self.counts.items()},
+            }
+
+    def close(self) -> None:
+        """Leave the exchange once every rank has closed (the last round tells), then close
+        the engine. Collective in effect: a rank that never closes keeps the others here until
+        the exchange's timeout."""
+        with self._cond:
+            self._closing = True
+        self._thread.join(timeout=2 * EXCHANGE_TIMEOUT_S)
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # engine, tenant, ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _to_cpu(result: PreconditionerResult) -> PreconditionerResult:
+    return _to_device(result, torch.device("cpu"))
+
+
+def _to_device(result: PreconditionerResult, device: torch.device) -> PreconditionerResult:
+    def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(device)
+
+    return PreconditionerResult(
+        block=result.block,
+        version=result.version,
+        kind=result.kind,
+        matrix=result.matrix.to(device),
+        eigenvalues=move(result.eigenvalues),
+        permutation=move(result.permutation),
+        rotation=move(result.rotation),
+        base_version=result.base_version,
+        solve_time_s=result.solve_time_s,
+    )
+
+
+def job_source(
+    mode: Any,
+    engine_config: EngineConfig | None,
+    *,
+    address: str | None,
+    group: Any = None,
+) -> tuple[PreconditionerSource, JobLayout | None]:
+    """The embedded or daemon source of this rank of a ``torch.distributed`` job, sharing its
+    blocks with the job's other replicas, and the job's layout. Collective: every rank of
+    ``group`` calls it (the optimizer's constructor does). Outside a job (one process, or a
+    world of one) it is the plain source, and the layout is None for a single process."""
+    from asteria_client.runtime import Mode
+
+    layout = discover_layout(group)
+    if mode is Mode.EMBEDDED:
+        from asteria_client.runtime.embedded import EmbeddedSource
+
+        embedded = EmbeddedSource(engine_config)
+        if layout is None or layout.world_size == 1:
+            return embedded, layout
+        return ExchangeSource(embedded, layout, group), layout
+    from asteria_client.config import resolve_address
+    from asteria_client.transport.daemon import DaemonSource
+
+    daemon = DaemonSource(
+        address=resolve_address(address),
+        job=None if layout is None else layout.job_id,
+        rank=0 if layout is None else layout.rank,
+    )
+    if layout is None:
+        return daemon, None
+    register_job(daemon, layout, group)
+    if layout.local_world_size == 1:
+        return daemon, layout
+    return NodeShareSource(daemon, layout), layout
+
+
+def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> None:
+    """Tell every node's daemon the job's layout: each rank's daemon address and incarnation
+    are gathered (collective), and the lowest rank of each node registers the whole."""
+    from asteria_client.transport.connection import JobNodeInfo, RegisteredJob
+
+    gathered: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(gathered, (daemon.address, daemon.incarnation_id), group=group)
+    nodes = tuple(
+        JobNodeInfo(
+            host=layout.hosts[ranks[0]],
+            ranks=ranks,
+            daemon_address=str(gathered[ranks[0]][0]),
+            daemon_incarnation=str(gathered[ranks[0]][1]),
+        )
+        for ranks in layout.ranks_by_node
+    )
+    if layout.is_node_leader:
+        daemon.register_job(
+            RegisteredJob(
+                job=layout.job_id,
+                world_size=layout.world_size,
+                nodes=nodes,
+                node_rank=layout.node_rank,
+            )
+        )

@@ -1,0 +1,148 @@
+"""The daemon's job registry: the layouts of the ``torch.distributed`` jobs it serves.
+
+The lowest rank of each node registers its job's layout (every node, its ranks, the daemon that
+serves them) once its session is open; ``asteria status`` lists the jobs, and the sync between
+node daemons finds its peers here. A job is keyed by tenant and job id, so a tenant sees and
+replaces only its own; a job registered again (a restarted job) replaces its layout.
+
+Everything here is bounded: jobs per tenant, nodes per job, ranks per job and the length of
+every string, each with a clear INVALID_ARGUMENT or RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from asteria_server.errors import DaemonBusyError, InvalidInputError, UnknownSessionError
+from asteria_server.protocol.errors import to_status
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc as jpb_grpc
+
+#: Jobs a daemon keeps per tenant; registering one more evicts nothing and is refused.
+MAX_JOBS_PER_TENANT = 64
+#: Nodes and ranks one job may list.
+MAX_JOB_NODES = 4096
+MAX_JOB_RANKS = 1 << 20
+#: Longest job id, host name or daemon address accepted.
+MAX_NAME_CHARS = 256
+
+
+@dataclass
+class _Job:
+    layout: jpb.JobLayout
+    node_rank: int
+    registered_at: float
+    registrations: int
+
+
+def check_layout(layout: jpb.JobLayout, node_rank: int) -> None:
+    """Raise InvalidInputError naming what is wrong with a layout."""
+    what = f"RegisterJob of job {layout.job[:MAX_NAME_CHARS]!r}"
+    if not layout.job or len(layout.job) > MAX_NAME_CHARS:
+        raise InvalidInputError(f"{what}: the job id must have 1 to {MAX_NAME_CHARS} characters")
+    if not 1 <= layout.world_size <= MAX_JOB_RANKS:
+        raise InvalidInputError(
+            f"{what}: world_size must be between 1 and {MAX_JOB_RANKS}, got {layout.world_size}"
+        )
+    if not 1 <= len(layout.nodes) <= MAX_JOB_NODES:
+        raise InvalidInputError(
+            f"{what}: a job lists 1 to {MAX_JOB_NODES} nodes, got {len(layout.nodes)}"
+        )
+    if not 0 <= node_rank < len(layout.nodes):
+        raise InvalidInputError(
+            f"{what}: node_rank {node_rank} is not one of its {len(layout.nodes)} nodes"
+        )
+    seen: set[int] = set()
+    for index, node in enumerate(layout.nodes):
+        for field in (node.host, node.daemon_address, node.daemon_incarnation):
+            if len(field) > MAX_NAME_CHARS:
+                raise InvalidInputError(
+                    f"{what}: node {index} has a name longer than {MAX_NAME_CHARS} characters"
+                )
+        if not node.host or not node.ranks:
+            raise InvalidInputError(f"{what}: node {index} needs a host and at least one rank")
+        for rank in node.ranks:
+            if not 0 <= rank < layout.world_size or rank in seen:
+                raise InvalidInputError(
+                    f"{what}: rank {rank} of node {index} is outside the world of "
+                    f"{layout.world_size} or listed twice"
+                )
+            seen.add(rank)
+    if len(seen) != layout.world_size:
+        raise InvalidInputError(
+            f"{what}: the nodes list {len(seen)} ranks, the world has {layout.world_size}"
+        )
+
+
+class JobsServicer(jpb_grpc.JobsServicer):
+    """The ``Jobs`` service. ``tenant_of`` maps a session id to its tenant (or raises
+    UnknownSessionError), so this registry shares the Preconditioner service's sessions."""
+
+    def __init__(self, tenant_of: Callable[[str], str], incarnation_id: str) -> None:
+        self._tenant_of = tenant_of
+        self._incarnation_id = incarnation_id
+        self._jobs: dict[str, dict[str, _Job]] = {}
+
+    def jobs(self, tenant: str) -> list[tuple[jpb.JobLayout, int, float, int]]:
+        """A tenant's jobs, newest first: (layout, node_rank, registered_at, registrations)."""
+        found = sorted(self._jobs.get(tenant, {}).values(), key=lambda j: -j.registered_at)
+        return [(j.layout, j.node_rank, j.registered_at, j.registrations) for j in found]
+
+    async def RegisterJob(
+        self, request: jpb.RegisterJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> jpb.RegisterJobResponse:
+        try:
+            tenant = self._tenant_of(request.session_id)
+            check_layout(request.layout, request.node_rank)
+            jobs = self._jobs.setdefault(tenant, {})
+            old = jobs.get(request.layout.job)
+            if old is None and len(jobs) >= MAX_JOBS_PER_TENANT:
+                raise DaemonBusyError(
+                    f"RegisterJob: tenant {tenant!r} already has {MAX_JOBS_PER_TENANT} jobs "
+                    "registered on this daemon (the per-tenant job quota); restart the daemon "
+                    "or reuse a job id"
+                )
+            layout = jpb.JobLayout()
+            layout.CopyFrom(request.layout)
+            jobs[layout.job] = _Job(
+                layout,
+                request.node_rank,
+                time.monotonic(),
+                1 if old is None else old.registrations + 1,
+            )
+        except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
+            await _abort(context, exc)
+        return jpb.RegisterJobResponse(
+            incarnation_id=self._incarnation_id, replaced=old is not None
+        )
+
+    async def ListJobs(
+        self, request: jpb.ListJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> jpb.ListJobsResponse:
+        try:
+            tenant = self._tenant_of(request.session_id)
+        except UnknownSessionError as exc:
+            await _abort(context, exc)
+        now = time.monotonic()
+        return jpb.ListJobsResponse(
+            jobs=[
+                jpb.RegisteredJob(
+                    layout=layout,
+                    node_rank=node_rank,
+                    registered_age_s=now - at,
+                    registrations=count,
+                )
+                for layout, node_rank, at, count in self.jobs(tenant)
+            ]
+        )
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
+    code, message = to_status(exc)
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
