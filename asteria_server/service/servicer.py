@@ -154,6 +154,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         """Whether ``session_id`` is open (the segment handover asks, from its threads)."""
         return session_id in self._sessions
 
+    def session_tenant(self, session_id: str) -> str:
+        """The tenant of an open session (UnknownSessionError otherwise): other services of
+        the daemon authenticate their calls with the sessions opened here."""
+        return self._session(session_id).tenant
+
     def sessions_by_tenant(self) -> dict[str, int]:
         """Open sessions per tenant (the metrics endpoint asks, from its own thread)."""
         counts: dict[str, int] = {}
