@@ -35,6 +35,7 @@ from asteria_client.runtime import (
     PreconditionerRequest,
     PreconditionerResult,
     PreconditionerSource,
+    Refresh,
     StalenessPolicy,
     TileBlocks,
     make_source,
@@ -110,6 +111,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         nonfinite: NonFinitePolicy | str = NonFinitePolicy.RAISE,
         staleness_budget: int = 1,
         barrier_timeout_s: float = 30.0,
+        refresh: Refresh | str = Refresh.AMORTIZED,
         engine_config: EngineConfig | None = None,
         source: PreconditionerSource | None = None,
         address: str | None = None,
@@ -122,8 +124,22 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._warned: set[str] = set()
         mode = resolve_mode(mode, address if source is None else None)
         policy = StalenessPolicy(
-            budget_intervals=staleness_budget, barrier_timeout_s=barrier_timeout_s
+            budget_intervals=staleness_budget,
+            barrier_timeout_s=barrier_timeout_s,
+            refresh=parse_enum(Refresh, refresh, "refresh"),
         )
+        if policy.continuous and not self.supports_continuous:
+            raise InvalidInputError(
+                f"refresh='continuous' is for eigenbasis optimizers (SOAP, KLShampoo); "
+                f"{type(self).__name__} refreshes every precondition_frequency steps "
+                "(refresh='amortized')"
+            )
+        if policy.continuous and mode is Mode.DAEMON and source is None:
+            raise InvalidInputError(
+                "refresh='continuous' runs on the embedded engine (mode='embedded') or natively; "
+                "the daemon does not report its free workers to a client yet, so it cannot pull "
+                "snapshots — use refresh='amortized' with a daemon"
+            )
         self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
         check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
         check_range("precondition_frequency", defaults["precondition_frequency"], 1, math.inf)
@@ -288,6 +304,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             plan = self.plan(name, p, group)
             tiles = plan.split(p.grad.to(state_dtype(p)))
             self._step_param(name, p, tiles, state, group, plan)
+        if self.runtime.continuous:
+            self.runtime.pull(self._install)  # the workers free now get the neediest blocks
         return loss
 
     def _step_param(
@@ -348,6 +366,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     #: True when a block cannot be used before its first result (a SOAP / KL-Shampoo basis).
     needs_first_result = False
+    #: True when the optimizer can run ``refresh="continuous"`` (its tiles go through
+    #: ``_refresh_tile``).
+    supports_continuous = False
     #: The dataclasses of this optimizer's per-tile state (checkpoints are rebuilt into them).
     tile_types: tuple[type, ...] = ()
 
@@ -370,6 +391,17 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             lambda dim, v: self._make_request(tile, dim, v, group),
             self._install,
         )
+
+    def _refresh_tile(
+        self, tile: TileBlocks, step: int, group: dict[str, Any], *, due: bool
+    ) -> None:
+        """The tile's factors now hold step ``step``: submit them when the amortized schedule
+        says so (``due``), or offer them to the continuous schedule, which pulls the blocks
+        that need it when a worker is free."""
+        if self.runtime.continuous:
+            self.runtime.offer(tile, step, lambda dim, v: self._make_request(tile, dim, v, group))
+        elif due:
+            self._submit_tile(tile, step, group)
 
     def _sync_tile(self, tile: TileBlocks, step: int, group: dict[str, Any]) -> None:
         """Install ready results and make every block of the tile meet the staleness budget."""
@@ -446,6 +478,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         counted until the next step uses the block), ``freshness``, ``failures``,
         ``last_solve_s`` and what the source knows besides."""
         return self.runtime.status_rows(self._block_tiles())
+
+    def refresh_stats(self) -> dict[str, Any]:
+        """Per block (``"blocks"``): installs, pulls, refreshes per 100 steps and the drift of
+        the basis each install replaced (off-diagonal energy of QᵀLQ over ‖L‖², see
+        :mod:`asteria_client.runtime.refresh`); and their means over blocks."""
+        return self.runtime.refresh_stats()
 
     def runtime_stats(self) -> dict[str, Any]:
         """Barrier waits, timeouts, local fallbacks and the observed lag, for benchmarks."""

@@ -13,8 +13,10 @@ diagonal lambda_i (Q_i = I). With ``P_j^{-1} = Q_j diag(reg(lambda_j))^{-1} Q_j^
 - update ``-lr * (M_hat x_i Q_i^T) / prod_i sqrt(reg(lambda_i)) x_i Q_i`` (that is
   ``L^{-1/2} M R^{-1/2}`` applied in the eigenbasis), then decoupled weight decay;
 - every ``precondition_frequency`` steps each basis is refreshed by one QR power step (full eigh
-  at the start); on install, lambda_i is re-estimated as diag(Q_i^T L_i Q_i). No Adam second
-  moment is kept for preconditioned tiles.
+  at the start); on install, lambda_i becomes diag(Q_i^T L_i Q_i) with L_i the *snapshot* Q_i
+  was computed from (the solver returns it with the basis): a basis and its eigenvalues are one
+  pair even when the basis arrives steps later. No Adam second moment is kept for
+  preconditioned tiles.
 
 The first step only initializes: ``L_i = s * G_(i) G_(i)^T / N_i`` with s chosen so the Kronecker
 product of the factors has the trace of ``vec(G) vec(G)^T`` (the KL fixed point's scale), and the
@@ -114,6 +116,7 @@ class KLShampoo(AsteriaOptimizer):
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
 
     needs_first_result = True
+    supports_continuous = True
     tile_types = (KLTile, AdamTile)
 
     def _step_param(
@@ -149,7 +152,7 @@ class KLShampoo(AsteriaOptimizer):
                 self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
             ]
             for tile in state["tiles"]:
-                self._submit_tile(tile, step, group)
+                self._refresh_tile(tile, step, group, due=True)
             return
 
         t = step - 1
@@ -166,9 +169,9 @@ class KLShampoo(AsteriaOptimizer):
             directions.append(project(rotated, tile.bases, back=True))
         apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
 
-        if t % group["precondition_frequency"] == 0:
-            for tile in state["tiles"]:
-                self._submit_tile(tile, step, group)
+        due = t % group["precondition_frequency"] == 0
+        for tile in state["tiles"]:
+            self._refresh_tile(tile, step, group, due=due)
 
     # ------------------------------------------------------------------ statistics
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> KLTile:
@@ -228,5 +231,11 @@ class KLShampoo(AsteriaOptimizer):
         assert factor is not None  # only preconditioned dims have blocks
         basis = result.matrix.to(device=factor.device, dtype=factor.dtype)
         tile.bases[dim] = basis
-        tile.eigenvalues[dim] = (basis * (factor @ basis)).sum(dim=0).clamp_min(0)
+        if result.eigenvalues is not None:
+            # The eigenvalues of the snapshot the basis was computed from, never the factor's
+            # newer value in another basis: a basis and its eigenvalues stay one pair.
+            eigenvalues = result.eigenvalues.to(device=factor.device, dtype=factor.dtype)
+        else:
+            eigenvalues = (basis * (factor @ basis)).sum(dim=0)
+        tile.eigenvalues[dim] = eigenvalues.clamp_min(0)
         tile.versions[dim] = result.version

@@ -105,6 +105,7 @@ class SOAP(AsteriaOptimizer):
         super().__init__(params, defaults, mode=mode, nonfinite=nonfinite, **kwargs)
 
     needs_first_result = True
+    supports_continuous = True
     tile_types = (SOAPTile,)
 
     # ------------------------------------------------------------------ per parameter
@@ -129,7 +130,7 @@ class SOAP(AsteriaOptimizer):
             ]
             for tile, g in zip(state["tiles"], tiles, strict=True):
                 self._update_factors(tile, g, shampoo_beta)
-                self._submit_tile(tile, step, group)
+                self._refresh_tile(tile, step, group, due=True)
             return
 
         for tile in state["tiles"]:
@@ -163,8 +164,7 @@ class SOAP(AsteriaOptimizer):
 
         for tile, g in zip(state["tiles"], tiles, strict=True):
             self._update_factors(tile, g, shampoo_beta)
-            if t % group["precondition_frequency"] == 0:
-                self._submit_tile(tile, step, group)
+            self._refresh_tile(tile, step, group, due=t % group["precondition_frequency"] == 0)
 
     # ------------------------------------------------------------------ tiles and blocks
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> SOAPTile:

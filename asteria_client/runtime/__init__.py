@@ -17,7 +17,7 @@ from asteria_client.runtime.source import (
     PreconditionerResult,
     PreconditionerSource,
 )
-from asteria_client.runtime.staleness import StalenessPolicy
+from asteria_client.runtime.staleness import Refresh, StalenessPolicy
 
 __all__ = [
     "FreshnessRuntime",
@@ -25,6 +25,7 @@ __all__ = [
     "PreconditionerRequest",
     "PreconditionerResult",
     "PreconditionerSource",
+    "Refresh",
     "StalenessPolicy",
     "TileBlocks",
     "make_source",

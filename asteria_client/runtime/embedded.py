@@ -74,6 +74,17 @@ class EmbeddedSource(PreconditionerSource):
     def results_epoch(self) -> int | None:
         return self._engine.results_epoch
 
+    def credit(self) -> int | None:
+        """Idle workers + 1 - snapshots queued in the engine or still being copied; 0 while
+        every worker is busy (or the engine is closed)."""
+        try:
+            stats = self._engine.stats()
+        except AsteriaError:
+            return 0
+        if stats.closed or stats.broken_reason is not None or stats.workers_idle <= 0:
+            return 0
+        return max(0, stats.workers_idle + 1 - stats.queue_depth - len(self._pending))
+
     def pump(self) -> None:
         """Hand every snapshot whose host copy is complete to the engine."""
         still_pending = []

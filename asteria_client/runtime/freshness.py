@@ -11,7 +11,10 @@ the rules of DESIGN.md "The runtime":
   at most ``S * f`` steps; beyond that the runtime waits for the result in flight (the
   *barrier*, bounded by ``barrier_timeout_s``), then computes the block locally;
 - **degrade, never crash** — a source that raises costs results, not the training run;
-- **hooks** — forward/backward hooks pump results into place while the model computes.
+- **hooks** — forward/backward hooks pump results into place while the model computes;
+- **continuous refresh** — with ``refresh="continuous"`` the optimizer *offers* its tiles after
+  each step instead of submitting them every f steps, and the runtime *pulls* the blocks that
+  need a new basis most, as many as the source has credit for (see :mod:`.refresh`).
 
 The optimizer describes each block through two callbacks, so the runtime never knows the math:
 ``request(dim, version)`` builds the snapshot request of one block of a tile, and
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asteria_client.runtime.refresh import ContinuousScheduler, RefreshLog
 from asteria_client.runtime.source import (
     NativeSource,
     PreconditionerRequest,
@@ -151,6 +155,14 @@ class FreshnessRuntime:
         self._scanned: dict[int, tuple[weakref.ref[TileBlocks], int]] = {}
         self._hooks: list[Any] = []
         self._warned: set[str] = set()
+        #: block -> how to snapshot it (its factor and basis in use, uncopied): drift at install
+        self._requests: dict[str, tuple[RequestFn, int, weakref.ref[TileBlocks]]] = {}
+        self.refresh_log = RefreshLog()
+        self._continuous = (
+            ContinuousScheduler(seconds_per_n3=source.seconds_per_n3())
+            if policy.continuous
+            else None
+        )
         # The source is released when the runtime is collected, even without close(): the
         # finalizer holds the source, never the runtime or the optimizer.
         self._finalizer = weakref.finalize(self, source.close)
@@ -162,9 +174,14 @@ class FreshnessRuntime:
     def seconds_per_n3(self) -> float:
         return self.source.seconds_per_n3()
 
+    @property
+    def continuous(self) -> bool:
+        """Whether blocks are pulled when a worker is free (else submitted every f steps)."""
+        return self._continuous is not None
+
     def deadline_step(self, version: int, frequency: int) -> int:
         """The step at which a snapshot of ``version`` would exceed the budget."""
-        return version + self.policy.budget_intervals * frequency
+        return version + self.policy.budget_steps(frequency)
 
     def needs_first(self) -> bool:
         """Whether a block must wait for its first result before the tile can step.
@@ -191,14 +208,65 @@ class FreshnessRuntime:
         """Snapshot every factor of the tile, then install whatever is ready already."""
         for dim, block in tile.preconditioned():
             self._frequency[block] = frequency
-            snapshot = request(dim, version)
-            tile.submitted[dim] = version
-            try:
-                self.source.submit(snapshot)
-            except AsteriaError as exc:  # a source must not take training down
-                self.barrier_stats.submit_errors += 1
-                self._warn_once("submit", f"could not submit snapshots ({exc}); computing locally")
+            self._requests[block] = (request, dim, weakref.ref(tile))
+            self._submit_block(tile, dim, block, version, request)
         self.install_ready(tile, install)
+
+    def _submit_block(
+        self, tile: TileBlocks, dim: int, block: str, version: int, request: RequestFn
+    ) -> None:
+        snapshot = request(dim, version)
+        tile.submitted[dim] = version
+        try:
+            self.source.submit(snapshot)
+        except AsteriaError as exc:  # a source must not take training down
+            self.barrier_stats.submit_errors += 1
+            self._warn_once("submit", f"could not submit snapshots ({exc}); computing locally")
+
+    def offer(self, tile: TileBlocks, version: int, request: RequestFn) -> None:
+        """Continuous schedule: the tile's factors now hold step ``version``; its blocks may be
+        pulled (by :meth:`pull`) when the source has credit."""
+        assert self._continuous is not None, "offer() is for refresh='continuous'"
+        for dim, block in tile.preconditioned():
+            self._frequency[block] = 1
+            self._requests[block] = (request, dim, weakref.ref(tile))
+        self._continuous.offer(tile, version, request)
+
+    def pull(self, install: InstallFn) -> int:
+        """Continuous schedule: snapshot the blocks that need it most, as many as the source
+        has credit for (none while every worker is busy); returns how many were copied."""
+        if self._continuous is None:
+            return 0
+        pulled = 0
+        with torch.no_grad():
+            while True:
+                chosen = self._continuous.choose(self.source.credit())
+                if not chosen:
+                    return pulled
+                tiles = {}
+                for entry in chosen:
+                    self._submit_block(
+                        entry.tile, entry.dim, entry.block, entry.version, entry.request
+                    )
+                    self.refresh_log.record_pull(entry.block)
+                    tiles[id(entry.tile)] = entry.tile
+                pulled += len(chosen)
+                for tile in tiles.values():
+                    self.install_ready(tile, install)
+
+    def _install(
+        self, tile: TileBlocks, dim: int, result: PreconditionerResult, install: InstallFn
+    ) -> None:
+        """Put ``result`` into use, and log the refresh with the drift of the basis it
+        replaces (its factor now against the basis in use)."""
+        block = tile.blocks[dim]
+        assert block is not None
+        known = self._requests.get(block)
+        request = None
+        if known is not None and known[2]() is tile:
+            request = known[0](known[1], tile.versions[dim])
+        self.refresh_log.record_install(block, request)
+        install(tile, dim, result)
 
     def install_ready(self, tile: TileBlocks, install: InstallFn) -> None:
         """Install every ready result of the tile's blocks. When the source counts arriving
@@ -213,7 +281,7 @@ class FreshnessRuntime:
         for dim, block in tile.preconditioned():
             result = self._take_newer(block, tile.versions[dim])
             if result is not None:
-                install(tile, dim, result)
+                self._install(tile, dim, result, install)
 
     def _take_newer(self, block: str, installed_version: int) -> PreconditionerResult | None:
         """A ready result for ``block`` newer than ``installed_version``; older ones are dropped."""
@@ -233,14 +301,21 @@ class FreshnessRuntime:
         """Install ready results, then make every block of the tile meet the staleness budget:
         wait (bounded) for a result in flight, else compute the block locally."""
         self.source.pump()  # finished transfers move on even when nothing is taken
+        for dim, block in tile.preconditioned():
+            self._requests[block] = (request, dim, weakref.ref(tile))
+            self.refresh_log.record_step(block, step)
         self.install_ready(tile, install)
+        if self._continuous is not None:
+            frequency = 1  # the budget counts steps
         for dim, block in tile.preconditioned():
             self._frequency[block] = frequency
             newest = tile.submitted[dim]
-            required = self.policy.required_version(newest, frequency, self.needs_first())
+            required = self.policy.required_version(
+                newest, frequency, self.needs_first(), step=step
+            )
             installed = tile.versions[dim]
             if installed >= required:
-                self._record_lag(block, max(0, newest - installed))
+                self._record_lag(block, self.policy.lag_steps(newest, installed, step))
                 continue
             result = None
             if not self.source.synchronous:
@@ -251,8 +326,8 @@ class FreshnessRuntime:
             if result is None or result.version <= installed:
                 result = self._compute_locally(tile, dim, block, step, request)
             if result is not None and result.version > tile.versions[dim]:
-                install(tile, dim, result)
-            self._record_lag(block, max(0, newest - tile.versions[dim]))
+                self._install(tile, dim, result, install)
+            self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
 
     def _record_lag(self, block: str, lag_steps: int) -> None:
         """The lag a block was *used* with: what the staleness budget bounds."""
@@ -293,6 +368,7 @@ class FreshnessRuntime:
             self._pumped_epoch = epoch
             for tile in tiles():
                 self.install_ready(tile, install)
+            self.pull(install)  # a result arrived: a worker is free
 
     # ------------------------------------------------------------------ hooks
     def attach(self, model: torch.nn.Module, pump: Callable[[], None]) -> None:
@@ -357,7 +433,7 @@ class FreshnessRuntime:
                     "last_solve_s": record.last_solve_s,
                     "last_error": self._local_errors.get(block) or record.last_error,
                     "mode": self.mode.value,
-                    "budget_steps": self.policy.budget_intervals * self._frequency.get(block, 1),
+                    "budget_steps": self.policy.budget_steps(self._frequency.get(block, 1)),
                 }
                 row.update(record.extra)
                 rows.append(row)
@@ -368,6 +444,7 @@ class FreshnessRuntime:
         stats = self.barrier_stats
         return {
             "mode": self.mode.value,
+            "refresh": self.policy.refresh.value,
             "staleness_budget": self.policy.budget_intervals,
             "barrier_waits": stats.waits,
             "barrier_wait_s": stats.wait_s,
@@ -377,8 +454,13 @@ class FreshnessRuntime:
             "submit_errors": stats.submit_errors,
             "max_lag_steps": stats.max_lag_steps,
             "lag_histogram": dict(sorted(stats.lag_histogram.items())),
+            "refreshes": self.refresh_stats(),
             "source": self.source.stats(),
         }
+
+    def refresh_stats(self) -> dict[str, Any]:
+        """Per block: installs, refreshes per 100 steps, drift at install (and their means)."""
+        return self.refresh_log.summary()
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

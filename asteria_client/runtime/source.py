@@ -105,6 +105,12 @@ class PreconditionerSource(abc.ABC):
         """The version being computed (or queued) for ``block``, if any."""
         return None
 
+    def credit(self) -> int | None:
+        """How many more snapshots this source would start promptly (the continuous schedule
+        copies no more): free solver workers plus one, less the snapshots already waiting for
+        a worker; 0 while every worker is busy. None: no limit (results are ready at once)."""
+        return None
+
     @abc.abstractmethod
     def record(self, block: str) -> SourceRecord:
         """Per-block bookkeeping for status reports."""

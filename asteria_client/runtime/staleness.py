@@ -12,6 +12,13 @@ never exceeds ``(S + 1) * f - 1`` (``f - 1`` of which native mode has as well). 
 When a block would exceed its budget, the optimizer waits (a bounded *barrier*) for the result
 in flight; if that times out or nothing useful is in flight, it computes the block locally
 (native path) and warns once. These counters make the cost of freshness visible.
+
+On the **continuous** schedule (:class:`Refresh`) there is no interval: a block is snapshotted
+when a solver worker is free to take it, and S counts steps. A snapshot taken at the end of step
+v may be in flight while steps v+1 .. v+S run; step v+S+1 must use it (or a newer result). The
+*lag* at a step t is then ``t - v`` while snapshot v is in flight (0 once it is installed), and
+the budget bounds it the same way: ``lag <= S``. With one snapshot a step this is exactly the
+amortized rule at f = 1.
 """
 
 from __future__ import annotations
@@ -28,12 +35,21 @@ class Freshness(enum.Enum):
     MISSING = "missing"  # no result yet
 
 
+class Refresh(enum.Enum):
+    """When a block's factor is snapshotted for a new root or basis."""
+
+    AMORTIZED = "amortized"  # every ``precondition_frequency`` steps, every block
+    CONTINUOUS = "continuous"  # whenever a solver worker is free, the block that needs it most
+
+
 @dataclass(frozen=True, kw_only=True)
 class StalenessPolicy:
-    """``budget_intervals`` = S; ``barrier_timeout_s`` bounds each wait before local fallback."""
+    """``budget_intervals`` = S (refresh intervals; steps on the continuous schedule);
+    ``barrier_timeout_s`` bounds each wait before local fallback."""
 
     budget_intervals: int = 1
     barrier_timeout_s: float = 30.0
+    refresh: Refresh = Refresh.AMORTIZED
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_intervals, int) or self.budget_intervals < 0:
@@ -43,17 +59,44 @@ class StalenessPolicy:
             )
         if not self.barrier_timeout_s > 0:
             raise ValueError(f"barrier_timeout_s must be > 0, got {self.barrier_timeout_s!r}")
+        if not isinstance(self.refresh, Refresh):
+            raise ValueError(f"refresh must be a Refresh, got {self.refresh!r}")
 
-    def required_version(self, newest_snapshot: int, frequency: int, needs_first: bool) -> int:
-        """The oldest version the optimizer may use now; below 0 means "none is fine too".
+    @property
+    def continuous(self) -> bool:
+        return self.refresh is Refresh.CONTINUOUS
+
+    def required_version(
+        self, newest_snapshot: int, frequency: int, needs_first: bool, *, step: int = 0
+    ) -> int:
+        """The oldest version the optimizer may use at ``step``; below 0 means "none is fine
+        too".
 
         ``needs_first``: the block cannot be used without some result (a SOAP or KL-Shampoo
-        basis), so at least version 0 is required even inside the budget.
+        basis), so at least version 0 is required even inside the budget. On the continuous
+        schedule the newest snapshot is required once it has been in flight for more than S
+        steps (``step`` is then needed), else nothing newer than what is in use.
         """
         if newest_snapshot < 0:
             return -1
-        required = newest_snapshot - self.budget_intervals * frequency
+        if self.continuous:
+            late = step - newest_snapshot > self.budget_intervals
+            required = newest_snapshot if late else -1
+        else:
+            required = newest_snapshot - self.budget_intervals * frequency
         return max(required, 0) if needs_first else required
+
+    def lag_steps(self, newest_snapshot: int, installed: int, step: int) -> int:
+        """The lag a block is used with at ``step``: what ``budget_steps`` bounds."""
+        if newest_snapshot <= installed:
+            return 0
+        if self.continuous:
+            return max(0, step - newest_snapshot)
+        return newest_snapshot - installed
+
+    def budget_steps(self, frequency: int) -> int:
+        """The largest lag the budget allows, in steps."""
+        return self.budget_intervals * (1 if self.continuous else frequency)
 
 
 def freshness(installed: int, newest_snapshot: int) -> Freshness:

@@ -1,0 +1,247 @@
+"""Which block to refresh next, and how often each block was refreshed.
+
+The continuous schedule (``refresh="continuous"``) has no refresh interval. After each step, and
+whenever a hook pumps results, the runtime asks the source for its *credit* — how many snapshots
+it would start promptly: its free solver workers plus one for the worker that frees next, and
+none at all while every worker is busy — and copies that many factors, no more. So a factor is
+copied only when a worker will take it, and nothing queues behind a busy pool.
+
+Which factors: the blocks whose basis fits their current factor worst, per CPU-second of solve.
+The fit is a drift estimate computed on the factor's device when a choice is to be made, once
+per new basis and then every :data:`DRIFT_INTERVAL_STEPS` steps per block: for a basis Q of a
+factor L, the off-diagonal energy of QᵀLQ relative to ‖L‖²_F. Column j of QᵀLQ off its
+diagonal has the norm of the residual ``L q_j - (q_jᵀ L q_j) q_j``; a few columns drawn at
+random (:data:`DRIFT_PROBES`) estimate the sum over all columns without bias at O(n²) per
+probe, and ‖QᵀLQ‖_F = ‖L‖_F costs O(n²) too. A block without a basis yet comes first; a block
+in flight is not pulled again.
+
+    priority = (drift + AGE_WEIGHT * age_steps) / estimated solve seconds
+
+``age_steps`` is how many steps the factor has moved since the snapshot of the basis in use: a
+block whose estimate reads zero still gets refreshed, eventually. Blocks whose factor barely moves
+are refreshed rarely, blocks that move fast often.
+
+:class:`RefreshLog` counts, in every mode, each block's installs and the drift of the basis each
+install replaced (measured against the current factor just before the install) — what
+``refresh_stats()`` and the benchmarks report as refreshes per 100 steps and drift at install.
+Drift values stay on the device until a report asks for them: no step waits on them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asteria_client.runtime.source import PreconditionerRequest
+from asteria_server.types import SolveKind
+
+#: Random columns of the basis each drift estimate looks at.
+DRIFT_PROBES = 4
+#: A block's drift is estimated again once its factor is this many steps newer than the last
+#: estimate (and only when a worker is free to refresh something).
+DRIFT_INTERVAL_STEPS = 4
+#: Priority per step of age, in units of relative off-diagonal energy.
+AGE_WEIGHT = 1e-4
+
+
+def estimate_drift(
+    factor: torch.Tensor,
+    basis: torch.Tensor | None,
+    generator: torch.Generator,
+    probes: int = DRIFT_PROBES,
+) -> torch.Tensor:
+    """The off-diagonal energy of ``QᵀLQ`` over ``‖L‖²_F`` (0: Q diagonalizes L), estimated
+    from ``probes`` random columns of Q (the identity when ``basis`` is None). A 0-d tensor on
+    the factor's device."""
+    n = factor.shape[0]
+    k = min(probes, n)
+    index = torch.randperm(n, generator=generator)[:k].to(factor.device)
+    if basis is None:
+        columns = torch.zeros(n, k, device=factor.device, dtype=factor.dtype)
+        columns[index, torch.arange(k, device=factor.device)] = 1.0
+    else:
+        columns = basis.index_select(1, index).to(factor.dtype)
+    lq = factor @ columns
+    rayleigh = (columns * lq).sum(dim=0)
+    off_diagonal = (lq - columns * rayleigh).square().sum() * (n / k)
+    total = factor.square().sum()
+    return torch.where(total > 0, off_diagonal / total.clamp_min(1e-30), torch.zeros_like(total))
+
+
+@dataclass
+class BlockRefreshes:
+    """One block's refresh record (drift values are device tensors until reported)."""
+
+    installs: int = 0
+    first_step: int | None = None
+    drift_sum: torch.Tensor | None = None
+    drift_count: int = 0
+    last_drift: torch.Tensor | None = None
+    pulls: int = 0
+
+
+class RefreshLog:
+    """Installs and drift at install per block; see the module docstring."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.blocks: dict[str, BlockRefreshes] = {}
+        self.generator = torch.Generator().manual_seed(seed)
+        self.step = 0
+
+    def record_step(self, block: str, step: int) -> None:
+        entry = self.blocks.setdefault(block, BlockRefreshes())
+        if entry.first_step is None:
+            entry.first_step = step
+        self.step = max(self.step, step)
+
+    def record_install(self, block: str, request: PreconditionerRequest | None) -> None:
+        """Count an install; ``request`` (the block's factor and the basis about to be
+        replaced, uncopied) gives the drift at install, for bases only."""
+        entry = self.blocks.setdefault(block, BlockRefreshes())
+        entry.installs += 1
+        if request is None or request.kind is not SolveKind.EIGENBASIS:
+            return
+        with torch.no_grad():
+            drift = estimate_drift(request.matrix, request.basis, self.generator)
+        entry.drift_sum = drift if entry.drift_sum is None else entry.drift_sum + drift
+        entry.drift_count += 1
+        entry.last_drift = drift
+
+    def record_pull(self, block: str) -> None:
+        self.blocks.setdefault(block, BlockRefreshes()).pulls += 1
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """Per block: installs, refreshes per 100 steps, mean and last drift at install."""
+        out = {}
+        for block, entry in sorted(self.blocks.items()):
+            steps = self.step - (entry.first_step or 0) + 1 if entry.first_step else 0
+            mean = last = None
+            if entry.drift_count and entry.drift_sum is not None and entry.last_drift is not None:
+                mean = float(entry.drift_sum) / entry.drift_count
+                last = float(entry.last_drift)
+            out[block] = {
+                "installs": entry.installs,
+                "pulls": entry.pulls,
+                "steps": steps,
+                "refreshes_per_100_steps": 100.0 * entry.installs / steps if steps else 0.0,
+                "drift_at_install_mean": mean,
+                "drift_at_install_last": last,
+            }
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        rows = self.rows()
+        rates = [r["refreshes_per_100_steps"] for r in rows.values()]
+        drifts = [r["drift_at_install_mean"] for r in rows.values()]
+        drifts = [d for d in drifts if d is not None]
+        return {
+            "refreshes_per_100_steps_mean": sum(rates) / len(rates) if rates else None,
+            "refreshes_per_100_steps_min": min(rates) if rates else None,
+            "refreshes_per_100_steps_max": max(rates) if rates else None,
+            "drift_at_install_mean": sum(drifts) / len(drifts) if drifts else None,
+            "blocks": rows,
+        }
+
+
+@dataclass
+class Candidate:
+    """A block the continuous schedule may pull: its tile, dim, how to snapshot it, and the
+    version (step) of the factor the tile holds now."""
+
+    tile: Any
+    dim: int
+    block: str
+    request: Callable[[int, int], PreconditionerRequest]
+    version: int
+    cost_s: float = 0.0
+    drift: float = math.inf  # unknown until measured
+    drift_version: int = -1  # the factor's version when drift was measured
+    drift_basis: int = -1  # the basis's version when drift was measured
+
+    def drift_stale(self) -> bool:
+        """The estimate is of another basis, or DRIFT_INTERVAL_STEPS old."""
+        return (
+            self.drift_basis != self.tile.versions[self.dim]
+            or self.version - self.drift_version >= DRIFT_INTERVAL_STEPS
+        )
+
+    def pullable(self) -> bool:
+        """Not in flight, and its factor is newer than every snapshot taken of it."""
+        in_flight = self.tile.submitted[self.dim] > self.tile.versions[self.dim]
+        return not in_flight and self.version > self.tile.submitted[self.dim]
+
+    def priority(self) -> float:
+        installed = self.tile.versions[self.dim]
+        if installed < 0:
+            return math.inf
+        age = self.version - installed
+        return (self.drift + AGE_WEIGHT * age) / max(self.cost_s, 1e-12)
+
+
+@dataclass
+class ContinuousScheduler:
+    """Picks the blocks to snapshot when the source has credit (see the module docstring)."""
+
+    seconds_per_n3: float
+    generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1))
+    candidates: dict[str, Candidate] = field(default_factory=dict)
+
+    def offer(
+        self,
+        tile: Any,
+        version: int,
+        request: Callable[[int, int], PreconditionerRequest],
+    ) -> None:
+        """The tile's factors now hold step ``version``: its blocks may be pulled."""
+        for dim, block in tile.preconditioned():
+            entry = self.candidates.get(block)
+            if entry is None or entry.tile is not tile:
+                n = request(dim, version).matrix.shape[0]
+                entry = Candidate(
+                    tile=tile,
+                    dim=dim,
+                    block=block,
+                    request=request,
+                    version=version,
+                    cost_s=self.seconds_per_n3 * n**3,
+                )
+                self.candidates[block] = entry
+            entry.request = request
+            entry.version = version
+
+    def choose(self, credit: int | None) -> list[Candidate]:
+        """The blocks to pull now, best first: all pullable ones when ``credit`` is None
+        (a source without limit), else at most ``credit``."""
+        if credit is not None and credit <= 0:
+            return []
+        ready = [c for c in self.candidates.values() if c.pullable()]
+        if credit is None or len(ready) <= credit:
+            return sorted(ready, key=lambda c: c.block)
+        self._measure([c for c in ready if c.drift_stale()])
+        ready.sort(key=lambda c: (-c.priority(), c.block))
+        return ready[:credit]
+
+    def _measure(self, stale: list[Candidate]) -> None:
+        """New drift estimates for ``stale``, one host read for all of them."""
+        measured, values = [], []
+        with torch.no_grad():
+            for entry in stale:
+                if entry.tile.versions[entry.dim] < 0:
+                    continue  # no basis yet: first in line anyway
+                request = entry.request(entry.dim, entry.version)
+                if request.kind is not SolveKind.EIGENBASIS:
+                    continue
+                measured.append(entry)
+                values.append(estimate_drift(request.matrix, request.basis, self.generator))
+        if not measured:
+            return
+        device = values[0].device
+        read = torch.stack([v.to(device) for v in values]).tolist()
+        for entry, value in zip(measured, read, strict=True):
+            entry.drift = float(value)
+            entry.drift_version = entry.version
+            entry.drift_basis = entry.tile.versions[entry.dim]

@@ -1,0 +1,346 @@
+"""The continuous refresh schedule: budget, versions, credit, priority, and equality with native.
+
+The sources here are real native sources (torch.linalg in the test process) that release each
+result only after a chosen number of steps and model a pool of solver workers, so the schedule
+meets random solve delays without a clock; tests/integration/test_continuous_embedded.py runs
+the same schedule on the real embedded engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asteria_client import SOAP, KLShampoo, Shampoo
+from asteria_client.runtime.refresh import estimate_drift
+from asteria_client.runtime.source import (
+    NativeSource,
+    PreconditionerRequest,
+    PreconditionerResult,
+    compute_locally,
+)
+from asteria_client.runtime.staleness import Refresh, StalenessPolicy
+from asteria_server.errors import InvalidInputError
+
+
+class InstantSource(NativeSource):
+    """Solves in ``submit`` (instantaneous solves), but is treated as asynchronous."""
+
+    synchronous = False
+
+
+@dataclass
+class _Job:
+    request: PreconditionerRequest
+    result: PreconditionerResult
+    steps_left: int  # steps of work left; starts when a worker takes it
+    running: bool = False
+
+
+class DelayedSource(NativeSource):
+    """``num_workers`` simulated solver workers: a job takes the next delay from ``delays`` (in
+    steps; the test calls :meth:`tick` once a step), queued jobs wait for a free worker, and a
+    result is ready only when its job is done. Like the engine's dispatcher, workers take jobs
+    between steps (at a tick), not inside ``submit``. The math is the real native solve.
+    ``wait`` (the barrier) finishes the job it waits for at once. Counts submits made without
+    credit."""
+
+    synchronous = False
+
+    def __init__(self, num_workers: int, delays: list[int]) -> None:
+        super().__init__()
+        self.num_workers = num_workers
+        self.delays = delays or [0]
+        self.jobs: list[_Job] = []
+        self.submits = 0
+        self.submits_without_credit = 0
+        self.waits = 0
+
+    def _busy(self) -> int:
+        return sum(1 for j in self.jobs if j.running)
+
+    def _queued(self) -> int:
+        return sum(1 for j in self.jobs if not j.running)
+
+    def credit(self) -> int | None:
+        free = self.num_workers - self._busy()
+        return 0 if free <= 0 else max(0, free + 1 - self._queued())
+
+    def submit(self, request: PreconditionerRequest) -> None:
+        credit = self.credit()
+        if credit is not None and credit <= 0:
+            self.submits_without_credit += 1
+        delay = self.delays[self.submits % len(self.delays)]
+        self.submits += 1
+        result = compute_locally(request)
+        self.jobs.append(_Job(request, result, delay))  # a worker takes it at the next tick
+
+    def _start(self) -> None:
+        for job in self.jobs:
+            if not job.running and self._busy() < self.num_workers:
+                job.running = True
+
+    def _finish(self, done: Any) -> None:
+        while True:
+            finished = [j for j in self.jobs if done(j)]
+            if not finished:
+                return
+            for job in finished:
+                self.jobs.remove(job)
+                current = self._ready.get(job.request.block)
+                if current is None or job.result.version > current.version:
+                    self._ready[job.request.block] = job.result
+            self._start()
+
+    def tick(self) -> None:
+        """One step of solver time passes: running jobs advance, free workers take queued
+        jobs (a job of delay 0 is then done at once)."""
+        for job in self.jobs:
+            if job.running:
+                job.steps_left -= 1
+        self._start()
+        self._finish(lambda job: job.steps_left <= 0 and job.running)
+
+    def wait(self, block: str, min_version: int, timeout_s: float) -> PreconditionerResult | None:
+        self.waits += 1
+        mine = [j for j in self.jobs if j.request.block == block]
+        if not any(j.request.version >= min_version for j in mine):
+            return self.take(block)
+        for job in mine:
+            job.running = True  # the barrier waits for it: it is done now
+        self._finish(lambda job: job in mine)
+        result = self.take(block)
+        return result if result is not None and result.version >= min_version else None
+
+    def in_flight_version(self, block: str) -> int | None:
+        versions = [j.request.version for j in self.jobs if j.request.block == block]
+        return max(versions) if versions else None
+
+
+class CheckedSOAP(SOAP):
+    """SOAP that checks, at every use of a block, the budget and the version order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.installs: dict[str, list[int]] = {}
+        self.violations: list[str] = []
+
+    def _install(self, tile: Any, dim: int, result: PreconditionerResult) -> None:  # type: ignore[override]
+        self.installs.setdefault(tile.blocks[dim], []).append(result.version)
+        SOAP._install(tile, dim, result)
+
+    def _sync_tile(self, tile: Any, step: int, group: dict[str, Any]) -> None:
+        super()._sync_tile(tile, step, group)
+        budget = self.staleness.budget_intervals
+        for dim, block in tile.preconditioned():
+            newest, used = tile.submitted[dim], tile.versions[dim]
+            if newest > used and step - newest > budget:
+                self.violations.append(
+                    f"step {step}: {block} uses v{used}, snapshot v{newest} in flight "
+                    f"{step - newest} steps > S={budget}"
+                )
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+
+
+def _batches(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(123)
+    for _ in range(n):
+        yield torch.randn(8, 6, generator=gen), torch.randn(8, 4, generator=gen)
+
+
+def _train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, tick: Any = None
+) -> None:
+    for x, y in _batches(steps):
+        if tick is not None:
+            tick()
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        opt.step()
+
+
+# --------------------------------------------------------------------------- equality with native
+@pytest.mark.parametrize("optimizer", [SOAP, KLShampoo])
+def test_instantaneous_solves_equal_native_every_step(optimizer: type) -> None:
+    """With solves that finish at once, continuous refresh refreshes every block every step:
+    the same trajectory as native mode at precondition_frequency=1."""
+    native_model, cont_model = _model(), _model()
+    native = optimizer(native_model.named_parameters(), mode="native", precondition_frequency=1)
+    cont = optimizer(
+        cont_model.named_parameters(),
+        source=InstantSource(),
+        refresh="continuous",
+        staleness_budget=1,
+    )
+    _train(native_model, native, 25)
+    _train(cont_model, cont, 25)
+    for (name, a), (_, b) in zip(
+        native_model.named_parameters(), cont_model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
+    rows = cont.refresh_stats()["blocks"]
+    assert rows and all(r["installs"] == 25 for r in rows.values())  # every step, every block
+
+
+def test_instantaneous_continuous_differs_from_native_f10() -> None:
+    """The equality above is not vacuous: amortized f=10 gives another trajectory."""
+    native_model, cont_model = _model(), _model()
+    native = SOAP(native_model.named_parameters(), mode="native", precondition_frequency=10)
+    cont = SOAP(cont_model.named_parameters(), source=InstantSource(), refresh="continuous")
+    _train(native_model, native, 25)
+    _train(cont_model, cont, 25)
+    diff = max(
+        float((a - b).detach().abs().max())
+        for a, b in zip(native_model.parameters(), cont_model.parameters(), strict=True)
+    )
+    assert diff > 1e-4
+
+
+# ------------------------------------------------------------------ budget, versions, credit
+@settings(max_examples=40, deadline=None)
+@given(
+    budget=st.integers(min_value=0, max_value=4),
+    num_workers=st.integers(min_value=1, max_value=3),
+    delays=st.lists(st.integers(min_value=0, max_value=8), min_size=1, max_size=12),
+)
+def test_continuous_keeps_budget_versions_and_credit(
+    budget: int, num_workers: int, delays: list[int]
+) -> None:
+    """Over random solve delays: a snapshot in flight is never used past S steps, versions only
+    grow, and no snapshot is copied without credit (while every worker is busy)."""
+    model = _model()
+    source = DelayedSource(num_workers, delays)
+    opt = CheckedSOAP(
+        model.named_parameters(), source=source, refresh="continuous", staleness_budget=budget
+    )
+    _train(model, opt, 16, tick=source.tick)
+    assert not opt.violations, opt.violations[:3]
+    for block, versions in opt.installs.items():
+        assert versions == sorted(set(versions)), f"{block}: installs {versions}"
+    assert source.submits > 0
+    assert source.submits_without_credit == 0
+    assert opt.runtime_stats()["max_lag_steps"] <= budget
+    assert opt.runtime_stats()["local_fallbacks"] == 0  # the barrier always had the job
+
+
+def test_no_snapshot_is_taken_while_every_worker_is_busy() -> None:
+    """One worker on a 50-step solve: after the first pulls, the steps copy nothing."""
+    model = _model()
+    source = DelayedSource(1, [50])
+    opt = SOAP(model.named_parameters(), source=source, refresh="continuous", staleness_budget=100)
+    _train(model, opt, 1, tick=source.tick)
+    assert source.submits == 2  # the free worker's block, and one queued for it (credit 1 + 1)
+    _train(model, opt, 20, tick=source.tick)
+    assert source.submits == 2
+    assert source.submits_without_credit == 0
+
+
+def test_unchecked_source_would_have_copied() -> None:
+    """The credit check is what stops the copies: the same run on a source without a limit
+    copies every block every step."""
+    model = _model()
+    source = InstantSource()
+    opt = SOAP(model.named_parameters(), source=source, refresh="continuous")
+    _train(model, opt, 5)
+    rows = opt.refresh_stats()["blocks"]
+    assert all(r["pulls"] == 5 for r in rows.values())
+
+
+# --------------------------------------------------------------------------- priority
+def test_fast_moving_blocks_are_refreshed_more_often() -> None:
+    """Two equal-sized parameters, one worker that takes one block a step: the one whose
+    gradient keeps turning is refreshed far more often than the one whose gradient is fixed
+    (its factor keeps its eigenvectors; only its age raises it)."""
+    torch.manual_seed(0)
+    still = torch.nn.Parameter(torch.randn(6, 6))
+    moving = torch.nn.Parameter(torch.randn(6, 6))
+    source = DelayedSource(1, [1])
+    opt = SOAP(
+        [("still", still), ("moving", moving)],
+        source=source,
+        refresh="continuous",
+        staleness_budget=4,
+        lr=1e-3,
+    )
+    fixed = torch.randn(6, 6)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(80):
+        source.tick()
+        still.grad = fixed.clone()
+        moving.grad = torch.randn(6, 6, generator=gen)
+        opt.step()
+    rows = opt.refresh_stats()["blocks"]
+    still_rate = sum(r["installs"] for b, r in rows.items() if b.startswith("still"))
+    moving_rate = sum(r["installs"] for b, r in rows.items() if b.startswith("moving"))
+    assert moving_rate > 3 * still_rate, rows
+
+
+def test_drift_estimate_is_zero_for_the_eigenbasis_and_grows_with_rotation() -> None:
+    torch.manual_seed(0)
+    a = torch.randn(32, 32, dtype=torch.float64)
+    factor = a @ a.T
+    _, vectors = torch.linalg.eigh(factor)
+    gen = torch.Generator().manual_seed(0)
+    assert float(estimate_drift(factor, vectors, gen)) < 1e-20
+    rotation, _ = torch.linalg.qr(torch.eye(32, dtype=torch.float64) + 0.05 * torch.randn(32, 32))
+    small = float(estimate_drift(factor, vectors @ rotation, gen, probes=32))
+    rotation2, _ = torch.linalg.qr(torch.eye(32, dtype=torch.float64) + 0.5 * torch.randn(32, 32))
+    large = float(estimate_drift(factor, vectors @ rotation2, gen, probes=32))
+    assert 0 < small < large <= 1.0
+    # All n probes: the exact off-diagonal energy of Q^T L Q over ||L||^2.
+    q = vectors @ rotation
+    m = q.T @ factor @ q
+    exact = float((m - torch.diag(m.diagonal())).square().sum() / factor.square().sum())
+    assert small == pytest.approx(exact, rel=1e-9)
+
+
+# --------------------------------------------------------------------------- consistency, input
+def test_kl_shampoo_takes_the_eigenvalues_of_the_basis_snapshot() -> None:
+    """A KL-Shampoo basis installs with the eigenvalues of the factor snapshot it came from,
+    not the factor's value when it arrives."""
+    model = _model()
+    source = DelayedSource(1, [3])
+    opt = KLShampoo(
+        model.named_parameters(), source=source, refresh="continuous", staleness_budget=5
+    )
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    original = KLShampoo._install
+
+    def install(tile: Any, dim: int, result: PreconditionerResult) -> None:
+        original(tile, dim, result)
+        assert result.eigenvalues is not None
+        seen.append((tile.eigenvalues[dim].clone(), result.eigenvalues.clamp_min(0)))
+
+    opt._install = install  # type: ignore[method-assign]
+    _train(model, opt, 12, tick=source.tick)
+    assert seen
+    for installed, from_snapshot in seen:
+        torch.testing.assert_close(installed, from_snapshot)
+
+
+def test_refresh_argument_is_checked() -> None:
+    model = _model()
+    with pytest.raises(InvalidInputError, match="refresh"):
+        SOAP(model.named_parameters(), mode="native", refresh="sometimes")
+    with pytest.raises(InvalidInputError, match="continuous"):
+        Shampoo(model.named_parameters(), mode="native", refresh="continuous")
+
+
+def test_continuous_budget_is_in_steps() -> None:
+    policy = StalenessPolicy(budget_intervals=2, refresh=Refresh.CONTINUOUS)
+    # snapshot of step 10 in flight: usable without it at steps 11 and 12, required at 13
+    assert policy.required_version(10, 10, False, step=12) == -1
+    assert policy.required_version(10, 10, False, step=13) == 10
+    assert policy.lag_steps(10, 4, step=12) == 2
+    assert policy.lag_steps(10, 10, step=12) == 0
+    assert policy.budget_steps(10) == 2
