@@ -8,10 +8,15 @@ daemon-wide numbers: incarnation, uptime, workers busy and idle, queue depth.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 from asteria_client.tables import text_table
-from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection
+from asteria_client.transport.connection import (
+    DaemonClientConfig,
+    DaemonConnection,
+    RegisteredJob,
+)
 from asteria_server.errors import AsteriaError
 from asteria_server.types import BlockStatus, EngineStats, TransportStats
 
@@ -25,6 +30,7 @@ def status_document(
     stats: EngineStats,
     blocks: list[BlockStatus],
     transport: TransportStats | None = None,
+    jobs: list[RegisteredJob] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of ``asteria status --json``."""
     rows = []
@@ -49,6 +55,7 @@ def status_document(
         "closed": stats.closed,
         "broken_reason": stats.broken_reason,
         "transport": None if transport is None else transport.to_dict(),
+        "jobs": [dataclasses.asdict(job) for job in jobs or ()],
         "blocks": rows,
     }
 
@@ -86,8 +93,10 @@ def format_table(
     stats: EngineStats,
     blocks: list[BlockStatus],
     transport: TransportStats | None = None,
+    jobs: list[RegisteredJob] | None = None,
 ) -> str:
-    """The human-readable report: the summary lines, then one row per block."""
+    """The human-readable report: the summary lines, the tenant's jobs, then one row per
+    block."""
     lines = [
         f"daemon {address}  incarnation {stats.incarnation_id}  uptime {stats.uptime_s:.1f} s"
         + ("  (shutting down)" if stats.closed else ""),
@@ -104,6 +113,15 @@ def format_table(
         )
     if stats.broken_reason:
         lines.append(f"BROKEN: {stats.broken_reason}")
+    for job in jobs or ():
+        here = job.nodes[job.node_rank] if job.node_rank < len(job.nodes) else None
+        lines.append(
+            f"job {job.job}: {job.world_size} ranks on {len(job.nodes)} node(s); this daemon "
+            f"serves node {job.node_rank}"
+            + (f" ({here.host}, ranks {_ranks(here.ranks)})" if here is not None else "")
+            + f"; registered {_seconds(job.registered_age_s)} ago"
+            + (f", {job.registrations} times" if job.registrations > 1 else "")
+        )
     if not blocks:
         lines.append("no blocks for this tenant")
         return "\n".join(lines)
@@ -128,6 +146,13 @@ def format_table(
     return "\n".join(lines)
 
 
+def _ranks(ranks: tuple[int, ...]) -> str:
+    """``0-3`` for a contiguous run, else the list."""
+    if ranks and list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(str(r) for r in ranks)
+
+
 class StatusReader:
     """One connection and session, reopened when the daemon restarts."""
 
@@ -149,6 +174,15 @@ class StatusReader:
                 if attempt == 1:
                     raise
         raise AssertionError("unreachable")
+
+    def jobs(self) -> list[RegisteredJob]:
+        """The tenant's registered jobs ([] when the daemon cannot say)."""
+        if self._session_id is None:
+            return []
+        try:
+            return self._conn.list_jobs(self._session_id)
+        except AsteriaError:
+            return []
 
     def close(self) -> None:
         if self._session_id is not None:

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         while True:
             try:
                 stats, blocks, transport = reader.read()
+                jobs = reader.jobs()
             except AsteriaError as exc:
                 print(
                     f"{PROG} status: cannot reach the daemon at {address}: {exc}", file=sys.stderr
@@ -92,12 +93,12 @@ def run(args: argparse.Namespace) -> int:
                     return EXIT_FAILED
             else:
                 if args.json:
-                    document = status_document(address, stats, blocks, transport)
+                    document = status_document(address, stats, blocks, transport, jobs)
                     print(json.dumps(document), flush=True)
                 else:
                     if args.watch is not None and sys.stdout.isatty():
                         print("\x1b[H\x1b[2J", end="")
-                    print(format_table(address, stats, blocks, transport), flush=True)
+                    print(format_table(address, stats, blocks, transport, jobs), flush=True)
             first = False
             if args.watch is None:
                 return EXIT_OK
