@@ -29,6 +29,12 @@ import torch
 from asteria_client.distributed import JobLayout, distributed_job, job_source
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
+from asteria_client.optim.sharding import (
+    ShardGeometry,
+    is_dtensor,
+    local_tensor,
+    shard_geometry,
+)
 from asteria_client.runtime import (
     FreshnessRuntime,
     Mode,
@@ -149,6 +155,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if defaults.get("max_dim_ratio") is not None:
             check_range("max_dim_ratio", defaults["max_dim_ratio"], 0.0, math.inf)
         self._plans: dict[str, BlockingPlan] = {}
+        #: id(param) -> where its local shard lies (None: not a DTensor)
+        self._geometry: dict[int, ShardGeometry | None] = {}
         super().__init__(named_param_groups(params, self._namer), defaults)
         #: Where results come from and how fresh they are: the only thing the math talks to.
         if source is None:
@@ -214,7 +222,22 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             for name, p in zip(group["param_names"], group["params"], strict=True):
                 yield name, p, group
 
+    def shard(self, name: str, param: torch.Tensor) -> ShardGeometry | None:
+        """Where ``param``'s local shard lies (FSDP2), or None for a tensor that is not a
+        DTensor; see :mod:`~asteria_client.optim.sharding`."""
+        if id(param) not in self._geometry:
+            self._geometry[id(param)] = shard_geometry(name, param)
+        return self._geometry[id(param)]
+
+    def state_key(self, name: str, param: torch.Tensor) -> str:
+        """The name of ``param``'s state and the prefix of its blocks: the parameter's name, and
+        for a DTensor the global coordinates of this rank's shard (``fc.weight@rows0:12``)."""
+        geometry = self.shard(name, param)
+        return name if geometry is None else f"{name}@{geometry.key}"
+
     def plan(self, name: str, param: torch.Tensor, group: dict[str, Any]) -> BlockingPlan:
+        """The tiles of ``param`` (a local shard for DTensors), cached under ``name`` (its state
+        key)."""
         plan = self._plans.get(name)
         if plan is None:
             plan = plan_blocking(
@@ -231,7 +254,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         seconds_per_n3 = self.runtime.seconds_per_n3()
         costly = []
         for name, p, group in self.named_params():
-            plan = self.plan(name, p, group)
+            plan = self.plan(self.state_key(name, p), local_tensor(p), group)
             sizes = {
                 size
                 for tile in plan.tiles
@@ -258,23 +281,31 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the step
     def _first_bad_gradient(self) -> str | None:
-        grads, names = [], []
-        for name, p, _ in self.named_params():
-            if p.grad is None or p.numel() == 0:
+        grads, positions = [], []
+        named = list(self.named_params())
+        for position, (name, p, _) in enumerate(named):
+            if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise UnsupportedParameterError(
                     f"parameter {name!r} has a sparse gradient; Asteria needs dense gradients "
                     "(use nn.Embedding(sparse=False))"
                 )
-            grads.append(p.grad)
-            names.append(name)
-        if not grads:
-            return None
-        finite = torch.stack([torch.isfinite(g).all() for g in grads])
-        if bool(finite.all()):
-            return None
-        return names[int((~finite).nonzero()[0])]
+            grad = local_tensor(p.grad)
+            if grad.numel():
+                grads.append(grad)
+                positions.append(position)
+        first = len(named)  # none
+        if grads:
+            finite = torch.stack([torch.isfinite(g).all() for g in grads])
+            if not bool(finite.all()):
+                first = positions[int((~finite).nonzero()[0])]
+        sharded = [p for _, p, _ in named if is_dtensor(p)]
+        if sharded:  # every rank holds other rows: all skip (or raise) together, or none does
+            flag = torch.tensor([first], device=local_tensor(sharded[0]).device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            first = int(flag.item())
+        return named[first][0] if first < len(named) else None
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -294,16 +325,20 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self._warn_once("skip", f"skipping steps with non-finite gradients (first: {bad!r})")
             return loss
         for name, p, group in self.named_params():
-            if p.grad is None or p.numel() == 0:
+            if p.grad is None:
                 continue
+            local = local_tensor(p)  # FSDP2: this rank's shard, preconditioned on its own
+            if local.numel() == 0:
+                continue
+            key = self.state_key(name, p)
             state = self.state[p]
             if not state:
                 state["step"] = 0
                 state["tiles"] = []
             state["step"] += 1
-            plan = self.plan(name, p, group)
-            tiles = plan.split(p.grad.to(state_dtype(p)))
-            self._step_param(name, p, tiles, state, group, plan)
+            plan = self.plan(key, local, group)
+            tiles = plan.split(local_tensor(p.grad).to(state_dtype(p)))
+            self._step_param(key, local, tiles, state, group, plan)
         if self.runtime.continuous:
             self.runtime.pull(self._install)  # the workers free now get the neediest blocks
         return loss
