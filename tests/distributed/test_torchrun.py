@@ -1,0 +1,134 @@
+"""A job launched by torchrun against one real daemon: a rank killed with SIGKILL ends the job
+cleanly (the daemon serves on, nothing is left behind), and the job restarted under the same id
+warm-starts from the results the daemon still holds for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from asteria_client.status import StatusReader
+from tests.integration.test_daemon import _running, start_daemon, stop_daemon
+
+JOB = "killed-job"
+TIMEOUT_S = 150.0  # two torch imports per rank on a small shared machine
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import torch
+    import torch.distributed as dist
+    from asteria_client import SOAP
+
+    out, address, kill_at, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    with open(f"{out}/pid{rank}-{kill_at}", "w") as f:
+        f.write(str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = SOAP(model.named_parameters(), lr=1e-2, mode="daemon", address=address,
+               precondition_frequency=2, staleness_budget=1)
+    start = 0
+    if resume != "-":
+        saved = torch.load(resume, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        start = saved["step"]
+    g = torch.Generator().manual_seed(1 + rank)
+    for step in range(start + 1, start + 13):
+        x = torch.randn(32, 16, generator=g)
+        opt.zero_grad()
+        (ddp(x) - x).square().mean().backward()
+        opt.step()
+        if step == start + 2:  # the first refresh step: the blocks' first snapshots
+            versions = {r["block"]: r["version"] for r in opt.preconditioner_status()}
+            with open(f"{out}/first{rank}-{kill_at}.json", "w") as f:
+                json.dump({"step": step, "versions": versions}, f)
+        if step == 6 and rank == 0 and resume == "-":
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                       f"{out}/ckpt.pt")
+        if step == kill_at and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    opt.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(
+    tmp: Path, address: str, kill_at: int, resume: str
+) -> subprocess.CompletedProcess[str]:
+    script = tmp / "job.py"
+    script.write_text(SCRIPT)
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "0",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+        "--rdzv-id", JOB, "--monitor-interval", "0.5",
+        str(script), str(tmp), address, str(kill_at), resume,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASTERIA_")}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _pids(tmp: Path, kill_at: int) -> list[int]:
+    return [int((tmp / f"pid{r}-{kill_at}").read_text()) for r in range(2)]
+
+
+def test_a_killed_rank_ends_the_job_cleanly_and_a_restart_warm_starts(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path, name="node")
+    try:
+        killed = _torchrun(tmp_path, daemon.target, kill_at=10, resume="-")
+        assert killed.returncode != 0, killed.stderr[-2000:]  # torchrun reports the failure
+        assert "SIGKILL" in killed.stderr or "Signal 9" in killed.stderr, killed.stderr[-2000:]
+        assert all(not _running(pid) for pid in _pids(tmp_path, 10))  # no rank left behind
+        assert daemon.proc.poll() is None  # the daemon serves on
+
+        # The job's connections are gone from the daemon: no segment of it stays mapped.
+        reader = StatusReader(daemon.target, "", "")
+        deadline = time.monotonic() + 15
+        while True:
+            _, blocks, transport = reader.read()
+            if transport is not None and transport.shm_segments == 0:
+                break
+            assert time.monotonic() < deadline, transport
+            time.sleep(0.2)
+        held = {b.block: b.version for b in blocks if b.block.startswith(f"{JOB}:")}
+        reader.close()
+        assert held and min(held.values()) > 6  # newer than the checkpoint at step 6
+
+        # The same job id again, resumed from step 6: its first refresh (step 8) already uses
+        # the results the daemon held (versions the new processes never submitted).
+        resumed = _torchrun(tmp_path, daemon.target, kill_at=-1, resume=str(tmp_path / "ckpt.pt"))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        for rank in range(2):
+            first = json.loads((tmp_path / f"first{rank}--1.json").read_text())
+            assert first["step"] == 8
+            assert any(v > 8 for v in first["versions"].values()), (first, held)
+    finally:
+        returncode, stderr = stop_daemon(daemon)
+    assert returncode == 0, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun warns and sets it otherwise
