@@ -143,6 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
             "0750; needs tenant tokens) (default: off, 0600)"
         ),
     )
+    add(
+        "--solve-timeout-floor-s",
+        type=float,
+        metavar="S",
+        help="the least time a solve is given before its worker counts as hung (default 30)",
+    )
+    add(
+        "--solve-timeout-factor",
+        type=float,
+        metavar="X",
+        help=(
+            "a solve is given X times the calibrated cost model's estimate for its n (at least "
+            "the floor); a hung or stopped worker is then killed and replaced (default 20)"
+        ),
+    )
+    add(
+        "--solve-timeout-s",
+        type=float,
+        metavar="S",
+        help="the most any solve is given, whatever its estimate (default 600)",
+    )
     modes = parser.add_argument_group("checks (run instead of the daemon)")
     modes.add_argument(
         "--check-config",
@@ -235,6 +256,7 @@ def health_check(config: DaemonConfig, timeout_s: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
+    args["test_fault_prefix"] = None  # TOML or env only: never a flag
     config_file = args.pop("config")
     check_config, check_health = args.pop("check_config"), args.pop("health_check")
     health_timeout_s = args.pop("health_timeout_s")

@@ -152,6 +152,13 @@ class DaemonConfig:
         metrics_listen: serve Prometheus metrics over HTTP at ``HOST:PORT`` (``:PORT`` means
             ``127.0.0.1:PORT``); None (default): no metrics endpoint.
         log_format: :class:`LogFormat` (TOML, env and flags give its value, ``text``/``json``).
+        solve_timeout_s: the most any solve may run before its worker is killed and replaced.
+        solve_timeout_floor_s: the least time a solve is given (see ``solve_timeout_factor``).
+        solve_timeout_factor: a solve is given this many times the calibrated cost model's
+            estimate for it (at least ``solve_timeout_floor_s``, at most ``solve_timeout_s``);
+            a hung or stopped worker is killed and replaced after that.
+        test_fault_prefix: TEST-ONLY worker fault injection by block name (TOML or env only,
+            never a flag; see ``asteria_server.engine.faults``). Unset in production.
         socket_group_access: make the Unix socket (and its ``.shm`` socket) 0660 instead of 0600,
             so members of the daemon's group connect; the directory must then be 0750 (the
             daemon refuses a group-writable one). Needs tenant tokens: without them every group
@@ -180,6 +187,10 @@ class DaemonConfig:
     metrics_listen: str | None = None
     log_format: LogFormat = LogFormat.TEXT
     socket_group_access: bool = False
+    solve_timeout_s: float = 600.0
+    solve_timeout_floor_s: float = 30.0
+    solve_timeout_factor: float = 20.0
+    test_fault_prefix: str | None = None
 
     def __post_init__(self) -> None:
         address = parse_listen(self.listen)
@@ -226,7 +237,15 @@ class DaemonConfig:
                 f"got {self.max_message_bytes}"
             )
         _check_int("max_upload_bytes", self.max_upload_bytes, 1)
-        for name in ("grace_period_s", "keepalive_time_s", "keepalive_timeout_s", "upload_wait_s"):
+        for name in (
+            "grace_period_s",
+            "keepalive_time_s",
+            "keepalive_timeout_s",
+            "upload_wait_s",
+            "solve_timeout_s",
+            "solve_timeout_floor_s",
+            "solve_timeout_factor",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ValueError(f"DaemonConfig.{name} must be a number, got {value!r}")
@@ -405,6 +424,10 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "metrics_listen": str,
     "log_format": str.lower,
     "socket_group_access": _as_bool,
+    "solve_timeout_s": _as_float,
+    "solve_timeout_floor_s": _as_float,
+    "solve_timeout_factor": _as_float,
+    "test_fault_prefix": str,
 }
 _FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)}
 assert set(_PARSERS) | {"tokens"} == _FIELDS, "every DaemonConfig field needs a parser"

@@ -91,6 +91,16 @@ class Coordinator:
             self.results_discarded += 1
         return accepted
 
+    def requeue(self, task: SolveTask) -> bool:
+        """A running task's worker timed out and it has runs left: queue it again, behind the
+        tasks that waited meanwhile. False when a newer snapshot of its block already waits."""
+        queued = self.scheduler.requeue(task)
+        if queued:
+            self.registry.on_requeue(task.tenant, task.block, task.version)
+        else:
+            self.registry.on_overwritten(task.tenant, task.block, task.version)
+        return queued
+
     def overwritten(self, task: SolveTask) -> None:
         """A dispatched snapshot was overwritten in its client's segment before a worker read
         it: the block is free again; the newer snapshot was (or will be) submitted itself."""

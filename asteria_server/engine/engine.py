@@ -70,7 +70,12 @@ class EngineConfig:
         blas_threads: BLAS threads per worker.
         worker_niceness: nice value added to the workers (0-19), so that on an oversubscribed
             host the training step runs first and solves take the CPU that is left.
-        solve_timeout_s: a solve running longer is killed and run again (``math.inf``: never).
+        solve_timeout_s: the cap of every solve's timeout (``math.inf``: none); a solve running
+            past its timeout is killed and run again.
+        solve_timeout_floor_s: the least timeout of a solve (see ``solve_timeout_factor``).
+        solve_timeout_factor: a solve times out after this many times the calibrated cost
+            model's estimate for it, or ``solve_timeout_floor_s`` if longer (capped by
+            ``solve_timeout_s``): a hung worker is replaced after a multiple of its block's cost.
         max_attempts: numeric attempts per solve, escalating epsilon (inside the worker).
         max_worker_attempts: worker runs of one task lost to a crash/timeout before it fails.
         max_consecutive_failures: failed solves in a row after which a block is FAILED.
@@ -89,6 +94,8 @@ class EngineConfig:
     blas_threads: int = 1
     worker_niceness: int = 10
     solve_timeout_s: float = 600.0
+    solve_timeout_floor_s: float = 30.0
+    solve_timeout_factor: float = 20.0
     max_attempts: int = 3
     max_worker_attempts: int = 2
     max_consecutive_failures: int = 3
@@ -148,6 +155,8 @@ class EngineConfig:
             blas_threads=self.blas_threads,
             niceness=self.worker_niceness,
             solve_timeout_s=self.solve_timeout_s,
+            solve_timeout_floor_s=self.solve_timeout_floor_s,
+            solve_timeout_factor=self.solve_timeout_factor,
             max_worker_attempts=self.max_worker_attempts,
             start_timeout_s=self.worker_start_timeout_s,
             start_method=self.start_method,
@@ -210,6 +219,8 @@ class PreconditionerEngine:
         )
         self._cond = threading.Condition(threading.Lock())
         self._jobs: dict[int, SolveTask] = {}
+        #: (tenant, block) -> (version, worker runs lost) of tasks queued again after a timeout
+        self._runs_spent: dict[tuple[str, str], tuple[int, int]] = {}
         self._next_job = 0
         self._closing = False
         self._closed = False
@@ -345,8 +356,9 @@ class PreconditionerEngine:
         with self._cond:
             return self._coord.status(tenant)
 
-    def stats(self) -> EngineStats:
-        """Engine-wide numbers."""
+    def stats(self, viewer: str | None = None) -> EngineStats:
+        """Engine-wide numbers. The workers' block names are shown for tenant ``viewer``'s tasks
+        only (None: for none), so a tenant never learns another's block names."""
         with self._cond:
             busy = self._coord.scheduler.num_running()
             return EngineStats(
@@ -364,6 +376,7 @@ class PreconditionerEngine:
                 seconds_per_n3=self._coord.scheduler.cost_model.seconds_per_n3,
                 closed=self._closing,
                 broken_reason=self._broken,
+                workers=() if self._closed else tuple(self._pool.states(viewer)),
             )
 
     def worker_pids(self) -> list[int]:
@@ -441,11 +454,13 @@ class PreconditionerEngine:
                 self._jobs[self._next_job] = entry.task
                 if self._observer is not None:
                     self._dispatched[self._next_job] = self._dispatch_times(entry.task)
-                batch.append((self._next_job, entry.task))
+                spent = self._runs_spent.pop(entry.task.key, None)
+                runs = spent[1] if spent is not None and spent[0] == entry.task.version else 0
+                batch.append((self._next_job, entry.task, entry.cost_s, runs))
         failed = []
-        for job_id, task in batch:  # copies into shared memory: outside the lock
+        for job_id, task, cost_s, runs in batch:  # copies into shared memory: outside the lock
             try:
-                self._pool.submit(job_id, task)
+                self._pool.submit(job_id, task, expected_s=cost_s, runs_spent=runs)
             except EngineUnavailableError as exc:
                 failed.append((job_id, task, str(exc)))
         del batch
@@ -478,6 +493,11 @@ class PreconditionerEngine:
         if event.overwritten:
             self._coord.overwritten(task)
             self._dispatched.pop(event.job_id, None)
+            return False
+        if event.requeue:
+            self._dispatched.pop(event.job_id, None)
+            if self._coord.requeue(task):
+                self._runs_spent[task.key] = (task.version, event.worker_runs)
             return False
         result = event.result
         if result is not None and result.shm is not None and result.shm.segment in self._released:

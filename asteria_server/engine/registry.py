@@ -135,6 +135,14 @@ class CoherenceRegistry:
         rec.result = result
         return True
 
+    def on_requeue(self, tenant: str, block: str, version: int) -> None:
+        """A running version goes back to the queue (its worker was lost, it runs again)."""
+        rec = self._record(tenant, block)
+        if rec.running_version == version:
+            rec.running_version = -1
+        if rec.queued_version < 0:
+            rec.queued_version = version
+
     def on_overwritten(self, tenant: str, block: str, version: int) -> None:
         """A dispatched snapshot was overwritten in the client's segment before it was read:
         no result and no failure (the newer snapshot is announced on its own)."""

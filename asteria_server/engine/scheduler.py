@@ -171,6 +171,21 @@ class Scheduler:
         self._running[best.task.key] = best.cost_s
         return best
 
+    def requeue(self, task: SolveTask) -> bool:
+        """Queue a running task again (its worker was lost), behind every task queued now.
+
+        Its tenant stays charged with the run that was lost. False, and nothing queued, when a
+        newer version of the block waits already (latest wins)."""
+        self._running.pop(task.key, None)
+        queue = self._pending.get(task.tenant)
+        if queue is not None and task.block in queue:
+            return False
+        if queue is None:
+            queue = self._pending[task.tenant] = {}
+        self._seq += 1
+        queue[task.block] = ScheduledTask(task, self.cost_model.task_cost_s(task), self._seq)
+        return True
+
     def finish(self, tenant: str, block: str, actual_s: float | None = None) -> None:
         """The running solve of a block ended (either way); charge its measured time if known."""
         charged = self._running.pop((tenant, block), None)

@@ -11,13 +11,23 @@ pool (see :mod:`asteria_server.engine.shm` for ownership), sized for the largest
 replaced by a larger one when needed. The pipe to the worker carries only small metadata; the
 factor (and basis) go in through the input segment, the result comes back through the output one.
 
-Fault handling: a worker that dies (signal, ``os._exit``), stops answering within
-``solve_timeout_s``, or breaks its pipe is killed and replaced in the same slot; its task is run
-again up to ``max_worker_attempts`` runs, then reported failed. A solver error (bad input,
-numerics that no retry fixed) is reported at once. The pool keeps serving throughout.
+Fault handling: a worker that dies (signal, ``os._exit``), stops answering within its task's
+timeout, or breaks its pipe is killed and replaced in the same slot; its task is run again up to
+``max_worker_attempts`` runs, then reported failed. A solver error (bad input, numerics that no
+retry fixed) is reported at once. The pool keeps serving throughout.
+
+The timeout scales with the task: ``max(solve_timeout_floor_s, solve_timeout_factor * expected)``
+where ``expected`` is the cost model's estimate, capped by ``solve_timeout_s``. So a stopped or
+hung worker holds its slot for a bounded multiple of what its block should cost (an n=1024 solve
+that stops is replaced after the floor, not after ten minutes), and the blocks queued behind it,
+of every tenant, are served again as soon as its replacement is up: a task that timed out is not
+run again in its slot at once but handed back (``PoolEvent.requeue``) for the engine to queue
+behind the work that waited meanwhile. :meth:`WorkerPool.states`
+shows each worker's block and how long it has run; one past twice its estimate is ``overdue``,
+one whose process is stopped by a signal (SIGSTOP, a debugger) is ``stopped``.
 
 Threading: the pool belongs to one thread (the engine's dispatcher). Only :meth:`WorkerPool.wakeup`
-may be called from others.
+and :meth:`WorkerPool.states` (a racy but consistent-per-worker read) may be called from others.
 """
 
 from __future__ import annotations
@@ -52,7 +62,13 @@ from asteria_server.protocol.shm import (
     result_layout,
     snapshot_specs,
 )
-from asteria_server.types import SharedArrays, SharedSegment, SolveResult, SolveTask
+from asteria_server.types import (
+    SharedArrays,
+    SharedSegment,
+    SolveResult,
+    SolveTask,
+    WorkerState,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +76,18 @@ logger = logging.getLogger(__name__)
 MAX_START_FAILURES = 3
 #: segments one worker keeps mapped (besides those dropped as soon as nothing holds them).
 MAX_MAPPED_PER_WORKER = 64
+
+
+def _process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal or a tracer (``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "pid (comm) S ...": comm may hold spaces and parentheses, the state follows the last ")".
+    fields = stat[stat.rfind(b")") + 1 :].split()
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 def default_num_workers() -> int:
@@ -106,7 +134,11 @@ class PoolConfig:
         blas_threads: BLAS threads per worker (oversubscribed BLAS runs many times slower).
         niceness: added to the workers' nice value (0-19): solves yield to training on a busy
             host.
-        solve_timeout_s: a solve running longer is killed and retried (``math.inf``: never).
+        solve_timeout_s: the cap of every solve's timeout (``math.inf``: none); a solve running
+            past its timeout is killed and retried.
+        solve_timeout_floor_s: the least timeout of a solve with a cost estimate.
+        solve_timeout_factor: a solve with a cost estimate times out after this many times its
+            estimate (or the floor, whichever is longer).
         max_worker_attempts: runs of one task lost to a crash or timeout before it fails.
         start_timeout_s: a worker not ready this long after its start is replaced.
         start_method: ``"subprocess"`` (default), ``"spawn"`` or ``"forkserver"``; never fork
@@ -123,6 +155,8 @@ class PoolConfig:
     blas_threads: int = 1
     niceness: int = 10
     solve_timeout_s: float = 600.0
+    solve_timeout_floor_s: float = 30.0
+    solve_timeout_factor: float = 20.0
     max_worker_attempts: int = 2
     start_timeout_s: float = 60.0
     start_method: str = "subprocess"
@@ -130,6 +164,13 @@ class PoolConfig:
     segment_prefix: str = SEGMENT_PREFIX
     cpu_affinity: tuple[int, ...] | None = None
     test_fault_prefix: str | None = None
+
+    def timeout_for(self, expected_s: float | None) -> float:
+        """The timeout of a solve the cost model expects to take ``expected_s`` (None: the cap)."""
+        if expected_s is None or not math.isfinite(expected_s):
+            return self.solve_timeout_s
+        scaled = max(self.solve_timeout_floor_s, self.solve_timeout_factor * expected_s)
+        return min(self.solve_timeout_s, scaled)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -147,6 +188,12 @@ class PoolConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or math.isnan(value) or value <= 0:
                 raise ValueError(f"PoolConfig.{name} must be a number > 0, got {value!r}")
+        for name in ("solve_timeout_floor_s", "solve_timeout_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"PoolConfig.{name} must be a number, got {value!r}")
+            if not 0 < value < math.inf:
+                raise ValueError(f"PoolConfig.{name} must be a finite number > 0, got {value!r}")
         if self.start_method not in START_METHODS:
             raise ValueError(
                 f"PoolConfig.start_method must be one of {START_METHODS}, got {self.start_method!r}"
@@ -156,7 +203,9 @@ class PoolConfig:
 @dataclass(frozen=True)
 class PoolEvent:
     """A task's end: ``result`` on success, else ``error`` says why (after all retries);
-    ``overwritten``: neither, its snapshot was overwritten by a newer one before it was read."""
+    ``overwritten``: neither, its snapshot was overwritten by a newer one before it was read;
+    ``requeue``: neither, its worker timed out and it has runs left: queue it again (with
+    ``worker_runs`` runs spent), behind what waited meanwhile."""
 
     job_id: int
     task: SolveTask
@@ -164,6 +213,7 @@ class PoolEvent:
     error: str | None
     worker_runs: int
     overwritten: bool = False
+    requeue: bool = False
 
 
 @dataclass
@@ -171,6 +221,8 @@ class _Job:
     job_id: int
     task: SolveTask
     runs: int = 1  # worker runs, counting the current one
+    expected_s: float | None = None  # the cost model's estimate of one run
+    timeout_s: float = math.inf  # a run lasting longer is killed
     result_to: SharedSegment | None = None  # where the current run writes its result
 
 
@@ -301,8 +353,56 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ submitting
 
-    def submit(self, job_id: int, task: SolveTask) -> None:
-        """Start ``task`` on an idle worker (it waits in the slot if the worker is starting)."""
+    def states(self, viewer: str | None = None) -> list[WorkerState]:
+        """Each worker now (see the module docstring). Block names are shown only for tasks of
+        tenant ``viewer`` (None: for none)."""
+        now = time.monotonic()
+        out = []
+        for slot in self._slots:
+            process, job, sent_at = slot.process, slot.job, slot.sent_at  # read once each
+            pid = process.pid if process is not None and process.pid else 0
+            if pid == 0 or not slot.ready:
+                state = "starting"
+            elif job is None:
+                state = "idle"
+            else:
+                state = "busy"
+            elapsed = 0.0
+            if job is not None and sent_at is not None:
+                elapsed = max(0.0, now - sent_at)
+                expected = job.expected_s or 0.0
+                if elapsed > max(1.0, 2.0 * expected):
+                    state = "overdue"
+            if pid and _process_stopped(pid):
+                state = "stopped"
+            shown = job is not None and viewer is not None and job.task.tenant == viewer
+            out.append(
+                WorkerState(
+                    index=slot.index,
+                    pid=pid,
+                    state=state,
+                    block=job.task.block if shown and job is not None else "",
+                    n=0 if job is None else job.task.n,
+                    elapsed_s=elapsed,
+                    expected_s=0.0 if job is None or job.expected_s is None else job.expected_s,
+                    timeout_s=0.0 if job is None else job.timeout_s,
+                )
+            )
+        return out
+
+    def submit(
+        self,
+        job_id: int,
+        task: SolveTask,
+        *,
+        expected_s: float | None = None,
+        runs_spent: int = 0,
+    ) -> None:
+        """Start ``task`` on an idle worker (it waits in the slot if the worker is starting).
+
+        ``expected_s``, the cost model's estimate, sets its timeout (see the module docstring);
+        ``runs_spent``: worker runs of this task already lost to timeouts.
+        """
         if self._closed:
             raise EngineUnavailableError("the worker pool is closed")
         if self.broken_reason is not None:
@@ -315,7 +415,8 @@ class WorkerPool:
         if slot is None:
             raise EngineUnavailableError("no idle worker (the caller must check num_idle())")
         self._ensure_segments(slot, task.n)
-        slot.job = _Job(job_id, task)
+        timeout = self.config.timeout_for(expected_s)
+        slot.job = _Job(job_id, task, runs=runs_spent + 1, expected_s=expected_s, timeout_s=timeout)
         if slot.ready:
             self._send(slot)
 
@@ -449,7 +550,7 @@ class WorkerPool:
         if not slot.ready:
             return slot.started_at + self.config.start_timeout_s
         if slot.job is not None and slot.sent_at is not None:
-            return slot.sent_at + self.config.solve_timeout_s
+            return slot.sent_at + slot.job.timeout_s
         return None
 
     def _service(self, slot: _Slot) -> None:
@@ -526,17 +627,23 @@ class WorkerPool:
             limit = self._deadline(slot)
             if limit is None or now < limit:
                 continue
-            if slot.ready:
+            if slot.ready and slot.job is not None:
+                job = slot.job
+                expected = "" if job.expected_s is None else f", expected {job.expected_s:.3g} s"
                 self._lost_worker(
-                    slot, f"its solve exceeded the {self.config.solve_timeout_s:g} s timeout"
+                    slot,
+                    f"its solve of n={job.task.n} exceeded its {job.timeout_s:.3g} s timeout"
+                    f"{expected}",
+                    timed_out=True,
                 )
             else:
                 self._lost_worker(
                     slot, f"it did not start within {self.config.start_timeout_s:g} s"
                 )
 
-    def _lost_worker(self, slot: _Slot, why: str) -> None:
-        """Kill and replace a worker; run its task again or report it failed."""
+    def _lost_worker(self, slot: _Slot, why: str, *, timed_out: bool = False) -> None:
+        """Kill and replace a worker; run its task again (a timed-out one: hand it back to be
+        queued behind the others) or report it failed."""
         was_ready = slot.ready
         code = self._kill(slot)
         job, slot.job, slot.sent_at = slot.job, None, None
@@ -556,6 +663,9 @@ class WorkerPool:
             return
         task = job.task
         if self.broken_reason is None and job.runs < self.config.max_worker_attempts:
+            if timed_out:
+                self._events.append(PoolEvent(job.job_id, task, None, None, job.runs, requeue=True))
+                return
             job.runs += 1
             slot.job = job
             return  # sent when the new worker says it is ready

@@ -199,7 +199,14 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
     try:
         engine = await asyncio.to_thread(
             PreconditionerEngine,
-            EngineConfig(num_workers=config.workers, blas_threads=config.blas_threads),
+            EngineConfig(
+                num_workers=config.workers,
+                blas_threads=config.blas_threads,
+                solve_timeout_s=config.solve_timeout_s,
+                solve_timeout_floor_s=config.solve_timeout_floor_s,
+                solve_timeout_factor=config.solve_timeout_factor,
+                test_fault_prefix=config.test_fault_prefix,
+            ),
             observer=observer,
         )
     except BaseException:

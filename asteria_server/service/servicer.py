@@ -480,6 +480,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 )
         except (UnknownSessionError, AuthenticationError) as exc:
             await _abort(context, exc)
+        stats = self._engine.stats(session.tenant)  # its own blocks' names in the workers
         return convert.status_to_proto(stats, self._engine.status(session.tenant), transport)
 
     def transport_stats(self) -> TransportStats:
