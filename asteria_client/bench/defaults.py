@@ -17,9 +17,11 @@ with subnormals flushed to zero unless --no-flush-denormal.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +52,7 @@ class DefaultsConfig:
     threads: int = 1
     engine_workers: int = 1
     flush_denormal: bool = True
+    include_adamw: bool = True  # False: a part of a sweep split over processes (--jobs)
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -60,7 +63,8 @@ class DefaultsConfig:
             raise ValueError(f"seeds must be distinct integers >= 0, got {self.seeds}")
         for name, allowed in (("optimizers", OPTIMIZERS), ("modes", MODES)):
             bad = [v for v in getattr(self, name) if v not in allowed]
-            if bad or not getattr(self, name):
+            empty = not getattr(self, name) and not (name == "optimizers" and self.include_adamw)
+            if bad or empty:  # no optimizer at all: AdamW alone
                 raise ValueError(f"{name}: {bad or 'none'}; choose from {', '.join(allowed)}")
         if not self.beta1s or not all(0 <= b < 1 for b in self.beta1s):
             raise ValueError(f"beta1s must be in [0, 1), got {self.beta1s}")
@@ -136,7 +140,8 @@ def _arm(
 def plan(cfg: DefaultsConfig) -> list[Arm]:
     arms = []
     for seed in cfg.seeds:
-        arms.append(_arm(cfg, seed, "adamw", None, 0.0, None))
+        if cfg.include_adamw:
+            arms.append(_arm(cfg, seed, "adamw", None, 0.0, None))
         for optimizer in cfg.optimizers:
             for mode in cfg.modes:
                 for beta1 in cfg.beta1s:
@@ -212,8 +217,12 @@ def _choose(
     complete = {k: v for k, v in per_setting.items() if v}
     if not complete:
         return None
-    size = max(len(v) for v in complete.values())
-    complete = {k: v for k, v in complete.items() if len(v) == size}
+    # Only the (mode, seed) pairs every setting has: a run missing from one would bias it.
+    shared = set.intersection(*(set(v) for v in complete.values()))
+    if not shared:
+        return None
+    complete = {k: {pair: v[pair] for pair in shared} for k, v in complete.items()}
+    size = len(shared)
     means = {k: statistics.fmean(v.values()) for k, v in complete.items()}
     best = min(means, key=lambda k: means[k])
     candidates: list[dict[str, Any]] = []
@@ -365,7 +374,7 @@ def choice_lines(data: dict[str, Any]) -> list[str]:
 def _notes(data: dict[str, Any]) -> list[str]:
     cfg = data["config"]
     target = data["target_val_loss"]
-    return [
+    notes = [
         f"{cfg['steps']} steps, evaluation every {cfg['eval_interval']} steps on "
         f"{cfg['eval_batches']} fixed validation batches, seeds {cfg['seeds']}, modes "
         f"{', '.join(cfg['modes'])} (staleness budget {cfg['staleness_budget']}), "
@@ -379,6 +388,9 @@ def _notes(data: dict[str, Any]) -> list[str]:
         f"{'yes' if data['batch_streams_identical'] else 'NO'}."
         + (" PARTIAL: the sweep was stopped before its end." if data.get("partial") else ""),
     ]
+    if data.get("missing"):
+        notes.append(f"Runs missing ({len(data['missing'])}): " + "; ".join(data["missing"]))
+    return notes
 
 
 def format_report(data: dict[str, Any]) -> str:
@@ -478,6 +490,26 @@ def register(subparsers: Any) -> Any:
         default=1,
         help="solver processes of the embedded engine (default 1)",
     )
+    parser.add_argument(
+        "--no-adamw",
+        dest="include_adamw",
+        action="store_false",
+        help="leave AdamW out (a part of a split sweep: its target comes from the other parts)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at a time, each its own process (default 1: one after the other in this "
+        "process); for a machine with many cores",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        metavar="S",
+        help="with --jobs: start no run after S seconds, stop those still running at 1.25 S; "
+        "the report says which runs are missing",
+    )
     output.add_flush_denormal_argument(parser, "the trainer")
     parser.add_argument(
         "--json",
@@ -506,12 +538,113 @@ def config_from_args(args: argparse.Namespace) -> DefaultsConfig:
         threads=args.threads,
         engine_workers=args.engine_workers,
         flush_denormal=args.flush_denormal,
+        include_adamw=args.include_adamw,
         quick=quick,
     )
 
 
 def run_command(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    report = run_defaults(cfg, json_path=args.json)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs > 1:
+        report = run_parallel(cfg, jobs=args.jobs, deadline_s=args.deadline_s)
+    else:
+        report = run_defaults(cfg, json_path=args.json)
     output.publish(report, format_report(report), args.json, write_figures)
     return 0
+
+
+# --- a sweep split over processes (--jobs) ------------------------------------------------------
+
+
+def _single_run_command(cfg: DefaultsConfig, arm: Arm, json_path: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "asteria_client.cli", "bench", "defaults"]
+    cmd += ["--steps", str(cfg.steps), "--eval-interval", str(cfg.eval_interval)]
+    cmd += ["--seeds", str(arm.train_config.seed), "--threads", str(cfg.threads)]
+    cmd += ["--engine-workers", str(cfg.engine_workers), "--json", str(json_path)]
+    cmd += ["--quick"] if cfg.quick else []
+    if not cfg.flush_denormal:
+        cmd += ["--no-flush-denormal"]
+    if arm.info is None:  # AdamW alone
+        return [*cmd, "--optimizers", ""]
+    info = arm.info
+    return [
+        *cmd,
+        "--no-adamw",
+        "--optimizers",
+        info["optimizer"],
+        "--modes",
+        info["mode"],
+        "--beta1s",
+        repr(info["beta1"]),
+        "--frequencies",
+        str(info["frequency"]),
+    ]
+
+
+def _expected_cost(arm: Arm) -> float:
+    """Longest first (better packing): runs that refresh often cost most."""
+    if arm.info is None:
+        return 0.5
+    return 1.0 + 4.0 / arm.info["frequency"]
+
+
+def run_parallel(cfg: DefaultsConfig, *, jobs: int, deadline_s: float | None) -> dict[str, Any]:
+    """Every run of :func:`plan` as its own process, ``jobs`` at a time; then one report over
+    all of them, as if they had run in one process. Runs that did not finish by the deadline
+    are listed in ``missing``."""
+    import subprocess
+    import tempfile
+
+    started = time.time()
+    arms = plan(cfg)
+    # Seed by seed, the costliest first: a deadline then cuts whole settings of the last seed.
+    queue = sorted(
+        range(len(arms)),
+        key=lambda i: (arms[i].train_config.seed, -_expected_cost(arms[i]), i),
+    )
+    running: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
+    runs: list[dict[str, Any]] = []
+    missing: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="asteria-defaults-") as tmp:
+        while queue or running:
+            elapsed = time.time() - started
+            late = deadline_s is not None and elapsed > deadline_s
+            while queue and len(running) < jobs and not late:
+                index = queue.pop(0)
+                path = Path(tmp) / f"run-{index}.json"
+                cmd = _single_run_command(cfg, arms[index], path)
+                log = (Path(tmp) / f"run-{index}.log").open("wb")
+                running[index] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), path)
+            if late and queue:
+                missing += [arms[i].label + f" seed {arms[i].train_config.seed}" for i in queue]
+                queue.clear()
+            for index, (proc, path) in list(running.items()):
+                if proc.poll() is None:
+                    if deadline_s is not None and elapsed > 1.25 * deadline_s:
+                        proc.kill()
+                        proc.wait()
+                    else:
+                        continue
+                del running[index]
+                arm = arms[index]
+                part = json.loads(path.read_text()) if path.exists() else None
+                if part is None or proc.returncode != 0:
+                    missing.append(
+                        f"{arm.label} seed {arm.train_config.seed} (exit {proc.returncode})"
+                    )
+                    continue
+                wanted = "adamw" if arm.info is None else arm.name
+                runs += [r for r in part["runs"] if r["config"] == wanted]
+                logger.info(
+                    "defaults: %d/%d runs finished (%.0f s)",
+                    len(runs),
+                    len(arms),
+                    time.time() - started,
+                )
+            time.sleep(0.2)
+    report = _report(cfg, runs, started, partial=bool(missing))
+    report["missing"] = missing
+    report["jobs"] = jobs
+    return report

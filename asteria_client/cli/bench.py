@@ -17,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     from asteria_client.bench import (
         convergence,
         defaults,
+        peers,
         report,
         sharing,
         spikes,
@@ -26,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
 
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks (convergence, defaults, spikes, transport, throughput, sharing) "
+        help="benchmarks (convergence, peers, defaults, spikes, transport, throughput, sharing) "
         "and their report",
         description=BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     benches = parser.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=ArgumentParser)
     handlers: dict[str, Handler] = {
         "convergence": convergence.register(benches),
+        "peers": peers.register(benches),
         "defaults": defaults.register(benches),
         "spikes": spikes.register(benches),
         "sharing": sharing.register(benches),
