@@ -9,6 +9,8 @@
   offers it, else gRPC) or ``grpc`` (never shared memory).
 - ``ASTERIA_TLS_CA``: a PEM file of the certificate authority to trust for a TCP daemon that
   serves TLS; set, the client connects with TLS (``host:port`` addresses only).
+- ``ASTERIA_DAEMON_UID``: the uid a ``unix://`` daemon must run as (checked with SO_PEERCRED
+  before a token or a segment is sent); default: this process's own uid, or root.
 
 The launcher's run id is read here too: ``TORCHELASTIC_RUN_ID`` (set by ``torchrun``) names the
 job when ``ASTERIA_JOB`` does not, so the data-parallel replicas of one job share their blocks
@@ -33,6 +35,7 @@ ENV_TOKEN = "ASTERIA_TOKEN"
 ENV_JOB = "ASTERIA_JOB"
 ENV_TRANSPORT = "ASTERIA_TRANSPORT"
 ENV_TLS_CA = "ASTERIA_TLS_CA"
+ENV_DAEMON_UID = "ASTERIA_DAEMON_UID"
 ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
 TRANSPORTS = ("auto", "grpc")
 
@@ -48,6 +51,7 @@ class ClientEnv:
     transport: str = "auto"
     tls_ca: str | None = None
     run_id: str = ""  # the launcher's (torchrun) run id; "" when not launched by one
+    daemon_uid: int | None = None  # the uid a unix:// daemon must run as (None: ours or root)
 
     @property
     def job_name(self) -> str:
@@ -71,7 +75,17 @@ def client_env(environ: Mapping[str, str] | None = None) -> ClientEnv:
         transport=transport,
         tls_ca=env.get(ENV_TLS_CA) or None,
         run_id=_run_id(env.get(ENV_RUN_ID, "")),
+        daemon_uid=_daemon_uid(env.get(ENV_DAEMON_UID, "")),
     )
+
+
+def _daemon_uid(value: str) -> int | None:
+    value = value.strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise InvalidInputError(f"{ENV_DAEMON_UID}={value!r} is not valid: give a numeric uid")
+    return int(value)
 
 
 def _run_id(value: str) -> str:

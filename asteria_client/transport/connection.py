@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from asteria_client.config import client_env
+from asteria_client.transport.peer import check_socket_owner
 from asteria_server.errors import AsteriaError, InvalidInputError
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.errors import from_status
@@ -171,6 +172,7 @@ class DaemonConnection:
         self._jobs = jpb_grpc.JobsStub(self._channel)
 
     def open_session(self) -> SessionInfo:
+        check_socket_owner(self.address)  # never hand a token to another user's process
         request = pb.OpenSessionRequest(
             tenant=self._tenant, token=self._token, job=self._job, rank=self._rank
         )

@@ -70,7 +70,7 @@ from asteria_server.protocol.shm import (
     SharedMemoryUnavailableError,
     snapshot_specs,
 )
-from asteria_server.types import BlockStatus, EngineStats, SolveResult, SolveTask
+from asteria_server.types import BlockStatus, EngineStats, SolveKind, SolveResult, SolveTask
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ _COUNTERS = (
     "submits_busy",
     "shm_refused_resent",
     "snapshots_expected",
+    "results_invalid",
 )
 #: Submit times kept per block for latency measurement (versions awaiting a result).
 _SUBMIT_TIMES_KEPT = 16
@@ -134,6 +135,34 @@ class _Block:
     latest_sequence: int = -1  # ``latest`` lies in snapshot_seg under this sequence (-1: a copy)
     latest_write: PendingWrite | None = None  # ``latest``'s device copy into snapshot_seg
     shm_error: str = ""  # why this block's segments could not be made (it uses gRPC)
+
+
+def _result_problem(result: SolveResult, latest: SolveTask | None) -> str | None:
+    """Why a result from the daemon must not be installed (None when it may): the shape the
+    block's snapshots announce (n), the kind asked for, and finite values. The daemon checks
+    this too; the client does not have to trust it."""
+    arrays = {
+        "matrix": result.matrix,
+        "eigenvalues": result.eigenvalues,
+        "permutation": result.permutation,
+        "rotation": result.rotation,
+    }
+    n = result.matrix.shape[0] if result.matrix.ndim == 2 else -1
+    if latest is not None:
+        n = latest.n
+        if result.kind is not latest.kind:
+            return f"it is a {result.kind.name} result for a {latest.kind.name} block"
+    shapes = {"matrix": (n, n), "eigenvalues": (n,), "permutation": (n,), "rotation": (n, n)}
+    for field_name, array in arrays.items():
+        if array is None:
+            continue
+        if array.shape != shapes[field_name]:
+            return f"its {field_name} has shape {array.shape}, expected {shapes[field_name]}"
+        if array.dtype.kind == "f" and not bool(np.isfinite(array).all()):
+            return f"its {field_name} holds NaN or Inf"
+    if result.kind is SolveKind.EIGENBASIS and result.eigenvalues is None:
+        return "an eigenbasis result without its eigenvalues"
+    return None
 
 
 class DaemonSource(PreconditionerSource):
@@ -510,6 +539,23 @@ class DaemonSource(PreconditionerSource):
                 block = self._blocks[name] = _Block(device=torch.device("cpu"), device_known=False)
             if result.version <= block.received_version:
                 return  # older than one received: versions never go back
+            problem = _result_problem(result, block.latest)
+            if problem is not None:
+                # Dropped, never installed: the block keeps its last good result, and nothing
+                # waits for this version any more, so the staleness budget computes it locally.
+                self._counts["results_invalid"] += 1
+                block.last_error = f"the daemon sent an invalid result: {problem}"
+                if block.sent_version <= result.version:
+                    block.sent_version = block.received_version
+                self._lock.notify_all()
+                if self._counts["results_invalid"] == 1:
+                    logger.warning(
+                        "dropped a result of block %s version %d from the daemon: %s",
+                        name,
+                        result.version,
+                        problem,
+                    )
+                return
             block.received_version = result.version
             block.ready = result
             self._results_epoch += 1

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
+from asteria_client.transport.peer import UntrustedDaemonError, check_peer
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.handover import (
     MAX_MESSAGE_BYTES,
@@ -201,6 +202,11 @@ class HandoverChannel:
             raise SharedMemoryUnavailableError(
                 f"cannot connect to the daemon's handover socket {path}: {exc}"
             ) from None
+        try:
+            check_peer(sock, path)  # no segment goes to a process of an unexpected user
+        except UntrustedDaemonError as exc:
+            sock.close()
+            raise SharedMemoryUnavailableError(str(exc)) from None
         self._sock = sock
         try:
             self._request(Hello(session_id), [])

@@ -10,7 +10,10 @@ block name is ``<prefix><fault>[-once][:anything]`` makes the worker misbehave:
 - ``hang``:  the worker sleeps "forever" instead of solving (the pool's timeout must kill it);
 - ``nan``:   the worker solves, then overwrites its output with NaN and reports success (the
   parent's result check must catch it);
-- ``error``: the worker raises an unexpected exception.
+- ``error``: the worker raises an unexpected exception;
+- ``poison``: the worker solves, checks, then writes NaN over its output (a faulty or hostile
+  daemon, as its clients see it): a result written into a client's segment then reaches the
+  client, whose own check must drop it.
 
 With ``-once`` the fault fires on the task's first worker run only, so a retry can succeed.
 """
@@ -33,6 +36,7 @@ class Fault(enum.Enum):
     HANG = "hang"
     NAN = "nan"
     ERROR = "error"
+    POISON = "poison"
 
 
 def fault_for(block: str, prefix: str | None, attempt: int) -> Fault | None:
@@ -67,5 +71,12 @@ def inject_before_solve(fault: Fault | None) -> None:
 def corrupt_output(fault: Fault | None, *arrays: np.ndarray) -> None:
     """Overwrite the worker's output with NaN (the ``nan`` fault)."""
     if fault is Fault.NAN:
+        for array in arrays:
+            array[...] = np.nan
+
+
+def poison_output(fault: Fault | None, *arrays: np.ndarray) -> None:
+    """Overwrite the worker's checked output with NaN (the ``poison`` fault)."""
+    if fault is Fault.POISON:
         for array in arrays:
             array[...] = np.nan

@@ -107,6 +107,7 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment])
         faults.corrupt_output(fault, *[a for a in out if a.dtype.kind == "f"])
         if not all(bool(np.isfinite(a).all()) for a in out):
             raise SolverError("result holds NaN or Inf")
+        faults.poison_output(fault, *[a for a in out if a.dtype.kind == "f"])
         written = _segment(cache, msg["result"]).write(result_specs(result), out)
     except SolverError as exc:
         return ("error", job, str(exc))

@@ -52,13 +52,36 @@ class StartupError(RuntimeError):
 
 
 def _prepare_socket_dir(directory: Path) -> None:
-    if not directory.exists():
+    """Create the socket directory (0700) or check an existing one: a real directory, never a
+    symbolic link (whoever owns the link could point it elsewhere once the daemon started and
+    receive clients' tokens), owned by this user and not writable by others.
+
+    It is judged through a descriptor opened with ``O_NOFOLLOW``, checked to be the entry
+    ``lstat`` saw, so the directory cannot be swapped between the check and its use."""
+    try:
+        seen = os.lstat(directory)
+    except FileNotFoundError:
         directory.mkdir(mode=0o700, parents=True)
-        os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
-        return
-    info = directory.stat()
-    if not stat.S_ISDIR(info.st_mode):
+        os.chmod(directory, 0o700, follow_symlinks=False)  # mkdir's mode is masked by the umask
+        seen = os.lstat(directory)
+    if stat.S_ISLNK(seen.st_mode):
+        raise StartupError(
+            f"socket directory {directory} is a symbolic link: refusing it (whoever controls "
+            "the link could redirect clients and their tokens); use a real directory of your "
+            "own with --listen unix:///path/to.sock"
+        )
+    if not stat.S_ISDIR(seen.st_mode):
         raise StartupError(f"socket directory {directory} exists and is not a directory")
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise StartupError(f"cannot open socket directory {directory}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino):
+        raise StartupError(f"socket directory {directory} changed while it was checked; retry")
     if info.st_uid != os.getuid():
         raise StartupError(
             f"socket directory {directory} is owned by uid {info.st_uid}, not by this user "

@@ -1,0 +1,75 @@
+"""Who is the daemon on the other end of a Unix socket? ``SO_PEERCRED`` says.
+
+A client hands a daemon its tenant token (``OpenSession``) and its shared-memory segments (the
+handover socket). If another local user could put their own process behind the socket path (a
+swapped directory, a stale path in a world-writable place), they would receive both. So before a
+session is opened, and on every handover connection, the client asks the kernel which user owns
+the process that accepted it and refuses anyone but the expected one: by default this client's
+own user or root (root can read any process's memory anyway), or exactly the uid that
+``ASTERIA_DAEMON_UID`` names (a system daemon run as its own user).
+
+gRPC does not expose its socket, so for the gRPC socket the check is made on a connection of our
+own to the same path just before the session opens; the handover socket is checked on the very
+connection that carries the segments.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+from asteria_client.config import client_env
+from asteria_server.errors import AuthenticationError
+
+#: ``struct ucred`` as Linux returns it for SO_PEERCRED: pid, uid, gid.
+_UCRED = struct.Struct("3i")
+
+
+class UntrustedDaemonError(AuthenticationError):
+    """The process behind the daemon's socket belongs to a user this client does not trust."""
+
+
+def expected_uids() -> frozenset[int]:
+    """The users a daemon may run as: ``ASTERIA_DAEMON_UID`` if set, else ours and root."""
+    configured = client_env().daemon_uid
+    if configured is not None:
+        return frozenset({configured})
+    return frozenset({os.getuid(), 0})
+
+
+def peer_uid(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of the connected Unix socket ``sock``."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, _ = _UCRED.unpack(raw)
+    return pid, uid
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Raise :class:`UntrustedDaemonError` unless the peer of ``sock`` runs as an expected user."""
+    pid, uid = peer_uid(sock)
+    allowed = expected_uids()
+    if uid not in allowed:
+        raise UntrustedDaemonError(
+            f"the daemon socket {path} is served by pid {pid} of uid {uid}, not by an expected "
+            f"user (uids {sorted(allowed)}): refusing to send it a token or memory. If that "
+            "daemon is the node's, set ASTERIA_DAEMON_UID to its uid"
+        )
+
+
+def check_socket_owner(address: str, *, timeout_s: float = 5.0) -> None:
+    """For a ``unix://`` daemon address, connect once and check who serves it (see the module
+    docstring); other addresses are left to TLS. An unreachable socket is not an error here:
+    the call that follows reports it."""
+    if not address.startswith("unix:"):
+        return
+    path = address.removeprefix("unix:")
+    if path.startswith("//"):
+        path = path[2:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except OSError:
+            return
+        check_peer(sock, path)
