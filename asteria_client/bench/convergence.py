@@ -13,6 +13,15 @@ or below it, interpolated), CPU seconds of the whole run including the engine's 
 (and the daemon's, for daemon runs: asynchrony is not free), the median step time, and the
 staleness observed (max lag, barrier waits, local fallbacks).
 
+With ``--schedules`` it compares refresh schedules of SOAP instead (the report is then a
+``schedules`` benchmark): native at f = 1 (a synchronous refresh every step) and f = 10, the
+embedded engine at f = 10 (S = 1 interval), and the embedded engine refreshing continuously at
+S = 1, 2, 4 steps. Besides the columns above it reports refreshes per block per 100 steps, the
+drift of the bases at install, steps to target against native f = 1, and the median step time
+against the median of native f = 10's steps that refresh nothing (the step time continuous
+refresh aims at). There is no daemon row: the daemon does not report its free workers to a
+client, so continuous refresh runs on the embedded engine only.
+
 Each run is its own `asteria train` process, one at a time, with the same torch thread count;
 the engine (embedded, or a fresh daemon per run) gets --engine-workers solver processes. Every
 training process flushes subnormal floats to zero unless --no-flush-denormal (see
@@ -63,13 +72,31 @@ class RunConfig:
     optimizer: str
     mode: str | None = None  # None for AdamW
     staleness_budget: int | None = None  # async modes only
+    precondition_frequency: int | None = None  # None: the optimizer's own (10)
+    refresh: str | None = None  # None: amortized; "continuous"
 
     @property
     def label(self) -> str:
         if self.mode is None:
             return self.optimizer
+        if self.refresh == "continuous":
+            return f"{self.optimizer} {self.mode} continuous S={self.staleness_budget}"
+        freq = (
+            f" f={self.precondition_frequency}" if self.precondition_frequency is not None else ""
+        )
         budget = f" S={self.staleness_budget}" if self.staleness_budget is not None else ""
-        return f"{self.optimizer} {self.mode}{budget}"
+        return f"{self.optimizer} {self.mode}{freq}{budget}"
+
+    @property
+    def amortized_frequency(self) -> int | None:
+        """Steps between refreshes on the amortized schedule (None: AdamW, continuous)."""
+        if self.mode is None or self.refresh == "continuous":
+            return None
+        return self.precondition_frequency or DEFAULT_FREQUENCY
+
+
+#: The optimizers' own precondition frequency (SOAP, Shampoo, KL-Shampoo).
+DEFAULT_FREQUENCY = 10
 
 
 def _all_configs() -> dict[str, RunConfig]:
@@ -80,7 +107,23 @@ def _all_configs() -> dict[str, RunConfig]:
     return {c.name: c for c in configs}
 
 
-CONFIGS = _all_configs()
+def _schedule_configs() -> dict[str, RunConfig]:
+    configs = [
+        RunConfig("adamw", "adamw"),
+        RunConfig("soap-native-f1", "soap", "native", precondition_frequency=1),
+        RunConfig("soap-native-f10", "soap", "native", precondition_frequency=10),
+        RunConfig("soap-embedded-f10-s1", "soap", "embedded", 1, precondition_frequency=10),
+    ]
+    configs += [
+        RunConfig(f"soap-continuous-s{s}", "soap", "embedded", s, refresh="continuous")
+        for s in (1, 2, 4)
+    ]
+    return {c.name: c for c in configs}
+
+
+#: ``--schedules``: refresh schedules of SOAP compared on the same batches.
+SCHEDULES = _schedule_configs()
+CONFIGS = {**_all_configs(), **SCHEDULES}
 QUICK_CONFIGS = ("adamw", "soap-native", "soap-embedded-s1", "soap-daemon-s1")
 
 
@@ -92,13 +135,14 @@ class ConvergenceConfig:
     eval_interval: int = 25
     eval_batches: int = 16
     seeds: tuple[int, ...] = (0, 1, 2)
-    configs: tuple[str, ...] = tuple(CONFIGS)
+    configs: tuple[str, ...] = tuple(_all_configs())
     adamw_lrs: tuple[float, ...] = ADAMW_LRS
     threads: int = 1
     engine_workers: int = 1
     device: str = "cpu"
     flush_denormal: bool = True
     quick: bool = False
+    schedules: bool = False  # the report compares refresh schedules (a "schedules" benchmark)
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_denormal, bool):
@@ -145,6 +189,10 @@ def _train_command(
         cmd += ["--engine-workers", str(cfg.engine_workers)]
     if run.staleness_budget is not None:
         cmd += ["--staleness-budget", str(run.staleness_budget)]
+    if run.precondition_frequency is not None:
+        cmd += ["--precondition-frequency", str(run.precondition_frequency)]
+    if run.refresh is not None:
+        cmd += ["--refresh", run.refresh]
     return cmd
 
 
@@ -211,6 +259,8 @@ def run_one(
         "optimizer": run.optimizer,
         "mode": run.mode,
         "staleness_budget": run.staleness_budget,
+        "precondition_frequency": run.precondition_frequency,
+        "refresh": run.refresh,
         "seed": seed,
         "lr": lr,
         "ok": proc.returncode == 0 and proc.result is not None,
@@ -226,6 +276,8 @@ def run_one(
         return record
     result = proc.result
     steps = result["steps"]
+    refreshes = (result.get("optimizer") or {}).get("refreshes") or {}
+    step_times = [s["step_time_s"] for s in steps]
     record.update(
         lr=result["config"]["resolved"]["lr"],
         flush_denormal=result["config"]["resolved"].get("flush_denormal"),
@@ -235,7 +287,12 @@ def run_one(
         train_s=sum(s["step_time_s"] for s in steps),
         evals=result["evals"],
         train_losses=[s["loss"] for s in steps],
-        step_times_s=[s["step_time_s"] for s in steps],
+        step_times_s=step_times,
+        median_quiet_step_time_s=summary.median_quiet_step_time(
+            step_times, run.amortized_frequency
+        ),
+        refreshes_per_100_steps=refreshes.get("refreshes_per_100_steps_mean"),
+        drift_at_install=refreshes.get("drift_at_install_mean"),
         runtime=result["optimizer"],
         train_batches_digest=result["data"]["train_batches_digest"],
         val_batches_digest=result["data"]["val_batches_digest"],
@@ -324,7 +381,7 @@ def run_convergence(
         summary.add_time_to_target(record, target)
     config_dicts = [{**asdict(c), "label": c.label} for c in configs]
     return {
-        "benchmark": "convergence",
+        "benchmark": "schedules" if cfg.schedules else "convergence",
         "quick": cfg.quick,
         "config": {**asdict(cfg), "seeds": list(cfg.seeds), "configs": list(cfg.configs)},
         "started_unix_s": started,
@@ -389,6 +446,15 @@ def register(subparsers: Any) -> Any:
         metavar="LRS",
         help="AdamW's lr sweep (default 3e-3,6e-3,1e-2; quick 6e-3)",
     )
+    parser.add_argument(
+        "--schedules",
+        nargs="?",
+        const=",".join(SCHEDULES),
+        type=_csv(str, "names"),
+        metavar="NAMES",
+        help="compare SOAP's refresh schedules instead: a comma-separated subset of "
+        f"{','.join(SCHEDULES)} (default when given without names: all; adamw always runs)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument(
         "--engine-workers",
@@ -410,18 +476,31 @@ def config_from_args(args: argparse.Namespace) -> ConvergenceConfig:
     def pick(value: Any, full: Any, fast: Any) -> Any:
         return value if value is not None else (fast if quick else full)
 
+    schedules = getattr(args, "schedules", None)
+    if isinstance(schedules, str):  # the flag's default names, not yet split
+        schedules = tuple(schedules.split(","))
+    if schedules is not None:
+        unknown = [name for name in schedules if name not in SCHEDULES]
+        if unknown:
+            raise ValueError(f"--schedules: unknown {unknown}; choose from {', '.join(SCHEDULES)}")
+        configs = tuple(dict.fromkeys([*(args.configs or ()), *schedules]))
+        quick_configs = configs
+    else:
+        configs = args.configs
+        quick_configs = QUICK_CONFIGS
     return ConvergenceConfig(
         steps=pick(args.steps, 300, 40),
         eval_interval=pick(args.eval_interval, 25, 10),
         eval_batches=pick(args.eval_batches, 16, 8),
         seeds=pick(args.seeds, (0, 1, 2), (0,)),
-        configs=pick(args.configs, tuple(CONFIGS), QUICK_CONFIGS),
+        configs=pick(configs, tuple(_all_configs()), quick_configs),
         adamw_lrs=pick(args.adamw_lrs, ADAMW_LRS, (6e-3,)),
         threads=args.threads,
         engine_workers=args.engine_workers,
         device=args.device,
         flush_denormal=args.flush_denormal,
         quick=quick,
+        schedules=schedules is not None,
     )
 
 

@@ -52,6 +52,16 @@ def add_time_to_target(run: dict[str, Any], target: float) -> None:
     run["train_s_to_target"] = interpolated_crossing(seconds, losses, target)
 
 
+def median_quiet_step_time(step_times_s: Sequence[float], frequency: int | None) -> float | None:
+    """The median time of the steps that refresh nothing on the amortized schedule of
+    ``frequency`` (None: not amortized). Step ``i + 1`` takes ``step_times_s[i]``; the first
+    step only initializes, and step ``t + 1`` refreshes when ``t % frequency == 0``."""
+    if frequency is None:
+        return None
+    quiet = [s for i, s in enumerate(step_times_s) if i % frequency != 0]
+    return statistics.median(quiet) if quiet else None
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
@@ -109,6 +119,15 @@ def summarize_configs(
             "process_wall_s_mean": _mean([r["process_wall_s"] for r in done]),
             "cpu_s_mean": _mean([r["cpu_s"] for r in done]),
             "median_step_time_s": _mean([r["median_step_time_s"] for r in done]),
+            "median_quiet_step_time_s": _mean(
+                [q for r in done if (q := r.get("median_quiet_step_time_s")) is not None]
+            ),
+            "refreshes_per_100_steps": _mean(
+                [x for r in done if (x := r.get("refreshes_per_100_steps")) is not None]
+            ),
+            "drift_at_install": _mean(
+                [x for r in done if (x := r.get("drift_at_install")) is not None]
+            ),
             "max_lag_steps": max(lags) if lags else None,
             "barrier_waits_mean": _mean(
                 [r["runtime"]["barrier_waits"] for r in done if r["runtime"]]
@@ -123,7 +142,16 @@ def summarize_configs(
             else None,
         }
     adamw = summaries.get("adamw", {}).get("steps_to_target_mean")
+    every_step = summaries.get("soap-native-f1", {}).get("steps_to_target_mean")
+    quiet = summaries.get("soap-native-f10", {}).get("median_quiet_step_time_s")
     for summary in summaries.values():
+        second_order = summary["mode"] is not None
+        summary["steps_to_target_vs_native_f1"] = (
+            _ratio(summary["steps_to_target_mean"], every_step) if second_order else None
+        )
+        summary["step_time_vs_native_f10_quiet"] = (
+            _ratio(summary["median_step_time_s"], quiet) if second_order else None
+        )
         summary["steps_to_target_vs_adamw"] = _ratio(summary["steps_to_target_mean"], adamw)
         native = summaries.get(f"{summary['optimizer']}-native")
         async_mode = summary["mode"] in ("embedded", "daemon")
@@ -155,6 +183,60 @@ _COLUMNS = (
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "—" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
+
+
+_SCHEDULE_COLUMNS = (
+    "configuration",
+    "final val",
+    "steps→target",
+    "train s→target",
+    "steps vs f=1",
+    "ms/step",
+    "vs f=10 quiet",
+    "refreshes/100",
+    "drift@install",
+    "CPU s",
+    "max lag",
+    "waits (s)",
+    "fallbacks",
+)
+
+
+def schedule_rows(summaries: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """The ``--schedules`` table: steps to target against native f=1, the median step time
+    against native f=10's median quiet step (no refresh in it), refreshes per block per 100
+    steps and the mean drift of the bases replaced at install."""
+    rows = []
+    for s in summaries:
+        base = table_rows([s])[0]
+        ms = None if s["median_step_time_s"] is None else s["median_step_time_s"] * 1e3
+        waits = _fmt(s["barrier_waits_mean"], ".1f")
+        if s["barrier_wait_s_mean"] is not None:
+            waits += f" ({s['barrier_wait_s_mean']:.2f})"
+        rows.append(
+            [
+                base[0],
+                base[1],
+                base[2],
+                base[3],
+                _fmt(s.get("steps_to_target_vs_native_f1"), ".2f", "x"),
+                _fmt(ms, ".1f"),
+                _fmt(s.get("step_time_vs_native_f10_quiet"), ".2f", "x"),
+                _fmt(s.get("refreshes_per_100_steps"), ".1f"),
+                _fmt(s.get("drift_at_install"), ".1e"),
+                base[7],
+                base[9],
+                waits if s["mode"] is not None else "—",
+                base[11],
+            ]
+        )
+    return rows
+
+
+def _columns_and_rows(data: dict[str, Any]) -> tuple[tuple[str, ...], list[list[str]]]:
+    if data.get("benchmark") == "schedules":
+        return _SCHEDULE_COLUMNS, schedule_rows(data["summaries"])
+    return _COLUMNS, table_rows(data["summaries"])
 
 
 def table_rows(summaries: Sequence[dict[str, Any]]) -> list[list[str]]:
@@ -194,9 +276,12 @@ def table_rows(summaries: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def format_table(summaries: Sequence[dict[str, Any]]) -> str:
+def format_table(summaries: Sequence[dict[str, Any]], *, schedules: bool = False) -> str:
     """The summary as aligned plain text, for the terminal."""
-    return "\n".join(text_table([list(_COLUMNS), *table_rows(summaries)]))
+    columns, rows = _columns_and_rows(
+        {"benchmark": "schedules" if schedules else "convergence", "summaries": summaries}
+    )
+    return "\n".join(text_table([list(columns), *rows]))
 
 
 def _notes(data: dict[str, Any]) -> list[str]:
@@ -223,6 +308,21 @@ def _notes(data: dict[str, Any]) -> list[str]:
         "Identical batch streams per seed across configurations: "
         f"{'yes' if data['batch_streams_identical'] else 'NO'}.",
         cpu_note(data),
+        *(_schedule_notes() if data.get("benchmark") == "schedules" else []),
+    ]
+
+
+def _schedule_notes() -> list[str]:
+    return [
+        "Schedules: native f=1 refreshes every basis synchronously every step; f=10 every 10 "
+        "steps; continuous S=k pulls, whenever the engine's worker is free, the blocks whose "
+        "basis drifted most from their factor (per solve-second), a snapshot in flight for "
+        "at most k steps.",
+        "steps vs f=1: steps to target over native f=1's; vs f=10 quiet: median step time over "
+        "the median of native f=10's steps that refresh nothing; refreshes/100: installs per "
+        "block per 100 steps (mean over blocks); drift@install: the replaced basis's "
+        "off-diagonal energy of QᵀLQ over ‖L‖², mean; waits (s): barrier waits per run "
+        "(seconds).",
     ]
 
 
@@ -246,9 +346,9 @@ def cpu_note(data: dict[str, Any]) -> str:
 def report_section(data: dict[str, Any]) -> str:
     """The body of the convergence section of ``asteria bench report`` (which adds the
     heading): notes, the summary table, the figures."""
-    rows = table_rows(data["summaries"])
+    columns, rows = _columns_and_rows(data)
     lines = [f"- {note}" for note in _notes(data)]
-    lines += ["", *markdown_table(_COLUMNS, rows, align=NAME_THEN_NUMBERS)]
+    lines += ["", *markdown_table(columns, rows, align=NAME_THEN_NUMBERS)]
     for figure in data.get("figures", []):
         lines += ["", f"![{Path(figure).stem}]({figure})"]
     return "\n".join(lines) + "\n"
@@ -256,7 +356,9 @@ def report_section(data: dict[str, Any]) -> str:
 
 def format_report(data: dict[str, Any]) -> str:
     """The terminal summary: the table, then the notes."""
-    return "\n".join([format_table(data["summaries"]), "", *_notes(data)])
+    schedules = data.get("benchmark") == "schedules"
+    table = format_table(data["summaries"], schedules=schedules)
+    return "\n".join([table, "", *_notes(data)])
 
 
 # --- figures ----------------------------------------------------------------------------------
@@ -291,7 +393,9 @@ def write_figures(data: dict[str, Any], json_path: Path) -> list[Path]:
             xs, ys = mean_curve(runs, key)
             if not xs:
                 continue
-            ax.plot(xs, ys, _LINESTYLE.get(config["mode"], "-"), label=config["label"], lw=1.4)
+            style = "-." if config.get("refresh") == "continuous" else None
+            style = style or _LINESTYLE.get(config["mode"], "-")
+            ax.plot(xs, ys, style, label=config["label"], lw=1.4)
             lowest, highest = min(lowest, min(ys)), max(highest, max(ys))
         ax.axhline(target, color="grey", lw=0.8, ls="-.", label="target (tuned AdamW)")
         if math.isfinite(lowest):

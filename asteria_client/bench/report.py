@@ -31,9 +31,10 @@ from asteria_client.tables import markdown_table
 logger = logging.getLogger(__name__)
 
 #: Sections in this order; other benchmarks follow in name order.
-SECTION_ORDER = ("convergence", "spikes", "transport", "throughput", "sharing")
+SECTION_ORDER = ("convergence", "schedules", "spikes", "transport", "throughput", "sharing")
 TITLES = {
     "convergence": "Convergence: validation loss against steps and wall-clock time",
+    "schedules": "Refresh schedules: every step, every 10 steps, and continuous",
     "spikes": "Step-time spikes: AdamW vs native, embedded and daemon second-order",
     "transport": "Transport: moving snapshots and results",
     "throughput": "Throughput: daemon solves/s against a bare LAPACK loop",

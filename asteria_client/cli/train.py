@@ -51,6 +51,7 @@ def _device(text: str) -> str:
 
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     from asteria_client.optim.base import Mode
+    from asteria_client.runtime.staleness import Refresh
     from asteria_client.train.config import Schedule, TrainConfig
     from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind
 
@@ -83,6 +84,13 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         metavar="S",
         help="refresh intervals a root or basis may lag behind its newest snapshot before "
         "step() waits for it; 0 is synchronous (= native numerics) (default: 1)",
+    )
+    opt.add_argument(
+        "--refresh",
+        choices=[r.value for r in Refresh],
+        help="amortized: every --precondition-frequency steps, every block; continuous: "
+        "whenever a solver worker is free, the blocks whose basis drifted most (SOAP and "
+        "KL-Shampoo, embedded or native; S then counts steps) (default: amortized)",
     )
     opt.add_argument(
         "--engine-workers",
@@ -229,6 +237,7 @@ TRAIN_FIELDS = (
     "weight_decay",
     "precondition_frequency",
     "staleness_budget",
+    "refresh",
     "engine_workers",
     "schedule",
     "warmup_steps",
@@ -303,9 +312,16 @@ def run(args: argparse.Namespace) -> int:
     if result.optimizer:
         stats = result.optimizer
         print(
-            f"preconditioner: mode {stats['mode']}, staleness budget {stats['staleness_budget']}, "
+            f"preconditioner: mode {stats['mode']}, refresh {stats.get('refresh', 'amortized')}, "
+            f"staleness budget {stats['staleness_budget']}, "
             f"{stats['num_blocks']} blocks, max lag {stats['max_lag_steps']} steps, "
+            f"{_refresh_rate(stats)} refreshes/block/100 steps, "
             f"barrier waits {stats['barrier_waits']} ({stats['barrier_wait_s']:.2f} s), "
             f"local fallbacks {stats['local_fallbacks']}, failures {stats['failures']}"
         )
     return EXIT_OK
+
+
+def _refresh_rate(stats: dict[str, Any]) -> str:
+    rate = stats.get("refreshes", {}).get("refreshes_per_100_steps_mean")
+    return "—" if rate is None else f"{rate:.1f}"

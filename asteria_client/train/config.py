@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from asteria_client.optim.base import Mode
+from asteria_client.runtime.staleness import Refresh
 from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind
 from asteria_server.errors import InvalidInputError
 
@@ -75,6 +76,7 @@ class TrainConfig:
     log_interval: int = 50
     precondition_frequency: int | None = None
     staleness_budget: int | None = None
+    refresh: Refresh | None = None
     engine_workers: int | None = None
     engine_cpu_affinity: tuple[int, ...] | None = None
     flush_denormal: bool = True
@@ -86,6 +88,8 @@ class TrainConfig:
         self._coerce_enum("optimizer", OptimizerKind)
         if self.mode is not None:
             self._coerce_enum("mode", Mode)
+        if self.refresh is not None:
+            self._coerce_enum("refresh", Refresh)
         self._coerce_enum("schedule", Schedule)
         if self.json_path is not None and not isinstance(self.json_path, Path):
             object.__setattr__(self, "json_path", Path(self.json_path))
@@ -145,7 +149,7 @@ class TrainConfig:
                     "applies only to Asteria's second-order optimizers; adamw has no "
                     "preconditioner (leave --mode out or pick shampoo, soap or kl-shampoo)",
                 )
-            for name in ("staleness_budget", "engine_workers", "engine_cpu_affinity"):
+            for name in ("staleness_budget", "refresh", "engine_workers", "engine_cpu_affinity"):
                 if getattr(self, name) is not None:
                     _fail(name, getattr(self, name), "applies only to second-order optimizers")
             if self.precondition_frequency is not None:

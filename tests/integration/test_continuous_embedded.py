@@ -1,0 +1,116 @@
+"""Continuous refresh on the real embedded engine: real worker processes, real copies."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from asteria_client import SOAP, KLShampoo
+from asteria_server.engine import EngineConfig
+
+
+def _copies(opt: SOAP) -> int:
+    return int(opt.source.stats()["transfer"]["copies_d2h"])  # type: ignore[attr-defined]
+
+
+def _busy(opt: SOAP) -> bool:
+    stats = opt.source.engine.stats()  # type: ignore[attr-defined]
+    return bool(stats.workers_busy >= stats.num_workers)
+
+
+def test_no_snapshot_is_copied_while_every_worker_is_busy() -> None:
+    """One worker stuck on a solve (a real hang in the worker, killed at its timeout): the steps
+    taken meanwhile copy no factor. Once the worker is back, pulls resume and every block gets
+    its basis."""
+    gen = torch.Generator().manual_seed(0)
+    params = {  # "ahang-once:w" sorts first, so it is the first block pulled
+        "ahang-once:w": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
+        "b": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
+        "c": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
+    }
+    config = EngineConfig(
+        num_workers=1,
+        calibrate=False,
+        test_fault_prefix="a",
+        solve_timeout_s=4.0,
+        max_worker_attempts=2,
+    )
+    opt = SOAP(
+        list(params.items()),
+        mode="embedded",
+        refresh="continuous",
+        staleness_budget=1000,  # no barrier: this test is about copies
+        engine_config=config,
+    )
+
+    def step() -> None:
+        for p in params.values():
+            p.grad = torch.randn(6, 6, generator=gen)
+        opt.step()
+
+    try:
+        step()  # pulls the hanging block and one more: credit = 1 idle worker + 1
+        assert _copies(opt) == 2
+        busy_steps = 0
+        for _ in range(40):
+            before = _copies(opt)
+            busy_before = _busy(opt)
+            step()
+            if busy_before and _busy(opt):
+                busy_steps += 1
+                assert _copies(opt) == before, "a snapshot was copied while the worker was busy"
+            time.sleep(0.02)
+        assert busy_steps >= 10, f"only {busy_steps} steps saw the worker busy"
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            step()
+            if all(r["version"] >= 0 for r in opt.preconditioner_status()):
+                break
+            time.sleep(0.05)
+        rows = opt.preconditioner_status()
+    finally:
+        opt.close()
+    assert all(r["version"] >= 0 for r in rows), rows
+    assert _copies(opt) > 2
+
+
+def test_embedded_continuous_trains_within_its_budget() -> None:
+    """SOAP and KL-Shampoo, continuous at S=1 on the engine: every block is refreshed, no block
+    is used with a snapshot in flight for more than 1 step, versions only grow, the loss falls."""
+    for optimizer in (SOAP, KLShampoo):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+        opt = optimizer(
+            model.named_parameters(),
+            mode="embedded",
+            refresh="continuous",
+            staleness_budget=1,
+            lr=1e-2,
+            engine_config=EngineConfig(num_workers=1, calibrate=False),
+        )
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 8, generator=gen)
+        versions: dict[str, list[int]] = {}
+        losses = []
+        try:
+            for _ in range(40):
+                opt.zero_grad()
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+                for row in opt.preconditioner_status():
+                    versions.setdefault(row["block"], []).append(row["version"])
+            stats = opt.runtime_stats()
+        finally:
+            opt.close()
+        assert stats["refresh"] == "continuous"
+        assert stats["max_lag_steps"] <= 1
+        for block, seen in versions.items():
+            assert seen == sorted(seen), f"{block}: version went back: {seen}"
+            assert seen[-1] > 1, f"{block} never refreshed after its first basis: {seen}"
+        refreshes = stats["refreshes"]
+        assert refreshes["refreshes_per_100_steps_mean"] > 0
+        assert all(r["installs"] >= 2 for r in refreshes["blocks"].values())
+        assert losses[-1] < 0.9 * losses[0], (optimizer.__name__, losses[0], losses[-1])
