@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,15 @@ On the CPU, subnormal floats are flushed to zero (--no-flush-denormal to keep th
 on them is many times slower, and a run makes more of them as it goes, which would inflate
 later step times unevenly across optimizers.
 
+Under torchrun every rank trains on its slice of the global --batch-size (DDP, or FSDP2 with
+--fsdp; gloo on the CPU, nccl on CUDA); rank 0 prints progress and writes --json. With a daemon,
+the ranks of a node share it: each block is uploaded by one rank and solved once.
+
 example:
   asteria train --optimizer adamw --json runs/adamw.json
   asteria train --optimizer soap --mode native --json runs/soap.json
   asteria train --optimizer soap --lr-sweep 1e-3,3e-3,1e-2 --sweep-steps 100
+  torchrun --standalone --nproc-per-node 2 --no-python asteria train --optimizer soap --steps 40
 """
 
 
@@ -169,6 +175,13 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         "(default: torch's own choice)",
     )
     run_group.add_argument(
+        "--fsdp",
+        action="store_true",
+        default=None,
+        help="under torchrun, shard the model over the ranks with FSDP2 (fully_shard: each rank "
+        "preconditions its own shard's blocks) instead of replicating it with DDP",
+    )
+    run_group.add_argument(
         "--no-flush-denormal",
         action="store_false",
         dest="flush_denormal",
@@ -251,6 +264,7 @@ TRAIN_FIELDS = (
     "eval_batches",
     "log_interval",
     "json_path",
+    "fsdp",
     "block_size",
     "n_layer",
     "n_head",
@@ -294,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{PROG} train: error: --json {cfg.json_path} is a directory")
 
     result = run_training(cfg)
+    if os.environ.get("RANK", "0") != "0":
+        return EXIT_OK  # under torchrun rank 0 reports
     if result.lr_sweep is not None:
         sweep = result.lr_sweep
         tried = ", ".join(f"{run['lr']:g}" for run in sweep["runs"])

@@ -185,14 +185,13 @@ class ExchangeSource(PreconditionerSource):
 
     # ------------------------------------------------------------------ snapshots in
     def _is_mine(self, block: str, n: int) -> bool:
-        return (
-            bool(self.failed)
-            or not _shared(block)
-            or self.owners.owner(block, n) == self.layout.rank
-        )
+        return bool(self.failed) or self.owners.owner(block, n) == self.layout.rank
 
     def submit(self, request: PreconditionerRequest) -> None:
         block = request.block
+        if not _shared(block):  # a shard's block: this rank's alone, never exchanged
+            self.inner.submit(request)
+            return
         with self._cond:
             self._devices[block] = request.matrix.device
             mine = self._is_mine(block, int(request.matrix.shape[0]))
@@ -274,6 +273,8 @@ class ExchangeSource(PreconditionerSource):
 
     # ------------------------------------------------------------------ results out
     def take(self, block: str) -> PreconditionerResult | None:
+        if not _shared(block):
+            return self.inner.take(block)
         with self._cond:
             result = self._ready.pop(block, None)
             failed = bool(self.failed)
@@ -282,6 +283,8 @@ class ExchangeSource(PreconditionerSource):
         return result
 
     def wait(self, block: str, min_version: int, timeout_s: float) -> PreconditionerResult | None:
+        if not _shared(block):
+            return self.inner.wait(block, min_version, timeout_s)
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -301,6 +304,8 @@ class ExchangeSource(PreconditionerSource):
         return self.inner.wait(block, min_version, max(0.0, deadline - time.monotonic()))
 
     def in_flight_version(self, block: str) -> int | None:
+        if not _shared(block):
+            return self.inner.in_flight_version(block)
         with self._cond:
             if self.failed:
                 return self.inner.in_flight_version(block)
@@ -308,7 +313,8 @@ class ExchangeSource(PreconditionerSource):
             return expected if expected > self._received.get(block, -1) else None
 
     def results_epoch(self) -> int | None:
-        return self._epoch
+        inner = self.inner.results_epoch()  # a shard's results arrive there directly
+        return None if inner is None else self._epoch + inner
 
     def records(self) -> dict[str, SourceRecord]:
         out = self.inner.records()

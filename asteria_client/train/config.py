@@ -80,6 +80,8 @@ class TrainConfig:
     engine_workers: int | None = None
     engine_cpu_affinity: tuple[int, ...] | None = None
     flush_denormal: bool = True
+    #: Under torchrun: shard the model with FSDP2 (fully_shard) instead of replicating it (DDP).
+    fsdp: bool = False
     lr_sweep: tuple[float, ...] | None = None
     sweep_steps: int | None = None
     json_path: Path | None = None

@@ -24,9 +24,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from asteria_client.optim.base import Mode, resolve_mode
+from asteria_client.train import distributed
 from asteria_client.train.config import Schedule, TrainConfig
 from asteria_client.train.corpus import Corpus, load_corpus
 from asteria_client.train.cpu import flush_denormal
@@ -138,15 +140,21 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def next_token_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``net`` (the GPT, or DDP / FSDP2 around it: called,
+    never ``.forward``, so their hooks run)."""
+    return F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+
+
 @torch.no_grad()
-def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(net: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean validation loss over ``batches`` (all the same size), in eval mode."""
-    was_training = model.training
-    model.eval()
+    was_training = net.training
+    net.eval()
     try:
-        total = sum(model.loss(x, y).item() for x, y in batches)
+        total = sum(next_token_loss(net, x, y).item() for x, y in batches)
     finally:
-        model.train(was_training)
+        net.train(was_training)
     return total / len(batches)
 
 
@@ -158,6 +166,27 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     is back; so is the thread count.
     """
     device = resolve_device(cfg.device)
+    ranks, device = distributed.start(device)  # torchrun: join the job's ranks
+    try:
+        return _run_training(cfg, device, ranks)
+    finally:
+        distributed.finish(ranks)
+
+
+def _run_training(cfg: TrainConfig, device: torch.device, ranks: distributed.Ranks) -> TrainResult:
+    quiet = logging.getLogger("asteria_client.train")
+    level = quiet.level
+    if not ranks.is_main:  # rank 0 tells the progress
+        quiet.setLevel(logging.WARNING)
+    try:
+        return _train_and_report(cfg, device, ranks)
+    finally:
+        quiet.setLevel(level)
+
+
+def _train_and_report(
+    cfg: TrainConfig, device: torch.device, ranks: distributed.Ranks
+) -> TrainResult:
     threads_before = torch.get_num_threads()
     # Before any torch op: the intra-op threads started later copy the mode (see train.cpu).
     with flush_denormal(cfg.flush_denormal) as flushing:
@@ -176,7 +205,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
                 run_cfg = dataclasses.replace(
                     cfg, lr=sweep.best_lr, lr_sweep=None, sweep_steps=None
                 )
-            with Trainer(run_cfg, device=device, corpus=corpus) as trainer:
+            with Trainer(run_cfg, device=device, corpus=corpus, ranks=ranks) as trainer:
                 while not trainer.done:
                     trainer.step()
                 result = trainer.result()
@@ -188,7 +217,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         resolved={**result.resolved, "flush_denormal": flushing},
         lr_sweep=None if sweep is None else sweep.to_json_dict(),
     )
-    if cfg.json_path is not None:
+    if cfg.json_path is not None and ranks.is_main:
         result.write_json(cfg.json_path)
     return result
 
@@ -229,6 +258,7 @@ class Trainer:
         device: torch.device | None = None,
         corpus: Corpus | None = None,
         optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+        ranks: distributed.Ranks | None = None,
     ) -> None:
         """``optimizer_factory`` (benchmarks against other libraries' optimizers) builds the
         optimizer from the model instead of ``cfg.optimizer``; everything else, the schedule
@@ -246,6 +276,11 @@ class Trainer:
             dropout=cfg.dropout,
         )
         self.model = GPT(model_config).to(self.device)
+        #: Where this process sits in a torchrun job (rank 0 of 1 alone).
+        self.ranks = ranks if ranks is not None else distributed.Ranks()
+        distributed.check_batch(cfg.batch_size, self.ranks)
+        #: What the step calls: the model, or DDP around it, or the model sharded with FSDP2.
+        self.net = distributed.wrap(self.model, self.ranks, fsdp=cfg.fsdp, device=self.device)
         settings = OptimizerSettings(
             kind=cfg.optimizer,
             lr=cfg.resolved_lr,
@@ -295,6 +330,9 @@ class Trainer:
             cfg.steps,
             self.device,
         )
+        if self.ranks.distributed:
+            how = "sharded (FSDP2)" if cfg.fsdp else "data parallel (DDP)"
+            logger.info("%s: %s", how, distributed.describe(self.ranks, self.optimizer))
         self._start = time.perf_counter()
         self._record_eval(0)
         self.model.train()
@@ -304,7 +342,7 @@ class Trainer:
         return len(self.steps) >= self.cfg.steps
 
     def _record_eval(self, step: int) -> None:
-        val_loss = evaluate(self.model, self.val_batches)
+        val_loss = evaluate(self.net, self.val_batches)
         wall_s = time.perf_counter() - self._start
         self.evals.append(EvalRecord(step, val_loss, self.train_time_s, wall_s))
 
@@ -312,13 +350,14 @@ class Trainer:
         """One timed optimizer step (forward, backward, clipping, ``optimizer.step()``)."""
         cfg, optimizer = self.cfg, self.optimizer
         step = len(self.steps) + 1
-        x, y = self.train_batches.next_batch()
-        x, y = x.to(self.device), y.to(self.device)
+        x, y = self.train_batches.next_batch()  # the global batch: this rank takes its rows
+        x = distributed.rows(x, self.ranks).to(self.device)
+        y = distributed.rows(y, self.ranks).to(self.device)
         lr = optimizer.param_groups[0]["lr"]
         _synchronize(self.device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = self.model.loss(x, y)
+        loss = next_token_loss(self.net, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         try:
@@ -332,7 +371,7 @@ class Trainer:
         step_time_s = time.perf_counter() - t0
         self.scheduler.step()
 
-        loss_value = loss.item()
+        loss_value = distributed.mean(loss, self.ranks)  # the global batch's loss
         if not math.isfinite(loss_value):
             raise TrainingDivergedError(
                 f"the training loss became {loss_value} at step {step} "
@@ -368,6 +407,8 @@ class Trainer:
                 "lr": cfg.resolved_lr,
                 "warmup_steps": cfg.resolved_warmup_steps,
                 "device": str(self.device),
+                "world_size": self.ranks.world_size,
+                "fsdp": cfg.fsdp,
             },
             steps=tuple(self.steps),
             evals=tuple(self.evals),
