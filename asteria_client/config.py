@@ -11,6 +11,9 @@
   serves TLS; set, the client connects with TLS (``host:port`` addresses only).
 - ``ASTERIA_DAEMON_UID``: the uid a ``unix://`` daemon must run as (checked with SO_PEERCRED
   before a token or a segment is sent); default: this process's own uid, or root.
+- ``ASTERIA_NODE``: the name of this process's node in a ``torch.distributed`` job (default: the
+  host name). Ranks with one name share a node and its daemon; a test or a container whose host
+  name does not tell nodes apart sets it.
 
 The launcher's run id is read here too: ``TORCHELASTIC_RUN_ID`` (set by ``torchrun``) names the
 job when ``ASTERIA_JOB`` does not, so the data-parallel replicas of one job share their blocks
@@ -36,6 +39,7 @@ ENV_JOB = "ASTERIA_JOB"
 ENV_TRANSPORT = "ASTERIA_TRANSPORT"
 ENV_TLS_CA = "ASTERIA_TLS_CA"
 ENV_DAEMON_UID = "ASTERIA_DAEMON_UID"
+ENV_NODE = "ASTERIA_NODE"
 ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
 TRANSPORTS = ("auto", "grpc")
 
@@ -52,6 +56,7 @@ class ClientEnv:
     tls_ca: str | None = None
     run_id: str = ""  # the launcher's (torchrun) run id; "" when not launched by one
     daemon_uid: int | None = None  # the uid a unix:// daemon must run as (None: ours or root)
+    node: str = ""  # this process's node name in a job ("": the host name)
 
     @property
     def job_name(self) -> str:
@@ -76,6 +81,7 @@ def client_env(environ: Mapping[str, str] | None = None) -> ClientEnv:
         tls_ca=env.get(ENV_TLS_CA) or None,
         run_id=_run_id(env.get(ENV_RUN_ID, "")),
         daemon_uid=_daemon_uid(env.get(ENV_DAEMON_UID, "")),
+        node=env.get(ENV_NODE, "").strip(),
     )
 
 

@@ -95,7 +95,9 @@ def discover_layout(group: Any = None, *, job_id: str | None = None) -> JobLayou
     rank = dist.get_rank(group)
     proposed = job_id or client_env().job_name or f"job-{uuid.uuid4().hex[:12]}"
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (socket.gethostname(), proposed), group=group)
+    env = client_env()
+    node = env.node or socket.gethostname()
+    dist.all_gather_object(gathered, (node, proposed), group=group)
     hosts = [str(host) for host, _ in gathered]
     agreed = str(gathered[0][1])  # rank 0's name wins: replicas must agree on one
     return JobLayout.from_hosts(hosts, rank, agreed)

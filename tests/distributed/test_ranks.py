@@ -207,3 +207,28 @@ def test_the_job_name_defaults_to_the_launchers_run_id(
     from asteria_client.config import client_env
 
     assert client_env(environ).job_name == expected
+
+
+def _two_node_rank(rank: int, tmp: str) -> None:
+    os.environ["ASTERIA_NODE"] = f"node{rank // 2}"  # one host plays two nodes
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=4,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        torch.save(discover_layout(), f"{tmp}/layout{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_asteria_node_names_the_node_where_host_names_cannot(tmp_path: Path) -> None:
+    mp.start_processes(_two_node_rank, args=(str(tmp_path),), nprocs=4, start_method="spawn")
+    layouts = [torch.load(tmp_path / f"layout{r}.pt", weights_only=False) for r in range(4)]
+    assert [lay.node for lay in layouts] == ["node0", "node0", "node1", "node1"]
+    assert layouts[0].ranks_by_node == ((0, 1), (2, 3)) and layouts[0].num_nodes == 2
+    assert [lay.is_node_leader for lay in layouts] == [True, False, True, False]
