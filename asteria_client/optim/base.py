@@ -160,7 +160,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         super().__init__(named_param_groups(params, self._namer), defaults)
         #: Where results come from and how fresh they are: the only thing the math talks to.
         if source is None:
-            source = self._make_source(mode, engine_config, address, process_group, share_blocks)
+            # Continuous refresh pulls by each rank's own credit, so replicas would snapshot
+            # different blocks: they compute their own (sharing is for the amortized schedule).
+            share = share_blocks and not policy.continuous
+            source = self._make_source(mode, engine_config, address, process_group, share)
         self.runtime = FreshnessRuntime(
             source,
             policy,
