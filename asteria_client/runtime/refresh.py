@@ -17,6 +17,8 @@ in flight is not pulled again.
 
     priority = (drift + AGE_WEIGHT * age_steps) / estimated solve seconds
 
+(the estimate: the engine's calibrated seconds per n³, plus :data:`SOLVE_OVERHEAD_S`).
+
 ``age_steps`` is how many steps the factor has moved since the snapshot of the basis in use: a
 block whose estimate reads zero still gets refreshed, eventually. Blocks whose factor barely moves
 are refreshed rarely, blocks that move fast often.
@@ -46,6 +48,10 @@ DRIFT_PROBES = 4
 DRIFT_INTERVAL_STEPS = 4
 #: Priority per step of age, in units of relative off-diagonal energy.
 AGE_WEIGHT = 1e-4
+#: Seconds a solve costs besides its n³ work (hand-over, result, install): `asteria bench
+#: throughput` measured 3-6 ms of result overhead per solve at n = 256-512. Without it a tiny
+#: block would look hundreds of times cheaper than it is and crowd out the large ones.
+SOLVE_OVERHEAD_S = 3e-3
 
 
 def estimate_drift(
@@ -56,7 +62,7 @@ def estimate_drift(
 ) -> torch.Tensor:
     """The off-diagonal energy of ``QᵀLQ`` over ``‖L‖²_F`` (0: Q diagonalizes L), estimated
     from ``probes`` random columns of Q (the identity when ``basis`` is None). A 0-d tensor on
-    the factor's device."""
+    the factor's device, in [0, 1] like the exact value (a sample can overshoot: it is cut)."""
     n = factor.shape[0]
     k = min(probes, n)
     index = torch.randperm(n, generator=generator)[:k].to(factor.device)
@@ -69,7 +75,8 @@ def estimate_drift(
     rayleigh = (columns * lq).sum(dim=0)
     off_diagonal = (lq - columns * rayleigh).square().sum() * (n / k)
     total = factor.square().sum()
-    return torch.where(total > 0, off_diagonal / total.clamp_min(1e-30), torch.zeros_like(total))
+    ratio = (off_diagonal / total.clamp_min(1e-30)).clamp_max(1.0)
+    return torch.where(total > 0, ratio, torch.zeros_like(total))
 
 
 @dataclass
@@ -100,10 +107,11 @@ class RefreshLog:
 
     def record_install(self, block: str, request: PreconditionerRequest | None) -> None:
         """Count an install; ``request`` (the block's factor and the basis about to be
-        replaced, uncopied) gives the drift at install, for bases only."""
+        replaced, uncopied) gives the drift at install, for a computed basis only (not the
+        identity a tile starts in)."""
         entry = self.blocks.setdefault(block, BlockRefreshes())
         entry.installs += 1
-        if request is None or request.kind is not SolveKind.EIGENBASIS:
+        if request is None or request.kind is not SolveKind.EIGENBASIS or request.basis is None:
             return
         with torch.no_grad():
             drift = estimate_drift(request.matrix, request.basis, self.generator)
@@ -207,7 +215,7 @@ class ContinuousScheduler:
                     block=block,
                     request=request,
                     version=version,
-                    cost_s=self.seconds_per_n3 * n**3,
+                    cost_s=SOLVE_OVERHEAD_S + self.seconds_per_n3 * n**3,
                 )
                 self.candidates[block] = entry
             entry.request = request
