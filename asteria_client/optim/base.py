@@ -29,10 +29,13 @@ import torch
 from asteria_client.distributed import JobLayout, distributed_job, job_source
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
+from asteria_client.optim.reshard import ReshardReport, reshard_state
 from asteria_client.optim.sharding import (
     ShardGeometry,
     is_dtensor,
     local_tensor,
+    param_of_key,
+    parse_key,
     shard_geometry,
 )
 from asteria_client.runtime import (
@@ -529,11 +532,20 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """State keyed by parameter name (and tile inside), plus group hyperparameters."""
+        """State keyed by parameter name (and tile inside), plus group hyperparameters.
+
+        A sharded (FSDP2) parameter's state is keyed by its shard's global coordinates
+        (``fc.weight@rows0:12``) and says where the shard lies (``"shard"``): every rank's
+        entries are distinct, replicas' entries are equal, so ``torch.distributed.checkpoint``
+        saves each once; see :mod:`asteria_client.optim.checkpoint` for loading."""
         state = {}
         for name, p, _ in self.named_params():
             if self.state.get(p):
-                state[name] = _clone_tree(self.state[p])
+                entry = _clone_tree(self.state[p])
+                geometry = self.shard(name, p)
+                if geometry is not None:
+                    entry["shard"] = geometry.to_dict()
+                state[self.state_key(name, p)] = entry
         groups = []
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
@@ -546,16 +558,42 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
         }
 
+    def checkpoint_entries(self, saved: Iterable[str]) -> set[str]:
+        """Which of a checkpoint's state entries this rank needs: its own shard's when saved,
+        else every saved shard of the parameter whose rows overlap its own (and entries of
+        parameters it does not have, so that loading names them)."""
+        by_param: dict[str, list[str]] = {}
+        for key in saved:
+            by_param.setdefault(param_of_key(key), []).append(key)
+        wanted = set()
+        for name, p, _ in self.named_params():
+            keys = by_param.pop(name, [])
+            key = self.state_key(name, p)
+            if key in keys:
+                wanted.add(key)
+                continue
+            mine = self.shard(name, p) or ShardGeometry.whole(tuple(p.shape))
+            for other in keys:
+                spans = parse_key(other.partition("@")[2]) if "@" in other else {}
+                if spans is None or all(
+                    max(start, mine.span(dim)[0]) < min(stop, mine.span(dim)[1])
+                    for dim, (start, stop) in spans.items()
+                ):
+                    wanted.add(other)
+        wanted.update(key for keys in by_param.values() for key in keys)
+        return wanted
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("format") != STATE_FORMAT:
             raise InvalidInputError(
                 f"not an Asteria optimizer checkpoint (format={state_dict.get('format')!r}); "
                 f"expected {STATE_FORMAT!r}"
             )
+        saved_state = state_dict.get("state", {})
         saved_groups = state_dict["param_groups"]
         by_name = {n: g for g in saved_groups for n in g["param_names"]}
         known = {name for name, _, _ in self.named_params()}
-        unknown = sorted(set(state_dict["state"]) - known)
+        unknown = sorted(k for k in saved_state if param_of_key(k) not in known)
         if unknown:
             raise InvalidInputError(
                 f"checkpoint holds state for parameters this optimizer does not have: "
@@ -574,22 +612,73 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             )
         self._plans.clear()
         self.state.clear()
+        report = ReshardReport()
+        resubmit: list[tuple[Any, int, dict[str, Any]]] = []
         for name, p, group in self.named_params():
-            saved = state_dict["state"].get(name)
+            key = self.state_key(name, p)
+            local = local_tensor(p)
+            saved = saved_state.get(key)
             if saved is None:
+                pieces = {k: v for k, v in saved_state.items() if param_of_key(k) == name}
+                if pieces and local.numel():  # saved with another shard geometry
+                    geometry = self.shard(name, p) or ShardGeometry.whole(tuple(p.shape))
+                    restored, rebuilt = reshard_state(
+                        self,
+                        name,
+                        key,
+                        geometry,
+                        local,
+                        group,
+                        _clone_tree(pieces, device=local.device),
+                        report,
+                    )
+                    self.state[p] = restored
+                    resubmit.extend((tile, restored["step"], group) for tile in rebuilt)
                 continue
             tiles = saved.get("tiles", [])
-            plan = self.plan(name, p, group)
+            plan = self.plan(key, local, group)
             if len(tiles) not in (0, len(plan.tiles)):
                 raise InvalidInputError(
-                    f"checkpoint state of {name!r} has {len(tiles)} tiles but the parameter "
-                    f"(shape {tuple(p.shape)}) is blocked into {len(plan.tiles)}; "
+                    f"checkpoint state of {key!r} has {len(tiles)} tiles but the parameter "
+                    f"(shape {tuple(local.shape)}) is blocked into {len(plan.tiles)}; "
                     "max_preconditioner_dim or the parameter's shape changed"
                 )
-            restored = _clone_tree(saved, device=p.device)
+            restored = _clone_tree(saved, device=local.device)
+            restored.pop("shard", None)
             restored["tiles"] = [self._tile_from_dict(name, t) for t in restored.get("tiles", [])]
             self.state[p] = restored
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        if report.params:
+            warnings.warn(report.message(), UserWarning, stacklevel=2)
+        for tile, step, group in resubmit:  # rebuilt factors: their roots or bases, now
+            if any(block is not None for block in getattr(tile, "blocks", ())):
+                self._submit_tile(tile, step, group)
+
+    # What resharding (:mod:`asteria_client.optim.reshard`) needs to know of an optimizer.
+    #: The factors are means over the tile's other elements (KL-Shampoo), not sums.
+    factors_are_means = False
+    #: The tile fields shaped like the tile that :meth:`_moments_in_param_coords` returns.
+    param_coordinate_moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+    def _moments_in_param_coords(self, tile: Any) -> dict[str, torch.Tensor]:
+        """The tile's moments in the parameter's coordinates (the default: as they are)."""
+        return {name: getattr(tile, name) for name in self.param_coordinate_moments}
+
+    def _diagonals(self, tile: Any) -> list[torch.Tensor | None]:
+        """Per dim, a diagonal preconditioner kept for an unpreconditioned dim (None: none)."""
+        return []
+
+    def _tile_from_parts(
+        self,
+        key: str,
+        index: int,
+        moments: dict[str, torch.Tensor],
+        factors: list[torch.Tensor | None],
+        diagonals: list[torch.Tensor | None],
+    ) -> Any:
+        """A tile rebuilt from moments in the parameter's coordinates and factors, with no root
+        or basis yet (subclasses)."""
+        raise NotImplementedError  # abstract
 
     def _tile_from_dict(self, name: str, saved: dict[str, Any]) -> Any:
         """A checkpointed tile (a plain dict) as this optimizer's tile dataclass."""

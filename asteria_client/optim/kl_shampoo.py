@@ -239,3 +239,52 @@ class KLShampoo(AsteriaOptimizer):
             eigenvalues = (basis * (factor @ basis)).sum(dim=0)
         tile.eigenvalues[dim] = eigenvalues.clamp_min(0)
         tile.versions[dim] = result.version
+
+    # ------------------------------------------------------------------ resharding
+    factors_are_means = True  # each factor is divided by the tile's other elements
+
+    def _moments_in_param_coords(self, tile: KLTile | AdamTile) -> dict[str, torch.Tensor]:
+        if isinstance(tile, AdamTile):
+            return {"exp_avg": tile.exp_avg, "exp_avg_sq": tile.exp_avg_sq}
+        return {"exp_avg": tile.exp_avg}
+
+    def _diagonals(self, tile: KLTile | AdamTile) -> list[torch.Tensor | None]:
+        """The eigenvalues of unpreconditioned dims: a diagonal preconditioner in basis I."""
+        if isinstance(tile, AdamTile):
+            return []
+        return [
+            lam if factor is None else None
+            for lam, factor in zip(tile.eigenvalues, tile.factors, strict=True)
+        ]
+
+    def _tile_from_parts(
+        self,
+        key: str,
+        index: int,
+        moments: dict[str, torch.Tensor],
+        factors: list[torch.Tensor | None],
+        diagonals: list[torch.Tensor | None],
+    ) -> KLTile | AdamTile:
+        exp_avg = moments["exp_avg"]
+        if all(factor is None for factor in factors):  # a 1-D parameter: Adam
+            exp_avg_sq = moments.get("exp_avg_sq")
+            return AdamTile(
+                exp_avg=exp_avg,
+                exp_avg_sq=torch.zeros_like(exp_avg) if exp_avg_sq is None else exp_avg_sq,
+            )
+        eigenvalues = []
+        for dim, factor in enumerate(factors):
+            diagonal = diagonals[dim] if dim < len(diagonals) else None
+            if factor is not None:  # basis I until the first basis arrives
+                eigenvalues.append(factor.diagonal().clamp_min(0))
+            elif diagonal is not None:
+                eigenvalues.append(diagonal)
+            else:
+                eigenvalues.append(exp_avg.new_zeros(exp_avg.shape[dim]))
+        return KLTile.named(
+            self._block_names(key, index),
+            exp_avg=exp_avg,
+            factors=factors,
+            bases=[None] * len(factors),
+            eigenvalues=eigenvalues,
+        )

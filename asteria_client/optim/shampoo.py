@@ -195,3 +195,21 @@ class Shampoo(AsteriaOptimizer):
         direction = apply_on_dims(m_hat, roots)
         scale = adam.norm() / direction.norm().clamp_min(TINY)
         return direction.mul_(scale)
+
+    def _tile_from_parts(
+        self,
+        key: str,
+        index: int,
+        moments: dict[str, torch.Tensor],
+        factors: list[torch.Tensor | None],
+        diagonals: list[torch.Tensor | None],
+    ) -> ShampooTile:
+        """A resharded tile (see :mod:`~asteria_client.optim.reshard`): moments are in the
+        parameter's coordinates already; the roots come with the next result."""
+        return ShampooTile.named(
+            self._block_names(key, index),
+            exp_avg=moments["exp_avg"],
+            exp_avg_sq=moments["exp_avg_sq"],
+            factors=factors,
+            roots=[None] * len(factors),
+        )

@@ -169,3 +169,8 @@ def shard_geometry(name: str, param: torch.Tensor) -> ShardGeometry | None:
             f"{geometry.local_shape}; Asteria cannot tell which rows this rank holds"
         )
     return geometry
+
+
+def param_of_key(key: str) -> str:
+    """The parameter name of a state key (``fc.weight@rows0:12`` -> ``fc.weight``)."""
+    return key.partition("@")[0]

@@ -207,3 +207,29 @@ class SOAP(AsteriaOptimizer):
             tile.exp_avg_sq = mode_product(exp_avg_sq, overlap.square(), dim)
         tile.bases[dim] = new
         tile.versions[dim] = result.version
+
+    # ------------------------------------------------------------------ resharding
+    def _moments_in_param_coords(self, tile: SOAPTile) -> dict[str, torch.Tensor]:
+        """The moments out of the eigenbasis: exactly for the first, through the squared basis
+        for the second (as :meth:`_install` moves it between bases)."""
+        squared = [None if basis is None else basis.square() for basis in tile.bases]
+        return {
+            "exp_avg": project(tile.exp_avg, tile.bases, back=True),
+            "exp_avg_sq": project(tile.exp_avg_sq, squared, back=True),
+        }
+
+    def _tile_from_parts(
+        self,
+        key: str,
+        index: int,
+        moments: dict[str, torch.Tensor],
+        factors: list[torch.Tensor | None],
+        diagonals: list[torch.Tensor | None],
+    ) -> SOAPTile:
+        return SOAPTile.named(
+            self._block_names(key, index),
+            exp_avg=moments["exp_avg"],
+            exp_avg_sq=moments["exp_avg_sq"],
+            factors=factors,
+            bases=[None] * len(factors),
+        )
