@@ -164,6 +164,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="the most any solve is given, whatever its estimate (default 600)",
     )
+    add(
+        "--cache-memory-bytes",
+        "--cache-memory",
+        type=int,
+        metavar="B",
+        help=(
+            "results held in daemon memory beyond this leave, least recently used first, to "
+            "--spill-dir, or are dropped and their clients resubmit "
+            "(default: unbounded)"
+        ),
+    )
+    add(
+        "--spill-dir",
+        metavar="DIR",
+        help=(
+            "local directory for results leaving --cache-memory-bytes: one checksummed file "
+            "each, read back on demand; its old spill files are removed at start (default: none, "
+            "such results are dropped)"
+        ),
+    )
     modes = parser.add_argument_group("checks (run instead of the daemon)")
     modes.add_argument(
         "--check-config",

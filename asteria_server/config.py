@@ -157,6 +157,12 @@ class DaemonConfig:
         solve_timeout_factor: a solve is given this many times the calibrated cost model's
             estimate for it (at least ``solve_timeout_floor_s``, at most ``solve_timeout_s``);
             a hung or stopped worker is killed and replaced after that.
+        cache_memory_bytes: the result cache's host tier: results held in the daemon's memory
+            beyond it leave, least recently used first, to ``spill_dir`` (or are dropped, and
+            their clients resubmit). 0: unbounded.
+        spill_dir: a local directory (absolute path) where results leaving the host tier are
+            written, one checksummed file each, and read back on demand; the daemon removes the
+            spill files it finds there at start. None: such results are dropped.
         test_fault_prefix: TEST-ONLY worker fault injection by block name (TOML or env only,
             never a flag; see ``asteria_server.engine.faults``). Unset in production.
         socket_group_access: make the Unix socket (and its ``.shm`` socket) 0660 instead of 0600,
@@ -191,8 +197,17 @@ class DaemonConfig:
     solve_timeout_floor_s: float = 30.0
     solve_timeout_factor: float = 20.0
     test_fault_prefix: str | None = None
+    cache_memory_bytes: int = 0
+    spill_dir: str | None = None
 
     def __post_init__(self) -> None:
+        _check_int("cache_memory_bytes", self.cache_memory_bytes, 0)
+        if self.spill_dir is not None and not (
+            isinstance(self.spill_dir, str) and os.path.isabs(self.spill_dir)
+        ):
+            raise ValueError(
+                f"DaemonConfig.spill_dir must be an absolute directory path, got {self.spill_dir!r}"
+            )
         address = parse_listen(self.listen)
         if self.metrics_listen is not None:
             parse_metrics_listen(self.metrics_listen)
@@ -282,6 +297,11 @@ class DaemonConfig:
                     f"DaemonConfig.listen {self.listen!r} is not a loopback address: serving "
                     "beyond this host needs TLS (--tls-cert and --tls-key)"
                 )
+
+    @property
+    def cache_budget_bytes(self) -> int | None:
+        """The result cache's host tier in bytes; None: unbounded."""
+        return self.cache_memory_bytes or None
 
     @property
     def address(self) -> UnixAddress | TcpAddress:
@@ -428,6 +448,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "solve_timeout_floor_s": _as_float,
     "solve_timeout_factor": _as_float,
     "test_fault_prefix": str,
+    "cache_memory_bytes": int,
+    "spill_dir": str,
 }
 _FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)}
 assert set(_PARSERS) | {"tokens"} == _FIELDS, "every DaemonConfig field needs a parser"

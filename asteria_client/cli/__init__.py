@@ -3,6 +3,7 @@
 - :mod:`~asteria_client.cli.train`: ``asteria train``, a measured training run;
 - :mod:`~asteria_client.cli.bench`: ``asteria bench ...``, the benchmarks and their report;
 - :mod:`~asteria_client.cli.status`: ``asteria status``, a daemon's workers and blocks;
+- :mod:`~asteria_client.cli.forget`: ``asteria forget --job``, drop a finished job's blocks;
 - :mod:`~asteria_client.cli.args`: the parser class, exit codes and argument types they share.
 
 Each command module has ``register(subparsers)``, which adds its parser and returns the function
@@ -19,7 +20,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from asteria_client.cli import bench, status, train
+from asteria_client.cli import bench, forget, status, train
 from asteria_client.cli.args import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -52,6 +53,7 @@ SUBCOMMANDS: dict[str, Registrar] = {
     "train": train.register,
     "bench": bench.register,
     "status": status.register,
+    "forget": forget.register,
 }
 
 

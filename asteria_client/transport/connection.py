@@ -188,8 +188,9 @@ class DaemonConnection:
             shm_socket=reply.shm_socket,
         )
 
-    def close_session(self, session_id: str) -> None:
-        request = pb.CloseSessionRequest(session_id=session_id, forget_blocks=False)
+    def close_session(self, session_id: str, *, forget_blocks: bool = False) -> None:
+        """End the session; ``forget_blocks`` also forgets its job's blocks on the daemon."""
+        request = pb.CloseSessionRequest(session_id=session_id, forget_blocks=forget_blocks)
         try:
             self._stub.CloseSession(request, timeout=self.config.call_timeout_s)
         except grpc.RpcError as exc:

@@ -62,9 +62,9 @@ class Coordinator:
         self.solves_failed = 0
         self.results_discarded = 0
 
-    def submit(self, task: SolveTask) -> SubmitOutcome:
-        """Classify and (if accepted) queue a snapshot."""
-        outcome = self.registry.on_submit(task.tenant, task.block, task.version)
+    def submit(self, task: SolveTask, job: str = "") -> SubmitOutcome:
+        """Classify and (if accepted) queue a snapshot (``job``: of the submitting session)."""
+        outcome = self.registry.on_submit(task.tenant, task.block, task.version, job)
         if outcome.accepted:
             queued = self.scheduler.push(task)
             assert queued is outcome, (queued, outcome)
@@ -100,6 +100,21 @@ class Coordinator:
         else:
             self.registry.on_overwritten(task.tenant, task.block, task.version)
         return queued
+
+    def forget(self, tenant: str, block: str) -> None:
+        """Forget a block: its record, result and queued snapshot (a running solve of it is
+        :meth:`discard` ed when it ends)."""
+        self.scheduler.forget(tenant, block)
+        self.registry.forget(tenant, block)
+
+    def discard(self, task: SolveTask) -> None:
+        """A task of a forgotten block ended, whichever way: nothing of it is recorded."""
+        self.scheduler.finish(task.tenant, task.block, None)
+
+    def drop_result(self, tenant: str, block: str) -> None:
+        """A block's result was evicted without a copy: its client may resubmit the version."""
+        self.registry.drop(tenant, block)
+        self.scheduler.allow_resubmit(tenant, block, self.registry.submitted_version(tenant, block))
 
     def overwritten(self, task: SolveTask) -> None:
         """A dispatched snapshot was overwritten in its client's segment before a worker read
@@ -138,5 +153,9 @@ class Coordinator:
     def queue_depth(self) -> int:
         return len(self.scheduler)
 
-    def status(self, tenant: str | None = None) -> list[BlockStatus]:
-        return self.registry.status(tenant, self.scheduler.positions())
+    def status(
+        self,
+        tenant: str | None = None,
+        tier_of: Callable[[tuple[str, str], SolveResult | None], str] | None = None,
+    ) -> list[BlockStatus]:
+        return self.registry.status(tenant, self.scheduler.positions(), tier_of)

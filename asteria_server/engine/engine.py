@@ -23,17 +23,20 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 
 from asteria_server.engine.coordinator import Coordinator
 from asteria_server.engine.scheduler import CostModel
 from asteria_server.engine.solvers import SolverConfig
+from asteria_server.engine.tiers import ResultTiers
 from asteria_server.engine.workers import (
     START_METHODS,
     PoolConfig,
@@ -83,6 +86,12 @@ class EngineConfig:
         seconds_per_n3: a known cost-model constant; set, it skips calibration (tests).
         start_method: ``"subprocess"`` (default), ``"spawn"`` or ``"forkserver"``.
         worker_start_timeout_s: a worker not ready this long after its start is replaced.
+        cache_memory_bytes: the host tier of the result cache: results held in this process's
+            memory (not those in a client's segment) beyond it leave, least recently used first,
+            to ``spill_dir`` or dropped (their clients resubmit). None: unbounded.
+        spill_dir: where results leaving the host tier are written (one checksummed file
+            each, brought back on demand); None: they are dropped. Spill files a previous
+            engine left there are removed at start.
         cpu_affinity: CPUs the solver workers may run on (None, the default: this process's);
             a trainer pinned to one core gives the workers the others, so no solve takes the
             step's core. Stored as a sorted tuple; every CPU must be one this process may use.
@@ -105,8 +114,25 @@ class EngineConfig:
     worker_start_timeout_s: float = 60.0
     cpu_affinity: tuple[int, ...] | None = None
     test_fault_prefix: str | None = None
+    cache_memory_bytes: int | None = None
+    spill_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_memory_bytes is not None and (
+            not isinstance(self.cache_memory_bytes, int)
+            or isinstance(self.cache_memory_bytes, bool)
+            or self.cache_memory_bytes < 0
+        ):
+            raise ValueError(
+                "EngineConfig.cache_memory_bytes must be None or an int >= 0, "
+                f"got {self.cache_memory_bytes!r}"
+            )
+        if self.spill_dir is not None and not (
+            isinstance(self.spill_dir, str) and os.path.isabs(self.spill_dir)
+        ):
+            raise ValueError(
+                f"EngineConfig.spill_dir must be None or an absolute path, got {self.spill_dir!r}"
+            )
         object.__setattr__(
             self,
             "cpu_affinity",
@@ -219,6 +245,13 @@ class PreconditionerEngine:
         )
         self._cond = threading.Condition(threading.Lock())
         self._jobs: dict[int, SolveTask] = {}
+        #: dispatched jobs whose block was forgotten meanwhile: their outcome is discarded
+        self._forgotten_jobs: set[int] = set()
+        self._tiers = ResultTiers(
+            budget_bytes=self.config.cache_memory_bytes,
+            spill_dir=None if self.config.spill_dir is None else Path(self.config.spill_dir),
+            incarnation=self.incarnation_id,
+        )
         #: (tenant, block) -> (version, worker runs lost) of tasks queued again after a timeout
         self._runs_spent: dict[tuple[str, str], tuple[int, int]] = {}
         self._next_job = 0
@@ -246,13 +279,15 @@ class PreconditionerEngine:
 
     # ------------------------------------------------------------------ client API
 
-    def submit(self, task: SolveTask) -> SubmitOutcome:
-        """Hand over a snapshot (non-blocking). Raises EngineUnavailableError when closed."""
+    def submit(self, task: SolveTask, *, job: str = "") -> SubmitOutcome:
+        """Hand over a snapshot (non-blocking). Raises EngineUnavailableError when closed.
+
+        ``job`` names the submitting session's job: :meth:`forget` forgets a job's blocks."""
         if not isinstance(task, SolveTask):
             raise TypeError(f"submit() takes a SolveTask, got {type(task).__name__}")
         with self._cond:
             self._check_usable()
-            outcome = self._coord.submit(task)
+            outcome = self._coord.submit(task, job)
             if outcome.accepted:
                 self._pool.wakeup()
             return outcome
@@ -260,6 +295,7 @@ class PreconditionerEngine:
     def take_result(self, block: str, tenant: str = DEFAULT_TENANT) -> SolveResult | None:
         """The newest computed result of ``block`` not yet delivered (now delivered), or None."""
         with self._cond:
+            self._bring_back(tenant, block)
             return self._coord.take(tenant, block)
 
     def latest_result(
@@ -271,6 +307,9 @@ class PreconditionerEngine:
         data-parallel replica's stream needs it); it is recorded as delivered all the same.
         """
         with self._cond:
+            if self._coord.registry.computed_version(tenant, block) <= newer_than:
+                return None
+            self._bring_back(tenant, block)
             result = self._coord.registry.latest_result(tenant, block)
             if result is None or result.version <= newer_than:
                 return None
@@ -313,9 +352,36 @@ class PreconditionerEngine:
             return
         with self._cond:
             self._released.update(gone)
-            self._coord.registry.replace_results(
+            registry = self._coord.registry
+            registry.replace_results(
                 lambda r: private_result(r) if r.shm is not None and r.shm.segment in gone else r
             )
+            for key in list(registry.keys()):  # the copies now count in the host tier
+                held = registry.latest_result(*key)
+                if held is not None and held.shm is None and not self._tiers.tracks(key):
+                    self._tiers.held(key, held)
+            self._enforce_cache()
+
+    def forget(self, tenant: str, job: str) -> list[str]:
+        """Forget every block of ``tenant`` that a session of ``job`` submitted last: versions,
+        queued snapshots, cached and spilled results; a solve running for one is discarded when
+        it ends. Returns the blocks' names."""
+        with self._cond:
+            blocks = self._coord.registry.blocks_of_job(tenant, job)
+            gone = {(tenant, block) for block in blocks}
+            for job_id, task in self._jobs.items():
+                if task.key in gone:
+                    self._forgotten_jobs.add(job_id)
+            epochs = self._result_epochs.get(tenant, {})
+            for block in blocks:
+                self._coord.forget(tenant, block)
+                self._tiers.forget((tenant, block))
+                epochs.pop(block, None)
+                self._runs_spent.pop((tenant, block), None)
+            self._cond.notify_all()
+        if blocks:
+            logger.info("forgot %d blocks of tenant %r job %r", len(blocks), tenant, job)
+        return blocks
 
     def wait_result(
         self, block: str, min_version: int, timeout_s: float, tenant: str = DEFAULT_TENANT
@@ -331,6 +397,7 @@ class PreconditionerEngine:
         registry = self._coord.registry
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
+            self._bring_back(tenant, block)
             while True:
                 computed = registry.computed_version(tenant, block)
                 delivered = registry.delivered_version(tenant, block)
@@ -354,7 +421,7 @@ class PreconditionerEngine:
     def status(self, tenant: str | None = None) -> list[BlockStatus]:
         """Per-block status, of one tenant or all."""
         with self._cond:
-            return self._coord.status(tenant)
+            return self._coord.status(tenant, self._tiers.tier)
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """Engine-wide numbers. The workers' block names are shown for tenant ``viewer``'s tasks
@@ -377,6 +444,11 @@ class PreconditionerEngine:
                 closed=self._closing,
                 broken_reason=self._broken,
                 workers=() if self._closed else tuple(self._pool.states(viewer)),
+                cache_host_bytes=self._tiers.host_bytes,
+                cache_budget_bytes=self.config.cache_memory_bytes or 0,
+                results_spilled=self._tiers.num_spilled,
+                spill_bytes=self._tiers.spill_bytes,
+                results_dropped=self._tiers.dropped,
             )
 
     def worker_pids(self) -> list[int]:
@@ -400,6 +472,7 @@ class PreconditionerEngine:
         self._pool.close()
         with self._cond:
             self._closed = True
+            self._tiers.close()
             self._cond.notify_all()
         atexit.unregister(self.close)
         logger.info("preconditioner engine %s closed", self.incarnation_id)
@@ -469,6 +542,10 @@ class PreconditionerEngine:
         with self._cond:
             for job_id, task, why in failed:
                 self._jobs.pop(job_id, None)
+                if job_id in self._forgotten_jobs:
+                    self._forgotten_jobs.discard(job_id)
+                    self._coord.discard(task)
+                    continue
                 self._coord.fail(task, f"block {task.block!r}: {why}")
                 self._observe(job_id, task, None)
             for event in events:
@@ -488,6 +565,11 @@ class PreconditionerEngine:
     def _record(self, event: PoolEvent) -> bool:
         """Book a finished task; True when its block got a newer result."""
         task = self._jobs.pop(event.job_id, event.task)
+        if event.job_id in self._forgotten_jobs:  # its block was forgotten while it ran
+            self._forgotten_jobs.discard(event.job_id)
+            self._dispatched.pop(event.job_id, None)
+            self._coord.discard(task)
+            return False
         failed_before = self._coord.solves_failed
         fresh = False
         if event.overwritten:
@@ -511,12 +593,42 @@ class PreconditionerEngine:
                 tenant_epochs = self._result_epochs.setdefault(task.tenant, {})
                 tenant_epochs[task.block] = self._results_epoch
                 fresh = True
+                self._tiers.held(task.key, self._coord.registry.latest_result(*task.key))
+                self._enforce_cache()
         else:
             self._coord.fail(task, event.error or "unknown worker failure")
         # complete() turns a malformed result into a failure: count what the coordinator counted.
         ok = self._coord.solves_failed == failed_before
         self._observe(event.job_id, task, result if ok else None)
         return fresh
+
+    def _bring_back(self, tenant: str, block: str) -> None:
+        """Use the block's result (lock held): a spilled one is brought back into memory
+        first (a corrupt one is dropped: its client resubmits)."""
+        key = (tenant, block)
+        if self._tiers.spilled(key) is None:
+            self._tiers.touch(key)
+            return
+        result = self._tiers.load(key)
+        if result is None:
+            self._coord.drop_result(tenant, block)
+            return
+        self._coord.registry.hold(tenant, block, result)
+        self._tiers.held(key, result)
+        self._enforce_cache()
+
+    def _enforce_cache(self) -> None:
+        """Move the least recently used results out of the host tier until it meets its
+        budget (lock held; see :mod:`asteria_server.engine.tiers`)."""
+        registry = self._coord.registry
+        for tenant, block in self._tiers.victims():
+            result = registry.latest_result(tenant, block)
+            if result is None or result.shm is not None:
+                self._tiers.held((tenant, block), result)  # not in the host tier (any more)
+            elif self._tiers.evict((tenant, block), result):
+                registry.hold(tenant, block, None)
+            else:
+                self._coord.drop_result(tenant, block)
 
     @staticmethod
     def _tell(listeners: list[ResultListener], fresh: list[tuple[str, str]]) -> None:

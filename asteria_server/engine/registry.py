@@ -50,6 +50,8 @@ class _Record:
     failed: bool = False
     last_error: str | None = None
     result: SolveResult | None = None
+    job: str = ""  # the job of the session that submitted it last (what a forget names)
+    resubmit_ok: bool = False  # its result was dropped: its newest version may come again
 
     @property
     def in_flight_version(self) -> int:
@@ -95,15 +97,21 @@ class CoherenceRegistry:
 
     # ------------------------------------------------------------------ events
 
-    def on_submit(self, tenant: str, block: str, version: int) -> SubmitOutcome:
-        """Record a submission and classify it (see the module docstring)."""
+    def on_submit(self, tenant: str, block: str, version: int, job: str = "") -> SubmitOutcome:
+        """Record a submission and classify it (see the module docstring). After its result
+        was dropped (:meth:`drop`), the block's newest version is accepted once more: its
+        client resubmits it because nothing else will bring that result back."""
         rec = self._record(tenant, block)
+        if job:
+            rec.job = job
         if version < rec.submitted_version:
             rec.stale_ignored += 1
             return SubmitOutcome.STALE_IGNORED
-        if version == rec.submitted_version:
+        idle = rec.queued_version < 0 and rec.running_version < 0
+        if version == rec.submitted_version and not (rec.resubmit_ok and idle):
             rec.duplicates += 1
             return SubmitOutcome.DUPLICATE
+        rec.resubmit_ok = False
         outcome = SubmitOutcome.QUEUED
         if rec.queued_version >= 0:
             rec.superseded += 1
@@ -127,7 +135,9 @@ class CoherenceRegistry:
             rec.running_version = -1
         rec.consecutive_failures = 0
         rec.failed = False
-        if result.version <= rec.computed_version:
+        if result.version < rec.computed_version or (
+            result.version == rec.computed_version and rec.result is not None
+        ):
             return False
         rec.computed_version = result.version
         rec.computed_at = self._clock()
@@ -169,6 +179,31 @@ class CoherenceRegistry:
         for rec in self._records.values():
             if rec.result is not None:
                 rec.result = fn(rec.result)
+
+    def hold(self, tenant: str, block: str, result: SolveResult | None) -> None:
+        """Hold ``result`` (a spilled one brought back) or None (spilled) as the block's newest
+        result; its versions and counts do not change."""
+        rec = self._records.get((tenant, block))
+        if rec is not None:
+            rec.result = result
+
+    def drop(self, tenant: str, block: str) -> None:
+        """The block's result is gone for good (evicted without a copy): hold none, and accept
+        its newest version once more when its client resubmits it."""
+        rec = self._records.get((tenant, block))
+        if rec is not None:
+            rec.result = None
+            rec.resubmit_ok = True
+
+    def forget(self, tenant: str, block: str) -> None:
+        """Remove the block's record: versions, counts, result."""
+        rec = self._records.pop((tenant, block), None)
+        if rec is not None:
+            rec.result = None
+
+    def blocks_of_job(self, tenant: str, job: str) -> list[str]:
+        """The tenant's blocks last submitted by a session of ``job``."""
+        return [b for (t, b), rec in self._records.items() if t == tenant and rec.job == job]
 
     def take(self, tenant: str, block: str) -> SolveResult | None:
         """The newest computed result if not delivered yet (it becomes delivered), else None."""
@@ -222,7 +257,10 @@ class CoherenceRegistry:
         return self._records.keys()
 
     def status(
-        self, tenant: str | None = None, queue_positions: Mapping[Key, int] | None = None
+        self,
+        tenant: str | None = None,
+        queue_positions: Mapping[Key, int] | None = None,
+        tier_of: Callable[[Key, SolveResult | None], str] | None = None,
     ) -> list[BlockStatus]:
         """Every block's status (of one tenant if given), sorted by (tenant, block)."""
         now = self._clock()
@@ -259,6 +297,7 @@ class CoherenceRegistry:
                     state=rec.state,
                     last_error=rec.last_error,
                     queue_position=positions.get(key),
+                    tier="" if tier_of is None else tier_of(key, rec.result),
                 )
             )
         return out

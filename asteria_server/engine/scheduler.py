@@ -186,6 +186,23 @@ class Scheduler:
         queue[task.block] = ScheduledTask(task, self.cost_model.task_cost_s(task), self._seq)
         return True
 
+    def forget(self, tenant: str, block: str) -> SolveTask | None:
+        """Forget a block: its queued task (returned) and its newest accepted version, so that
+        it may start again from any version. A running task of it ends through ``finish``."""
+        queue = self._pending.get(tenant)
+        entry = None if queue is None else queue.pop(block, None)
+        if queue is not None and not queue:
+            del self._pending[tenant]
+        self._latest.pop((tenant, block), None)
+        return None if entry is None else entry.task
+
+    def allow_resubmit(self, tenant: str, block: str, version: int) -> None:
+        """Accept ``version`` of the block once more (its result was dropped), unless a newer
+        one was accepted since."""
+        key = (tenant, block)
+        if self._latest.get(key, -1) == version:
+            self._latest[key] = version - 1
+
     def finish(self, tenant: str, block: str, actual_s: float | None = None) -> None:
         """The running solve of a block ended (either way); charge its measured time if known."""
         charged = self._running.pop((tenant, block), None)

@@ -229,6 +229,8 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
                 solve_timeout_floor_s=config.solve_timeout_floor_s,
                 solve_timeout_factor=config.solve_timeout_factor,
                 test_fault_prefix=config.test_fault_prefix,
+                cache_memory_bytes=config.cache_budget_bytes,
+                spill_dir=config.spill_dir,
             ),
             observer=observer,
         )

@@ -250,18 +250,17 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CloseSessionResponse:
         try:
-            self._session(request.session_id)
-            if request.forget_blocks:
-                raise InvalidInputError(
-                    "CloseSession(forget_blocks=true) is not supported yet: the session stays "
-                    "open and its blocks cached; close it with forget_blocks=false"
-                )
+            session = self._session(request.session_id)
         except (UnknownSessionError, InvalidInputError) as exc:
             await _abort(context, exc)
         del self._sessions[request.session_id]
         self._wake_session(request.session_id)
         if self._handover is not None:
             self._handover.drop_session(request.session_id)
+        if request.forget_blocks:  # the session's job: its blocks, results and spill files
+            registered = self._registered.get(session.tenant, {})
+            for block in self._engine.forget(session.tenant, session.job):
+                registered.pop(block, None)
         return pb.CloseSessionResponse()
 
     async def RegisterBlocks(
@@ -332,7 +331,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     task = await self._from_segment(receiver, session)
             if task is None:  # the client already wrote a newer snapshot over this one
                 return convert.outcome_to_proto(SubmitOutcome.STALE_IGNORED)
-            outcome = self._engine.submit(task)
+            outcome = self._engine.submit(task, job=session.job)
         except (
             InvalidInputError,
             UnknownSessionError,

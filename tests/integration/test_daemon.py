@@ -355,13 +355,18 @@ def test_the_upload_budget_refuses_oversized_and_busies_concurrent_uploads(
         stop_daemon(d)
 
 
-def test_forgetting_blocks_on_close_is_refused_not_silently_ignored(daemon: Daemon) -> None:
+def test_forgetting_blocks_on_close_forgets_the_sessions_job(daemon: Daemon) -> None:
+    """(More in test_daemon_tiers: other jobs' blocks stay, spill files go.)"""
     stub = daemon.stub()
-    session = open_session(stub)
+    session = open_session(stub)  # job "test"
+    submit(
+        stub,
+        session,
+        SolveTask(block="gone", version=1, kind=SolveKind.INVERSE_ROOT, matrix=spd(4, 1)),
+    )
     close = pb.CloseSessionRequest(session_id=session, forget_blocks=True)
-    details = expect_code(grpc.StatusCode.INVALID_ARGUMENT, stub.CloseSession, close)
-    assert "not supported yet" in details
-    stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=CALL_TIMEOUT_S)
+    stub.CloseSession(close, timeout=CALL_TIMEOUT_S)
+    assert "gone" not in block_status(stub, open_session(stub))
 
 
 def test_the_launcher_reports_a_tcp_port_its_pid_and_cpu_time() -> None:

@@ -1,0 +1,319 @@
+"""Where the engine keeps results: host memory under a budget, cold ones spilled to local disk.
+
+Every block keeps its newest good result so that a client that reconnects, a data-parallel
+replica or a restarted trainer gets it without a new solve. Those results add up, so the host
+tier has a budget (``cache_memory_bytes``). Results held in a client's own result segment cost
+the daemon nothing and are not counted; results in the daemon's memory are, in least recently
+used order (a result is *used* when it arrives, and whenever it is sent or taken).
+
+When the host tier is over its budget, the least recently used results leave it:
+
+- with a **spill directory**, each is written to one file there, atomically (a temporary file,
+  then ``rename``), with a CRC-32 of its bytes; it is brought back on demand (the next time it
+  is asked for): the file is memory-mapped, its checksum verified, the arrays copied back into
+  memory and the file removed, and the host tier enforces its budget again;
+- without one, or when a spill file cannot be written or fails its checksum, the result is
+  **dropped**: the block keeps its versions and counts, and a client that still needs that
+  version submits the snapshot again (the registry accepts that one resubmission).
+
+Spill files are named ``asteria-spill-<incarnation>-<n>.res``; a daemon that starts removes
+every such file it finds (it knows none of them: they belong to a previous incarnation, whose
+results no client can ask this one for). Other files in the directory are left alone.
+
+Not thread-safe: the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import struct
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asteria_server.types import SolveKind, SolveResult
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+
+#: The first bytes of a spill file, then the header's length (little-endian u32).
+MAGIC = b"ASTERIA-SPILL-1\n"
+_HEADER_LEN = struct.Struct("<I")
+#: Arrays start at multiples of this in the file (aligned views of the mapping).
+_ALIGN = 64
+_FIELDS = ("matrix", "eigenvalues", "permutation", "rotation")
+SPILL_PREFIX = "asteria-spill-"
+SPILL_SUFFIX = ".res"
+
+
+def result_bytes(result: SolveResult) -> int:
+    """The bytes of ``result``'s arrays."""
+    return sum(getattr(result, f).nbytes for f in _FIELDS if getattr(result, f) is not None)
+
+
+@dataclass(frozen=True)
+class SpillEntry:
+    """A result on disk: its file, version and size."""
+
+    path: Path
+    version: int
+    num_bytes: int
+
+
+class SpillCorruptError(RuntimeError):
+    """A spill file is truncated, malformed or fails its checksum."""
+
+
+def write_spill_file(path: Path, result: SolveResult) -> int:
+    """Write ``result`` to ``path`` atomically (temp file + rename); returns the file's size."""
+    arrays = [(f, getattr(result, f)) for f in _FIELDS if getattr(result, f) is not None]
+    offset = 0
+    layout = []
+    for name, array in arrays:
+        layout.append({"field": name, "dtype": array.dtype.str, "shape": list(array.shape)})
+        layout[-1]["offset"] = offset
+        offset += -(-array.nbytes // _ALIGN) * _ALIGN
+    payload_bytes = offset
+    crc = 0
+    for _, array in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(array).data, crc)
+    header = {
+        "tenant": result.tenant,
+        "block": result.block,
+        "version": result.version,
+        "kind": result.kind.value,
+        "base_version": result.base_version,
+        "epsilon_used": result.epsilon_used,
+        "solve_time_s": result.solve_time_s,
+        "attempts": result.attempts,
+        "arrays": layout,
+        "payload_bytes": payload_bytes,
+        "crc32": crc,
+    }
+    encoded = json.dumps(header).encode()
+    start = -(-(len(MAGIC) + _HEADER_LEN.size + len(encoded)) // _ALIGN) * _ALIGN
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + _HEADER_LEN.pack(len(encoded)) + encoded)
+            f.write(b"\0" * (start - f.tell()))
+            for entry, (_, array) in zip(layout, arrays, strict=True):
+                f.seek(start + int(entry["offset"]))
+                f.write(np.ascontiguousarray(array).data)
+            f.truncate(start + payload_bytes)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return start + payload_bytes
+
+
+def read_spill_file(path: Path) -> SolveResult:
+    """The result in ``path``, its arrays copied into memory; SpillCorruptError when the file is
+    malformed or its bytes fail the checksum (OSError when it cannot be read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size < len(MAGIC) + _HEADER_LEN.size:
+            raise SpillCorruptError(f"spill file {path} is truncated ({size} bytes)")
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+            if mapped[: len(MAGIC)] != MAGIC:
+                raise SpillCorruptError(f"spill file {path} does not start with {MAGIC!r}")
+            (length,) = _HEADER_LEN.unpack_from(mapped, len(MAGIC))
+            begin = len(MAGIC) + _HEADER_LEN.size
+            try:
+                header: dict[str, Any] = json.loads(bytes(mapped[begin : begin + length]))
+            except ValueError as exc:
+                raise SpillCorruptError(f"spill file {path} has a malformed header") from exc
+            start = -(-(begin + length) // _ALIGN) * _ALIGN
+            if start + int(header["payload_bytes"]) != size:
+                raise SpillCorruptError(f"spill file {path} has {size} bytes, not the expected")
+            arrays: dict[str, np.ndarray] = {}
+            crc = 0
+            for entry in header["arrays"]:
+                dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
+                view = np.frombuffer(
+                    mapped,
+                    dtype=dtype,
+                    count=int(np.prod(shape)),
+                    offset=start + int(entry["offset"]),
+                ).reshape(shape)
+                crc = zlib.crc32(view.data, crc)
+                arrays[entry["field"]] = view.copy()
+                del view  # no export of the mapping may outlive it
+            if crc != int(header["crc32"]):
+                raise SpillCorruptError(f"spill file {path} fails its checksum")
+    finally:
+        os.close(fd)
+    return SolveResult(
+        block=header["block"],
+        version=int(header["version"]),
+        kind=SolveKind(header["kind"]),
+        matrix=arrays["matrix"],
+        eigenvalues=arrays.get("eigenvalues"),
+        permutation=arrays.get("permutation"),
+        rotation=arrays.get("rotation"),
+        base_version=int(header["base_version"]),
+        epsilon_used=float(header["epsilon_used"]),
+        solve_time_s=float(header["solve_time_s"]),
+        attempts=int(header["attempts"]),
+        tenant=header["tenant"],
+    )
+
+
+def remove_stale_spill_files(directory: Path) -> int:
+    """Remove every spill file (and left-over temporary file) in ``directory``; their number."""
+    removed = 0
+    for entry in os.scandir(directory):
+        name = entry.name.lstrip(".")
+        if name.startswith(SPILL_PREFIX) and (
+            name.endswith(SPILL_SUFFIX) or name.endswith(SPILL_SUFFIX + ".tmp")
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+class ResultTiers:
+    """The host tier's LRU order and bytes, and the spill tier's files (see the module docstring).
+
+    The registry still holds each block's result; this class decides which leave memory, and
+    writes and reads their files. ``budget_bytes`` None: unbounded (nothing spills)."""
+
+    def __init__(
+        self, *, budget_bytes: int | None, spill_dir: Path | None, incarnation: str
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.spill_dir = spill_dir
+        self._incarnation = incarnation
+        self._host: OrderedDict[Key, int] = OrderedDict()  # least recently used first
+        self.host_bytes = 0
+        self._spilled: dict[Key, SpillEntry] = {}
+        self.spill_bytes = 0
+        self.dropped = 0
+        self._serial = 0
+        if spill_dir is not None:
+            spill_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            removed = remove_stale_spill_files(spill_dir)
+            if removed:
+                logger.info("removed %d spill files left in %s", removed, spill_dir)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_spilled(self) -> int:
+        return len(self._spilled)
+
+    def tier(self, key: Key, result: SolveResult | None) -> str:
+        """``host``, ``shm``, ``spill`` or ``""`` for a block holding ``result`` in the registry."""
+        if result is not None:
+            return "shm" if result.shm is not None else "host"
+        return "spill" if key in self._spilled else ""
+
+    def spilled(self, key: Key) -> SpillEntry | None:
+        return self._spilled.get(key)
+
+    def tracks(self, key: Key) -> bool:
+        """Whether the block's result counts in the host tier."""
+        return key in self._host
+
+    # ------------------------------------------------------------------ events
+    def held(self, key: Key, result: SolveResult | None) -> None:
+        """``result`` is now the block's held result (None: it holds none in memory)."""
+        self._discard_spilled(key)
+        self._host_remove(key)
+        if result is not None and result.shm is None:
+            size = result_bytes(result)
+            self._host[key] = size
+            self.host_bytes += size
+
+    def touch(self, key: Key) -> None:
+        """The block's result was used: it becomes the most recently used."""
+        if key in self._host:
+            self._host.move_to_end(key)
+
+    def forget(self, key: Key) -> None:
+        """The block is gone: its host entry and spill file too."""
+        self._host_remove(key)
+        self._discard_spilled(key)
+
+    def victims(self) -> list[Key]:
+        """The least recently used blocks that must leave the host tier to meet the budget
+        (never the most recently used one: a result that just arrived is first sent)."""
+        if self.budget_bytes is None or self.host_bytes <= self.budget_bytes:
+            return []
+        out = []
+        excess = self.host_bytes - self.budget_bytes
+        for key, size in list(self._host.items())[:-1]:
+            if excess <= 0:
+                break
+            out.append(key)
+            excess -= size
+        return out
+
+    def evict(self, key: Key, result: SolveResult) -> bool:
+        """Move ``result`` out of the host tier: to a spill file (True) or dropped (False)."""
+        self._host_remove(key)
+        if self.spill_dir is not None:
+            self._serial += 1
+            name = f"{SPILL_PREFIX}{self._incarnation}-{self._serial}{SPILL_SUFFIX}"
+            path = self.spill_dir / name
+            try:
+                size = write_spill_file(path, result)
+            except OSError as exc:
+                logger.warning("cannot spill a result to %s (%s); dropping it", path, exc)
+            else:
+                self._spilled[key] = SpillEntry(path, result.version, size)
+                self.spill_bytes += size
+                return True
+        self.dropped += 1
+        return False
+
+    def load(self, key: Key) -> SolveResult | None:
+        """Bring a spilled result back (the file is removed either way); None when it is
+        corrupt or unreadable (counted as dropped)."""
+        entry = self._spilled.get(key)
+        if entry is None:
+            return None
+        try:
+            result = read_spill_file(entry.path)
+        except (OSError, SpillCorruptError, KeyError, ValueError) as exc:
+            logger.warning("dropping a spilled result of block %r: %s", key[1], exc)
+            self.dropped += 1
+            self._discard_spilled(key)
+            return None
+        self._discard_spilled(key)
+        if (result.tenant, result.block) != key or result.version != entry.version:
+            logger.warning("dropping spill file %s: it holds another block", entry.path)
+            self.dropped += 1
+            return None
+        return result
+
+    def close(self) -> None:
+        """Remove every spill file (the daemon stops; nobody will ask for them)."""
+        for key in list(self._spilled):
+            self._discard_spilled(key)
+
+    # ------------------------------------------------------------------ internals
+    def _host_remove(self, key: Key) -> None:
+        size = self._host.pop(key, None)
+        if size is not None:
+            self.host_bytes -= size
+
+    def _discard_spilled(self, key: Key) -> None:
+        entry = self._spilled.pop(key, None)
+        if entry is not None:
+            self.spill_bytes -= entry.num_bytes
+            with contextlib.suppress(FileNotFoundError):
+                entry.path.unlink()
