@@ -47,6 +47,14 @@ def status_document(
             "busy": stats.workers_busy,
             "idle": stats.workers_idle,
             "restarts": stats.worker_restarts,
+            "each": [dataclasses.asdict(w) for w in stats.workers],
+        },
+        "result_cache": {
+            "host_bytes": stats.cache_host_bytes,
+            "budget_bytes": stats.cache_budget_bytes,
+            "spilled": stats.results_spilled,
+            "spill_bytes": stats.spill_bytes,
+            "dropped": stats.results_dropped,
         },
         "queue_depth": stats.queue_depth,
         "solves_done": stats.solves_done,
@@ -81,6 +89,7 @@ _COLUMNS = (
     "LAST_SOLVE",
     "FAILURES",
     "STATE",
+    "TIER",
 )
 
 
@@ -104,6 +113,19 @@ def format_table(
         f"{stats.worker_restarts} restarted; queue depth {stats.queue_depth}; "
         f"solves {stats.solves_done} done, {stats.solves_failed} failed",
     ]
+    for w in stats.workers:
+        if w.state in ("busy", "overdue", "stopped") and w.elapsed_s > 0:
+            lines.append(
+                f"  worker {w.index} (pid {w.pid}) {w.state}: {w.block or '(another tenant)'} "
+                f"n={w.n}, {_seconds(w.elapsed_s)} of ~{_seconds(w.expected_s)} expected; "
+                f"replaced after {_seconds(w.timeout_s)}"
+            )
+    budget = _mib(stats.cache_budget_bytes) if stats.cache_budget_bytes else "unbounded"
+    lines.append(
+        f"result cache: {_mib(stats.cache_host_bytes)} in memory of {budget}; "
+        f"{stats.results_spilled} spilled ({_mib(stats.spill_bytes)}), "
+        f"{stats.results_dropped} dropped"
+    )
     if transport is not None:
         t = transport
         lines.append(
@@ -139,6 +161,7 @@ def format_table(
                 _seconds(b.last_solve_s),
                 str(b.failures),
                 b.state.value,
+                b.tier or "-",
             ]
         )
     lines.append("")
