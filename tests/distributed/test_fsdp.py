@@ -133,6 +133,7 @@ def _hsdp_rank(rank: int, world: int, tmp: str) -> None:
         spawn.finish()
 
 
+@pytest.mark.slow  # 4 ranks: 18-22 s on a busy 2-core host
 def test_hsdp_replicas_are_one_block_and_uneven_shards_work(tmp_path: Path) -> None:
     spawn.spawn(_hsdp_rank, 4, str(tmp_path))
     torch.set_num_threads(1)
