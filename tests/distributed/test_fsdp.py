@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asteria_client import SOAP, Shampoo
+from asteria_client import SOAP, KLShampoo, Shampoo
 from asteria_client.optim.sharding import ShardGeometry, chunk_span, parse_key, shard_geometry
 from asteria_server.engine import EngineConfig
 
@@ -28,6 +28,8 @@ def _optimizer(net: torch.nn.Module, name: str) -> torch.optim.Optimizer:
     kwargs: dict[str, Any] = {"lr": 1e-2, "precondition_frequency": 3, "max_preconditioner_dim": 12}
     if name == "shampoo-native":
         return Shampoo(net.named_parameters(), mode="native", **kwargs)
+    if name == "kl_shampoo-native":
+        return KLShampoo(net.named_parameters(), mode="native", **kwargs)
     mode = name.split("-")[1]
     config = EngineConfig(num_workers=1) if mode == "embedded" else None
     return SOAP(
@@ -62,7 +64,15 @@ def _fsdp_rank(rank: int, world: int, tmp: str, name: str) -> None:
         spawn.finish()
 
 
-@pytest.mark.parametrize("name", ["soap-native", "shampoo-native", "soap-embedded"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "soap-native",
+        "shampoo-native",
+        "soap-embedded",
+        pytest.param("kl_shampoo-native", marks=pytest.mark.slow),
+    ],
+)
 def test_fsdp2_shards_equal_one_process_with_the_same_blocks(tmp_path: Path, name: str) -> None:
     """2 FSDP2 ranks x batch b train and end where 1 process with batch 2b does when that
     process's tiles are the shards (max_preconditioner_dim = the shard's rows)."""
