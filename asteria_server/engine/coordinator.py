@@ -44,6 +44,13 @@ def result_problem(task: SolveTask, result: SolveResult) -> str | None:
     return None
 
 
+def task_host_bytes(task: SolveTask) -> int:
+    """The bytes ``task``'s arrays take in this process (0 when they lie in a client's segment)."""
+    if task.shm_source is not None:
+        return 0
+    return task.matrix.nbytes + (0 if task.basis is None else task.basis.nbytes)
+
+
 class Coordinator:
     """Registry + scheduler: one call per event of a snapshot's life."""
 
@@ -61,13 +68,35 @@ class Coordinator:
         self.solves_done = 0
         self.solves_failed = 0
         self.results_discarded = 0
+        #: snapshot bytes held in this process by queued or running tasks: per tenant, and per
+        #: (tenant, block) the running task's (a task in a client's segment holds none)
+        self._held_of: dict[str, int] = {}
+        self._running_bytes: dict[tuple[str, str], int] = {}
+
+    def held_bytes_of(self, tenant: str | None = None) -> int:
+        """Snapshot bytes queued or solving in this process, of ``tenant`` (None: all)."""
+        if tenant is None:
+            return sum(self._held_of.values())
+        return self._held_of.get(tenant, 0)
+
+    def _hold(self, tenant: str, num_bytes: int) -> None:
+        if num_bytes:
+            total = self._held_of.get(tenant, 0) + num_bytes
+            if total:
+                self._held_of[tenant] = total
+            else:
+                self._held_of.pop(tenant, None)
 
     def submit(self, task: SolveTask, job: str = "") -> SubmitOutcome:
         """Classify and (if accepted) queue a snapshot (``job``: of the submitting session)."""
         outcome = self.registry.on_submit(task.tenant, task.block, task.version, job)
         if outcome.accepted:
+            replaced = self.scheduler.pending_task(task.tenant, task.block)
             queued = self.scheduler.push(task)
             assert queued is outcome, (queued, outcome)
+            if replaced is not None:
+                self._hold(task.tenant, -task_host_bytes(replaced))
+            self._hold(task.tenant, task_host_bytes(task))
         return outcome
 
     def next_task(self) -> ScheduledTask | None:
@@ -75,7 +104,11 @@ class Coordinator:
         entry = self.scheduler.pop()
         if entry is not None:
             self.registry.on_dispatch(entry.task.tenant, entry.task.block, entry.task.version)
+            self._running_bytes[entry.task.key] = task_host_bytes(entry.task)
         return entry
+
+    def _finished(self, task: SolveTask) -> None:
+        self._hold(task.tenant, -self._running_bytes.pop(task.key, 0))
 
     def complete(self, task: SolveTask, result: SolveResult) -> bool:
         """A worker returned ``result`` for ``task``. Returns True when it became the block's
@@ -84,6 +117,7 @@ class Coordinator:
         if problem is not None:
             self.fail(task, f"block {task.block!r} version {task.version}: {problem}")
             return False
+        self._finished(task)
         self.scheduler.finish(task.tenant, task.block, result.solve_time_s)
         self.solves_done += 1
         accepted = self.registry.on_result(result)
@@ -98,17 +132,21 @@ class Coordinator:
         if queued:
             self.registry.on_requeue(task.tenant, task.block, task.version)
         else:
+            self._finished(task)  # dropped: its bytes are no longer held
             self.registry.on_overwritten(task.tenant, task.block, task.version)
         return queued
 
     def forget(self, tenant: str, block: str) -> None:
         """Forget a block: its record, result and queued snapshot (a running solve of it is
         :meth:`discard` ed when it ends)."""
-        self.scheduler.forget(tenant, block)
+        queued = self.scheduler.forget(tenant, block)
+        if queued is not None:
+            self._hold(tenant, -task_host_bytes(queued))  # HELD
         self.registry.forget(tenant, block)
 
     def discard(self, task: SolveTask) -> None:
         """A task of a forgotten block ended, whichever way: nothing of it is recorded."""
+        self._finished(task)  # HELD
         self.scheduler.finish(task.tenant, task.block, None)
 
     def drop_result(self, tenant: str, block: str) -> None:
@@ -119,11 +157,13 @@ class Coordinator:
     def overwritten(self, task: SolveTask) -> None:
         """A dispatched snapshot was overwritten in its client's segment before a worker read
         it: the block is free again; the newer snapshot was (or will be) submitted itself."""
+        self._finished(task)
         self.scheduler.finish(task.tenant, task.block, None)
         self.registry.on_overwritten(task.tenant, task.block, task.version)
 
     def fail(self, task: SolveTask, message: str, *, measured_s: float | None = None) -> None:
         """A task failed for good (solver error, crash or timeout after its retries)."""
+        self._finished(task)
         self.scheduler.finish(task.tenant, task.block, measured_s)
         self.solves_failed += 1
         marked = self.registry.on_failure(task.tenant, task.block, task.version, message)

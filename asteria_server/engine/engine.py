@@ -222,6 +222,15 @@ class FinishedSolve:
 SolveObserver = Callable[[FinishedSolve], None]
 
 
+@dataclass(frozen=True)
+class EngineUsage:
+    """Memory and blocks held in the engine (see :meth:`PreconditionerEngine.usage`)."""
+
+    queued_bytes: int
+    cached_bytes: int
+    blocks: int
+
+
 class PreconditionerEngine:
     """Asynchronous inverse roots and eigenbases for many blocks; see the module docstring."""
 
@@ -417,6 +426,31 @@ class PreconditionerEngine:
         """The queued (else running) version of ``block``, or None."""
         with self._cond:
             return self._coord.in_flight_version(tenant, block)
+
+    def usage(self, tenant: str | None = None) -> EngineUsage:
+        """What ``tenant`` (None: every tenant) holds in this process now: the daemon's quotas
+        and memory budget are checked against it. Cheap: kept as counts, never a scan."""
+        with self._cond:
+            registry = self._coord.registry
+            return EngineUsage(
+                queued_bytes=self._coord.held_bytes_of(tenant),
+                cached_bytes=registry.host_bytes_of(tenant),
+                blocks=len(registry) if tenant is None else registry.blocks_of(tenant),
+            )
+
+    def block_versions(self, block: str, tenant: str = DEFAULT_TENANT) -> tuple[bool, int]:
+        """Whether the engine knows ``block`` and its newest submitted version (-1: none)."""
+        with self._cond:
+            registry = self._coord.registry
+            return (tenant, block) in registry, registry.submitted_version(tenant, block)
+
+    def wait_stopped(self) -> str | None:
+        """Block until the engine breaks or closes; the reason it broke (None: it closed).
+        For a watcher thread: it costs nothing while it waits."""
+        with self._cond:
+            while self._broken is None and not self._closing:
+                self._cond.wait()
+            return self._broken
 
     def status(self, tenant: str | None = None) -> list[BlockStatus]:
         """Per-block status, of one tenant or all."""

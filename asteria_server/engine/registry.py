@@ -29,6 +29,18 @@ from asteria_server.types import BlockState, BlockStatus, SolveResult, SubmitOut
 Key = tuple[str, str]
 
 
+def host_bytes(result: SolveResult | None) -> int:
+    """The bytes ``result``'s arrays take in this process (0 when they lie in a client's
+    segment, or for None)."""
+    if result is None or result.shm is not None:
+        return 0
+    return sum(
+        a.nbytes
+        for a in (result.matrix, result.eigenvalues, result.permutation, result.rotation)
+        if a is not None
+    )
+
+
 @dataclass
 class _Record:
     tenant: str
@@ -82,12 +94,39 @@ class CoherenceRegistry:
         self.max_consecutive_failures = max_consecutive_failures
         self._clock = clock
         self._records: dict[Key, _Record] = {}
+        #: tenant -> its blocks (records); tenant -> bytes of its results held in this
+        #: process's memory (results in a client's segment cost nothing here). Kept as results
+        #: change, so a quota check or a cache that spills never scans every block.
+        self._blocks_of: dict[str, int] = {}
+        self._host_bytes_of: dict[str, int] = {}
 
     def _record(self, tenant: str, block: str) -> _Record:
         rec = self._records.get((tenant, block))
         if rec is None:
             rec = self._records[(tenant, block)] = _Record(tenant, block)
+            self._blocks_of[tenant] = self._blocks_of.get(tenant, 0) + 1
         return rec
+
+    def _set_result(self, rec: _Record, result: SolveResult | None) -> None:
+        """Every change of a record's held result goes through here (the byte accounting)."""
+        delta = host_bytes(result) - host_bytes(rec.result)
+        rec.result = result
+        if delta:
+            total = self._host_bytes_of.get(rec.tenant, 0) + delta
+            if total:
+                self._host_bytes_of[rec.tenant] = total
+            else:
+                self._host_bytes_of.pop(rec.tenant, None)
+
+    def blocks_of(self, tenant: str) -> int:
+        """How many blocks ``tenant`` has."""
+        return self._blocks_of.get(tenant, 0)
+
+    def host_bytes_of(self, tenant: str | None = None) -> int:
+        """Bytes of results held in this process's memory, of ``tenant`` (None: all tenants)."""
+        if tenant is None:
+            return sum(self._host_bytes_of.values())
+        return self._host_bytes_of.get(tenant, 0)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -142,7 +181,7 @@ class CoherenceRegistry:
         rec.computed_version = result.version
         rec.computed_at = self._clock()
         rec.last_solve_s = result.solve_time_s
-        rec.result = result
+        self._set_result(rec, result)
         return True
 
     def on_requeue(self, tenant: str, block: str, version: int) -> None:
@@ -178,28 +217,31 @@ class CoherenceRegistry:
         versions, times and counts, only its arrays go)."""
         for rec in self._records.values():
             if rec.result is not None:
-                rec.result = fn(rec.result)
+                self._set_result(rec, fn(rec.result))
 
     def hold(self, tenant: str, block: str, result: SolveResult | None) -> None:
         """Hold ``result`` (a spilled one brought back) or None (spilled) as the block's newest
         result; its versions and counts do not change."""
         rec = self._records.get((tenant, block))
         if rec is not None:
-            rec.result = result
+            self._set_result(rec, result)
 
     def drop(self, tenant: str, block: str) -> None:
         """The block's result is gone for good (evicted without a copy): hold none, and accept
         its newest version once more when its client resubmits it."""
         rec = self._records.get((tenant, block))
         if rec is not None:
-            rec.result = None
+            self._set_result(rec, None)
             rec.resubmit_ok = True
 
     def forget(self, tenant: str, block: str) -> None:
         """Remove the block's record: versions, counts, result."""
         rec = self._records.pop((tenant, block), None)
         if rec is not None:
-            rec.result = None
+            self._set_result(rec, None)
+            self._blocks_of[tenant] = self._blocks_of.get(tenant, 1) - 1  # COUNT
+            if not self._blocks_of[tenant]:  # COUNT
+                del self._blocks_of[tenant]  # COUNT
 
     def blocks_of_job(self, tenant: str, job: str) -> list[str]:
         """The tenant's blocks last submitted by a session of ``job``."""

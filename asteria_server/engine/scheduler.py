@@ -218,6 +218,11 @@ class Scheduler:
         for queue in self._pending.values():
             yield from queue.values()
 
+    def pending_task(self, tenant: str, block: str) -> SolveTask | None:
+        """The queued (not yet running) task of a block, if any."""
+        entry = self._pending.get(tenant, {}).get(block)
+        return None if entry is None else entry.task
+
     def pending_version(self, tenant: str, block: str) -> int | None:
         """The queued (not yet running) version of a block, if any."""
         entry = self._pending.get(tenant, {}).get(block)

@@ -64,7 +64,9 @@ class _Assembler:
         self._what = what
         self._slots = list(slots)
         self._max_chunk_bytes = max_chunk_bytes
-        self._arrays = [np.empty(s.spec.shape, s.spec.dtype.newbyteorder("<")) for s in slots]
+        #: allocated at the first chunk, not at the header: a header alone (of an unknown
+        #: session, or refused by a budget) never reserves memory
+        self._arrays: list[np.ndarray] | None = None
         self._index = 0  # the array being filled
         self._offset = 0  # bytes of it received
         self.total_bytes = sum(s.num_bytes for s in self._slots)
@@ -97,6 +99,10 @@ class _Assembler:
                 f"chunk of {size} bytes overruns {slot.name} ({left} of its {slot.num_bytes} "
                 "bytes left; a chunk never spans two arrays)",
             )
+        if self._arrays is None:
+            self._arrays = [
+                np.empty(s.spec.shape, s.spec.dtype.newbyteorder("<")) for s in self._slots
+            ]
         flat = self._arrays[self._index].reshape(-1).view(np.uint8)
         flat[self._offset : self._offset + size] = np.frombuffer(chunk, dtype=np.uint8)
         self._offset += size
@@ -114,6 +120,10 @@ class _Assembler:
                 f"stream ended early: {self.received_bytes} of {self.total_bytes} bytes "
                 f"arrived ({slot.name}: {self._offset} of {slot.num_bytes})",
             )
+        if self._arrays is None:  # nothing announced (a result in shared memory)
+            self._arrays = [
+                np.empty(s.spec.shape, s.spec.dtype.newbyteorder("<")) for s in self._slots
+            ]
         return [a.astype(a.dtype.newbyteorder("="), copy=False) for a in self._arrays]
 
 
