@@ -18,6 +18,7 @@ from asteria_client.transport.connection import (
     RegisteredJob,
 )
 from asteria_server.errors import AsteriaError
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.types import BlockStatus, EngineStats, TransportStats
 
 #: Deadline of each call status makes.
@@ -206,6 +207,15 @@ class StatusReader:
             return self._conn.list_jobs(self._session_id)
         except AsteriaError:
             return []
+
+    def peers(self) -> ppb.PeerStatusResponse | None:
+        """The tenant's multi-node peer groups on this daemon (None when it cannot say)."""
+        if self._session_id is None:
+            return None
+        try:
+            return self._conn.peer_status(self._session_id)
+        except AsteriaError:
+            return None
 
     def close(self) -> None:
         if self._session_id is not None:

@@ -23,6 +23,7 @@ from asteria_client.cli.args import (
     positive_seconds,
 )
 from asteria_client.config import client_env, resolve_address
+from asteria_client.peers_status import format_peers, peers_document
 from asteria_client.status import StatusReader, format_table, status_document
 from asteria_server.errors import AsteriaError, InvalidInputError
 
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 stats, blocks, transport = reader.read()
                 jobs = reader.jobs()
+                peers = reader.peers()
             except AsteriaError as exc:
                 print(
                     f"{PROG} status: cannot reach the daemon at {address}: {exc}", file=sys.stderr
@@ -94,11 +96,14 @@ def run(args: argparse.Namespace) -> int:
             else:
                 if args.json:
                     document = status_document(address, stats, blocks, transport, jobs)
+                    document["peer_groups"] = peers_document(peers)
                     print(json.dumps(document), flush=True)
                 else:
                     if args.watch is not None and sys.stdout.isatty():
                         print("\x1b[H\x1b[2J", end="")
                     print(format_table(address, stats, blocks, transport, jobs), flush=True)
+                    if peers is not None and peers.groups:
+                        print(format_peers(peers), flush=True)
             first = False
             if args.watch is None:
                 return EXIT_OK

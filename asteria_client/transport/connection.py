@@ -20,6 +20,8 @@ from asteria_server.protocol import convert, framing
 from asteria_server.protocol.errors import from_status
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc as jpb_grpc
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef
@@ -170,6 +172,7 @@ class DaemonConnection:
             self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = pb_grpc.PreconditionerStub(self._channel)
         self._jobs = jpb_grpc.JobsStub(self._channel)
+        self._peers = ppb_grpc.PeerStub(self._channel)
 
     def open_session(self) -> SessionInfo:
         check_socket_owner(self.address)  # never hand a token to another user's process
@@ -246,6 +249,15 @@ class DaemonConnection:
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return bool(reply.replaced)
+
+    def peer_status(self, session_id: str) -> ppb.PeerStatusResponse:
+        """The peer groups (multi-node jobs) of the session's tenant as the daemon sees them."""
+        try:
+            return self._peers.PeerStatus(
+                ppb.PeerStatusRequest(session_id=session_id), timeout=self.config.call_timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
 
     def list_jobs(self, session_id: str) -> list[RegisteredJob]:
         """The jobs the session's tenant registered with the daemon, newest first."""

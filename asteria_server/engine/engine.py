@@ -422,6 +422,33 @@ class PreconditionerEngine:
                     return None
                 self._cond.wait(remaining)
 
+    def peek_result(self, block: str, tenant: str = DEFAULT_TENANT) -> SolveResult | None:
+        """The newest computed result of ``block`` (None: none), *not* recorded as delivered:
+        for the sync between node daemons, which forwards it to a peer, not to a client."""
+        with self._cond:
+            self._bring_back(tenant, block)
+            return self._coord.registry.latest_result(tenant, block)
+
+    def install_result(self, result: SolveResult) -> bool:
+        """Keep a result computed elsewhere (a peer daemon that owns the block) as the block's
+        newest, exactly like one of its own workers': streams serve it, versions never go back.
+        False (nothing changes) when it is not newer than the block's computed version."""
+        with self._cond:
+            self._check_usable()
+            registry = self._coord.registry
+            if result.version <= registry.computed_version(result.tenant, result.block):
+                return False
+            if not registry.on_result(result):
+                return False
+            self._results_epoch += 1
+            self._result_epochs.setdefault(result.tenant, {})[result.block] = self._results_epoch
+            self._tiers.held(result.key, result)
+            self._enforce_cache()
+            self._cond.notify_all()
+            listeners = self._listeners
+        self._tell(listeners, [result.key])
+        return True
+
     def in_flight_version(self, block: str, tenant: str = DEFAULT_TENANT) -> int | None:
         """The queued (else running) version of ``block``, or None."""
         with self._cond:

@@ -11,6 +11,7 @@ every string, each with a clear INVALID_ARGUMENT or RESOURCE_EXHAUSTED.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from asteria_server.errors import DaemonBusyError, InvalidInputError, UnknownSes
 from asteria_server.protocol.errors import to_status
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc as jpb_grpc
+
+logger = logging.getLogger(__name__)
 
 #: Jobs a daemon keeps per tenant; registering one more evicts nothing and is refused.
 MAX_JOBS_PER_TENANT = 64
@@ -83,9 +86,16 @@ class JobsServicer(jpb_grpc.JobsServicer):
     """The ``Jobs`` service. ``tenant_of`` maps a session id to its tenant (or raises
     UnknownSessionError), so this registry shares the Preconditioner service's sessions."""
 
-    def __init__(self, tenant_of: Callable[[str], str], incarnation_id: str) -> None:
+    def __init__(
+        self,
+        tenant_of: Callable[[str], str],
+        incarnation_id: str,
+        on_register: Callable[[str, jpb.JobLayout, int], None] | None = None,
+    ) -> None:
         self._tenant_of = tenant_of
         self._incarnation_id = incarnation_id
+        #: told (tenant, layout, node_rank) of every registration (the sync between daemons)
+        self._on_register = on_register
         self._jobs: dict[str, dict[str, _Job]] = {}
 
     def jobs(self, tenant: str) -> list[tuple[jpb.JobLayout, int, float, int]]:
@@ -117,6 +127,11 @@ class JobsServicer(jpb_grpc.JobsServicer):
             )
         except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
             await _abort(context, exc)
+        if self._on_register is not None:
+            try:
+                self._on_register(tenant, layout, request.node_rank)
+            except Exception:  # the sync's bug costs the sync, never the registration
+                logger.exception("the job sync could not take job %r", layout.job)
         return jpb.RegisterJobResponse(
             incarnation_id=self._incarnation_id, replaced=old is not None
         )

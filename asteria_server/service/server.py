@@ -21,7 +21,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from asteria_server.config import DaemonConfig, TcpAddress, UnixAddress
 from asteria_server.engine import EngineConfig, PreconditionerEngine
 from asteria_server.engine.engine import SolveObserver
-from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc, peer_pb2_grpc
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.service.handover import SegmentHandover
@@ -162,10 +162,13 @@ class RunningDaemon:
     target: str
     lock: SocketLock | None
     handover: SegmentHandover | None = None
+    sync: SyncManager | None = None
 
     async def stop(self) -> None:
         logger.info("shutting down (grace period %.1f s)", self.config.grace_period_s)
         await self.health.enter_graceful_shutdown()
+        if self.sync is not None:
+            await self.sync.stop()
         self.servicer.stop_streams()
         await self.server.stop(self.config.grace_period_s)
         if self.handover is not None:
@@ -249,8 +252,18 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
                 mode=config.socket_mode,
                 on_release=engine.release_shared,
             )
-        servicer = PreconditionerServicer(
+        # The daemons of a multi-node job sync through the Peer service: a block another
+        # daemon owns is not solved here (asteria_server/sync).
+        sync = SyncManager(
             engine,
+            config.tokens,
+            chunk_bytes=config.chunk_bytes,
+            max_message_bytes=config.max_message_bytes,
+            max_matrix_n=config.max_matrix_n,
+            tls_root=None if config.tls_cert is None else Path(config.tls_cert).read_bytes(),
+        )
+        servicer = PreconditionerServicer(
+            cast(PreconditionerEngine, GatedEngine(engine, sync)),
             Authenticator(config.tokens, allow_anonymous=config.allows_anonymous()),
             ServiceLimits(
                 chunk_bytes=config.chunk_bytes,
@@ -264,7 +277,11 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         )
         pb_grpc.add_PreconditionerServicer_to_server(servicer, server)
         jobs_pb2_grpc.add_JobsServicer_to_server(
-            JobsServicer(servicer.session_tenant, engine.incarnation_id), server
+            JobsServicer(servicer.session_tenant, engine.incarnation_id, sync.job_registered),
+            server,
+        )
+        peer_pb2_grpc.add_PeerServicer_to_server(
+            PeerServicer(sync, servicer.session_tenant), server
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -276,6 +293,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             if isinstance(address, TcpAddress) and port == 0:
                 raise StartupError(f"cannot listen on {address.target}: the port is not free")
             await server.start()
+            sync.start()
             if handover is not None:
                 handover.start()
         if isinstance(address, UnixAddress):
@@ -293,7 +311,9 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         if lock is not None:
             lock.release()
         raise
-    return RunningDaemon(config, engine, server, servicer, health_servicer, target, lock, handover)
+    return RunningDaemon(
+        config, engine, server, servicer, health_servicer, target, lock, handover, sync
+    )
 
 
 async def serve(config: DaemonConfig) -> int:

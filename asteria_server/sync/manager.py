@@ -1,0 +1,942 @@
+"""The peer groups of a daemon: one per (tenant, job) registered with more than one daemon.
+
+Everything runs on the daemon's event loop (heartbeats, pushes, the snapshot gate the servicer
+calls) except the engine's result listener, which hands its news to the loop.
+
+**Membership.** A job's layout (RegisterJob) lists its nodes and the daemon of each; nodes
+served by the same daemon are one *member*. Every member calls Heartbeat on every other one
+every ``heartbeat_s``; the answer carries the callee's state, so each call tells both sides.
+A member not heard for ``suspect_s`` is *suspect* (snapshots waiting for its push are solved
+here at once), for ``dead_s`` *dead* (its blocks move to the living by the owner rule). One
+never heard counts as pending for ``dead_s`` after the job was registered here, then as dead.
+A new incarnation (a restarted daemon) or a dead one heard again *rejoins*: the owner rule moves
+exactly its blocks back, and everything it needs is pushed to it again (versions never go back:
+a peer keeps a pushed result only when newer than its own).
+
+**Agreement.** The owner map depends on the job's replicated blocks, so owners are decided only
+while every live member reported the same blocks (a digest in every heartbeat; the list itself
+when it changed), and that for ``settle_s``. Before, a snapshot waits (at most ``patience_s``).
+
+**The gate.** A snapshot of a replicated block (a name in the job's namespace without the shard
+mark ``@``) is solved here only when this member owns it. Otherwise it waits for the owner's
+push; it is solved here after all (a *fallback*) when the owner is suspect or dead, or when the
+push has not come by the snapshot's deadline: ``max(patience_s, (deadline - version) * step_s)``
+after it arrived, ``step_s`` being the job's seconds per step as seen from its snapshots.
+A push that brings the version (or a newer one) ends the wait.
+
+**Pushes.** When a block this member owns gets a result, it is queued for every live member
+whose ranks use the block; a sender per peer sends the queue (the most urgent deadline first,
+only each block's newest result, never one the peer already got) as one PushResults stream, in
+``chunk_bytes`` chunks. A peer that does not read (SIGSTOPped) holds up only its own sender,
+for at most ``push_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from asteria_server.engine import PreconditionerEngine
+from asteria_server.errors import AuthenticationError, InvalidInputError
+from asteria_server.protocol import framing
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+from asteria_server.protocol.shm import private_result
+from asteria_server.sync.owners import block_cost, owner_map
+from asteria_server.types import SolveResult, SolveTask, SubmitOutcome
+
+logger = logging.getLogger(__name__)
+
+#: Marks a shard's block (FSDP2): it belongs to one rank's node and is never synced.
+SHARD_MARK = "@"
+#: Versions solved here that a block's status lists.
+SOLVED_VERSIONS_KEPT = 256
+#: Environment variables that override :class:`SyncConfig`'s defaults (seconds).
+ENV_PREFIX = "ASTERIA_SYNC_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """Timings of the peer groups (seconds); see the module docstring."""
+
+    heartbeat_s: float = 0.25
+    suspect_s: float = 2.0
+    dead_s: float = 5.0
+    patience_s: float = 2.0
+    settle_s: float = 0.3
+    call_timeout_s: float = 1.0
+    push_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"SyncConfig.{f.name} must be a number > 0, got {value!r}")
+        if not self.heartbeat_s < self.suspect_s < self.dead_s:
+            raise ValueError(
+                "SyncConfig needs heartbeat_s < suspect_s < dead_s, got "
+                f"{self.heartbeat_s}, {self.suspect_s}, {self.dead_s}"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SyncConfig:
+        """Defaults overridden by ``ASTERIA_SYNC_HEARTBEAT_S`` etc. (ValueError if malformed)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, float] = {}
+        for f in dataclasses.fields(cls):
+            text = env.get(ENV_PREFIX + f.name.upper(), "").strip()
+            if text:
+                try:
+                    values[f.name] = float(text)
+                except ValueError:
+                    raise ValueError(
+                        f"{ENV_PREFIX}{f.name.upper()} must be a number of seconds, got {text!r}"
+                    ) from None
+        return cls(**values)
+
+
+def job_token(token: str, job: str) -> str:
+    """The job token: hex HMAC-SHA256 of the job id under the tenant's token."""
+    return hmac.new(token.encode(), job.encode(), hashlib.sha256).hexdigest()
+
+
+def blocks_digest(blocks: Mapping[str, int]) -> str:
+    if not blocks:
+        return ""
+    text = "\n".join(f"{name}:{n}" for name, n in sorted(blocks.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def replicated(block: str, prefix: str) -> bool:
+    return block.startswith(prefix) and SHARD_MARK not in block
+
+
+@dataclass
+class _Held:
+    """A snapshot waiting for its owner's push."""
+
+    task: SolveTask
+    job: str
+    since: float
+    due: float
+
+
+@dataclass
+class _BlockStats:
+    n: int
+    solves: int = 0
+    received: int = 0
+    fallbacks: int = 0
+    version: int = -1
+    origin: str = ""
+    superseded: int = 0
+    solved: collections.deque[int] = field(
+        default_factory=lambda: collections.deque(maxlen=SOLVED_VERSIONS_KEPT)
+    )
+
+
+@dataclass
+class _Peer:
+    """Another member of a job, as this daemon sees it."""
+
+    member: int
+    address: str
+    incarnation: str = ""
+    last_heard: float | None = None
+    state: str = "unknown"
+    blocks: dict[str, int] = field(default_factory=dict)
+    #: the digest of ``blocks`` (the list held here), the digest it reports now, and the
+    #: digest of this daemon's list it holds (its last answer said)
+    digest: str = ""
+    reported: str = ""
+    acked: str = ""
+    workers_busy: int = 0
+    workers: int = 0
+    queue_depth: int = 0
+    #: block -> newest version pushed to (or received from) it in this incarnation
+    has: dict[str, int] = field(default_factory=dict)
+    #: blocks with a result to push, and the wake-up of its sender
+    queued: set[str] = field(default_factory=set)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    oldest_queued_at: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    results_sent: int = 0
+    results_received: int = 0
+    suspected: int = 0
+    died: int = 0
+    rejoined: int = 0
+    channel: grpc.aio.Channel | None = None
+    stub: ppb_grpc.PeerStub | None = None
+
+
+class JobSync:
+    """One job's peer group on this daemon (see the module docstring)."""
+
+    def __init__(
+        self,
+        manager: SyncManager,
+        tenant: str,
+        layout: jpb.JobLayout,
+        node_rank: int,
+    ) -> None:
+        self.manager = manager
+        self.tenant = tenant
+        self.job = layout.job
+        self.prefix = f"{layout.job}:"
+        self.registered_at = time.monotonic()
+        addresses: list[str] = []
+        self.member_of_node: list[int] = []
+        for node in layout.nodes:
+            if node.daemon_address not in addresses:
+                addresses.append(node.daemon_address)
+            self.member_of_node.append(addresses.index(node.daemon_address))
+        self.addresses = addresses
+        self.me = self.member_of_node[node_rank]
+        self.members = list(range(len(addresses)))
+        self.peers: dict[int, _Peer] = {
+            m: _Peer(m, a) for m, a in enumerate(addresses) if m != self.me
+        }
+        self.known: dict[str, int] = {}  # replicated blocks the local ranks use
+        self.digest = ""
+        self.stats: dict[str, _BlockStats] = {}
+        self.held: dict[str, _Held] = {}
+        self.deadlines: dict[str, float] = {}  # block -> deadline of its newest local snapshot
+        self.left_to_owner = 0
+        self.fallbacks = 0
+        self.late_arrivals = 0
+        self.max_arrival_lag = 0
+        self._agreed_key: tuple[str, tuple[int, ...]] | None = None
+        self._agreed_since = 0.0
+        self._owners_key: tuple[str, tuple[int, ...]] | None = None
+        self._owners: dict[str, int] = {}
+        self.newest_step = -1
+        self._step_at = 0.0
+        self.step_s: float | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def syncing(self) -> bool:
+        return len(self.addresses) > 1
+
+    def peer_state(self, peer: _Peer, now: float) -> str:
+        config = self.manager.config
+        if peer.last_heard is None:
+            return "unknown" if now - self.registered_at < config.dead_s else "dead"
+        quiet = now - peer.last_heard
+        if quiet < config.suspect_s:
+            return "alive"
+        return "suspect" if quiet < config.dead_s else "dead"
+
+    def refresh_states(self, now: float) -> None:
+        for peer in self.peers.values():
+            state = self.peer_state(peer, now)
+            if state != peer.state:
+                if state == "suspect":
+                    peer.suspected += 1
+                elif state == "dead":
+                    peer.died += 1
+                    peer.has.clear()  # it may come back with nothing
+                elif state == "alive" and peer.state == "dead":
+                    peer.rejoined += 1
+                logger.info(
+                    "job %r: peer %d (%s) is %s",
+                    self.job,
+                    peer.member,
+                    peer.address,
+                    state,
+                    extra={"tenant": self.tenant, "job": self.job},
+                )
+                peer.state = state
+
+    def living(self) -> list[int]:
+        """Members not dead (alive, suspect or not yet heard), this one included."""
+        return [self.me] + [m for m, p in self.peers.items() if p.state != "dead"]
+
+    def heard(self, peer: _Peer, state: ppb.PeerState) -> None:
+        """A heartbeat of ``peer`` arrived (its call or its answer)."""
+        now = time.monotonic()
+        if peer.incarnation and state.incarnation_id != peer.incarnation:
+            peer.rejoined += 1
+            peer.has.clear()  # a new incarnation holds nothing yet: push everything again
+            logger.info(
+                "job %r: peer %d came back as a new incarnation",
+                self.job,
+                peer.member,
+                extra={"tenant": self.tenant, "job": self.job},
+            )
+        peer.incarnation = state.incarnation_id
+        peer.last_heard = now
+        peer.workers_busy = state.workers_busy
+        peer.workers = state.workers
+        peer.queue_depth = state.queue_depth
+        if state.blocks_included:
+            peer.blocks = {b.block: b.n for b in state.blocks if replicated(b.block, self.prefix)}
+            peer.digest = state.blocks_digest
+        peer.reported = state.blocks_digest
+        self.refresh_states(now)
+        if peer.state == "alive":
+            self.queue_missing(peer)
+
+    def my_state(self, known_digest: str) -> ppb.PeerState:
+        stats = self.manager.engine.stats()
+        include = known_digest != self.digest
+        return ppb.PeerState(
+            node=self.me,
+            incarnation_id=self.manager.engine.incarnation_id,
+            workers_busy=stats.workers_busy,
+            workers=stats.num_workers,
+            queue_depth=stats.queue_depth,
+            queued_work_s=0.0,
+            blocks_digest=self.digest,
+            blocks=[ppb.BlockUse(block=b, n=n) for b, n in sorted(self.known.items())]
+            if include
+            else [],
+            blocks_included=include,
+            alive_nodes=[m for m in self.living()],
+        )
+
+    # ------------------------------------------------------------------ owners
+
+    def agreed(self, now: float) -> bool:
+        """Every member not dead reported this member's blocks, for ``settle_s``."""
+        living = tuple(self.living())
+        same = bool(self.digest) and all(
+            self.peers[m].reported == self.digest and self.peers[m].state != "unknown"
+            for m in living
+            if m != self.me
+        )
+        if not same:
+            self._agreed_key = None
+            return False
+        key = (self.digest, living)
+        if self._agreed_key is None or self._agreed_key[0] != self.digest:
+            self._agreed_key = key
+            self._agreed_since = now
+        self._agreed_key = key
+        return now - self._agreed_since >= self.manager.config.settle_s
+
+    def owners(self) -> dict[str, int]:
+        key = (self.digest, tuple(self.living()))
+        if key != self._owners_key:
+            self._owners = owner_map(self.known, self.members, key[1])
+            self._owners_key = key
+        return self._owners
+
+    def owner_of(self, block: str, now: float) -> int | None:
+        """The block's owner, or None while the members do not agree on the blocks."""
+        if not self.agreed(now):
+            return None
+        return self.owners().get(block)
+
+    # ------------------------------------------------------------------ the gate
+
+    def note_step(self, version: int, now: float) -> None:
+        """Learn the job's pace from its snapshots' versions (optimizer steps)."""
+        if version > self.newest_step:
+            if self.newest_step >= 0 and now > self._step_at:
+                pace = (now - self._step_at) / (version - self.newest_step)
+                self.step_s = pace if self.step_s is None else 0.7 * self.step_s + 0.3 * pace
+            self.newest_step, self._step_at = version, now
+
+    def submit(self, task: SolveTask, job: str) -> SubmitOutcome:
+        now = time.monotonic()
+        self.note_step(task.version, now)
+        if task.block not in self.known:
+            self.known[task.block] = task.n
+            self.digest = blocks_digest(self.known)
+            self.stats.setdefault(task.block, _BlockStats(task.n))
+        self.deadlines[task.block] = task.deadline
+        stats = self.stats[task.block]
+        if stats.version >= task.version:  # a push brought it (or a newer one) already
+            return SubmitOutcome.DUPLICATE
+        held = self.held.get(task.block)
+        if held is not None and held.task.version >= task.version:
+            return (
+                SubmitOutcome.DUPLICATE
+                if held.task.version == task.version
+                else SubmitOutcome.STALE_IGNORED
+            )
+        if not self.syncing:
+            return self._solve_here(task, job, fallback=False)
+        owner = self.owner_of(task.block, now)
+        if owner == self.me:
+            return self._solve_here(task, job, fallback=False)
+        if owner is not None and self.peers[owner].state != "alive":
+            return self._solve_here(task, job, fallback=True)
+        budget = max(0.0, task.deadline - task.version) if math.isfinite(task.deadline) else 0.0
+        wait = max(self.manager.config.patience_s, budget * (self.step_s or 0.0))
+        if held is not None:
+            stats.superseded += 1
+        self.held[task.block] = _Held(task, job, now, now + wait)
+        self.left_to_owner += 1
+        self.manager.wake_ticker()
+        return SubmitOutcome.SUPERSEDED_QUEUED if held is not None else SubmitOutcome.QUEUED
+
+    def _solve_here(self, task: SolveTask, job: str, *, fallback: bool) -> SubmitOutcome:
+        outcome = self.manager.engine.submit(task, job=job)
+        if outcome.accepted and fallback:
+            self.fallbacks += 1
+            self.stats[task.block].fallbacks += 1
+        return outcome
+
+    def tick(self, now: float) -> None:
+        """Look at the waiting snapshots again: solve here those whose owner is this member now,
+        whose owner is not alive, or whose wait ran out."""
+        self.refresh_states(now)
+        for block, held in list(self.held.items()):
+            if self.stats[block].version >= held.task.version:
+                del self.held[block]
+                continue
+            owner = self.owner_of(block, now)
+            fallback: bool | None
+            if owner == self.me:
+                fallback = False
+            elif owner is None:
+                fallback = True if now >= held.since + self.manager.config.patience_s else None
+            elif self.peers[owner].state != "alive" or now >= held.due:
+                fallback = True
+            else:
+                fallback = None
+            if fallback is None:
+                continue
+            del self.held[block]
+            try:
+                self._solve_here(held.task, held.job, fallback=fallback)
+            except Exception:  # the engine closed or broke: the ranks compute it themselves
+                logger.warning("job %r: could not solve block %r here", self.job, block)
+
+    # ------------------------------------------------------------------ results
+
+    def local_result(self, block: str) -> None:
+        """The engine got a newer result of ``block`` from its own workers."""
+        result = self.manager.engine.peek_result(block, self.tenant)
+        if result is None:
+            return
+        stats = self.stats.get(block)
+        if stats is None or result.version <= stats.version:
+            return
+        stats.version, stats.origin = result.version, "local"
+        stats.solves += 1
+        stats.solved.append(result.version)
+        self.held.pop(block, None)
+        if not self.syncing:
+            return
+        owner = self.owners().get(block) if self._owners_key is not None else None
+        # Its owner's result, or one solved here because the owner could not (not decided,
+        # suspect or dead): the peers that wait for it get it from here.
+        if owner is None or owner == self.me or self.peers[owner].state != "alive":
+            for peer in self.peers.values():
+                if block in peer.blocks and peer.state == "alive":
+                    self._queue(peer, block)
+
+    def _queue(self, peer: _Peer, block: str) -> None:
+        if not peer.queued:
+            peer.oldest_queued_at = time.monotonic()
+        peer.queued.add(block)
+        peer.wake.set()
+
+    def queue_missing(self, peer: _Peer) -> None:
+        """Queue every result of a block this member owns that ``peer`` uses and lacks."""
+        owners = self.owners() if self._owners_key is not None else {}
+        for block, node in owners.items():
+            stats = self.stats.get(block)
+            if (
+                node == self.me
+                and stats is not None
+                and stats.version >= 0
+                and block in peer.blocks
+                and peer.has.get(block, -1) < stats.version
+                and block not in peer.queued
+            ):
+                self._queue(peer, block)
+
+    def received(self, peer: _Peer | None, result: SolveResult, num_bytes: int) -> bool:
+        """A pushed result arrived: keep it if newer (True)."""
+        if peer is not None:
+            peer.bytes_received += num_bytes
+            peer.results_received += 1
+            peer.has[result.block] = max(peer.has.get(result.block, -1), result.version)
+        stats = self.stats.get(result.block)
+        n = int(result.matrix.shape[0])
+        if stats is None:
+            stats = self.stats[result.block] = _BlockStats(n)
+        if stats.n != n:
+            raise InvalidInputError(
+                f"pushed result of block {result.block!r} is {n}x{n}; its ranks use n={stats.n}"
+            )
+        if result.version <= stats.version:
+            return False
+        if not self.manager.engine.install_result(result):
+            return False
+        stats.version = result.version
+        stats.origin = "local" if peer is None else f"node{self.node_of(peer.member)}"
+        stats.received += 1
+        held = self.held.get(result.block)
+        if held is not None and held.task.version <= result.version:
+            del self.held[result.block]
+            if self.newest_step >= held.task.deadline:
+                self.late_arrivals += 1
+        self.max_arrival_lag = max(self.max_arrival_lag, self.newest_step - result.version)
+        return True
+
+    def node_of(self, member: int) -> int:
+        return self.member_of_node.index(member)
+
+    def next_push(self, peer: _Peer) -> list[SolveResult]:
+        """The queued results for ``peer``, the most urgent first (newest of each block)."""
+        blocks = sorted(peer.queued, key=lambda b: (self.deadlines.get(b, math.inf), b))
+        peer.queued.clear()
+        peer.oldest_queued_at = None
+        out = []
+        for block in blocks:
+            result = self.manager.engine.peek_result(block, self.tenant)
+            if result is None or result.version <= peer.has.get(block, -1):
+                continue
+            if result.shm is not None:
+                result = private_result(result)
+                if result is None:
+                    continue  # overwritten by a newer result: queued again when it lands
+            out.append(result)
+        return out
+
+    # ------------------------------------------------------------------ status
+
+    def status(self, now: float) -> ppb.PeerGroup:
+        self.refresh_states(now)
+        owners = self.owners() if self.agreed(now) else {}
+        cost_of: dict[int, float] = {}
+        count_of: dict[int, int] = {}
+        spn3 = self.manager.engine.stats().seconds_per_n3
+        for block, member in owners.items():
+            count_of[member] = count_of.get(member, 0) + 1
+            cost_of[member] = cost_of.get(member, 0.0) + spn3 * block_cost(self.known[block])
+        peers = [
+            ppb.PeerInfo(
+                node=self.node_of(self.me),
+                address=self.addresses[self.me],
+                incarnation_id=self.manager.engine.incarnation_id,
+                state="self",
+                last_heard_s=0.0,
+                owned_blocks=count_of.get(self.me, 0),
+                owned_cost_s=cost_of.get(self.me, 0.0),
+            )
+        ]
+        for member, peer in sorted(self.peers.items()):
+            lag_versions = 0
+            for block in peer.queued:
+                stats = self.stats.get(block)
+                if stats is not None:
+                    lag_versions = max(lag_versions, stats.version - peer.has.get(block, -1))
+            peers.append(
+                ppb.PeerInfo(
+                    node=self.node_of(member),
+                    address=peer.address,
+                    incarnation_id=peer.incarnation,
+                    state=peer.state,
+                    last_heard_s=-1.0 if peer.last_heard is None else now - peer.last_heard,
+                    owned_blocks=count_of.get(member, 0),
+                    owned_cost_s=cost_of.get(member, 0.0),
+                    push_lag_versions=lag_versions,
+                    push_lag_s=0.0
+                    if peer.oldest_queued_at is None
+                    else now - peer.oldest_queued_at,
+                    bytes_sent=peer.bytes_sent,
+                    bytes_received=peer.bytes_received,
+                    results_sent=peer.results_sent,
+                    results_received=peer.results_received,
+                    workers_busy=peer.workers_busy,
+                    queue_depth=peer.queue_depth,
+                    suspected=peer.suspected,
+                    died=peer.died,
+                    rejoined=peer.rejoined,
+                )
+            )
+        blocks = [
+            ppb.PeerBlock(
+                block=block,
+                n=stats.n,
+                owner=self.node_of(owners[block]) if block in owners else -1,
+                version=stats.version,
+                origin=stats.origin,
+                solves=stats.solves,
+                received=stats.received,
+                fallbacks=stats.fallbacks,
+                solved_versions=list(stats.solved),
+                superseded=stats.superseded,
+            )
+            for block, stats in sorted(self.stats.items())
+        ]
+        return ppb.PeerGroup(
+            job=self.job,
+            node=self.node_of(self.me),
+            peers=peers,
+            blocks=blocks,
+            agreed=bool(owners),
+            waiting=len(self.held),
+            left_to_owner=self.left_to_owner,
+            fallbacks=self.fallbacks,
+            late_arrivals=self.late_arrivals,
+            max_arrival_lag_steps=max(0, self.max_arrival_lag),
+        )
+
+
+class SyncManager:
+    """Every peer group of this daemon; the gate the servicer submits through."""
+
+    def __init__(
+        self,
+        engine: PreconditionerEngine,
+        tokens: Mapping[str, str],
+        *,
+        chunk_bytes: int,
+        max_message_bytes: int,
+        max_matrix_n: int,
+        config: SyncConfig | None = None,
+        tls_root: bytes | None = None,
+    ) -> None:
+        self.engine = engine
+        self.config = config or SyncConfig.from_env()
+        self._tokens = dict(tokens)
+        self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self.max_matrix_n = max_matrix_n
+        self._tls_root = tls_root
+        self.jobs: dict[tuple[str, str], JobSync] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._tick_wake: asyncio.Event | None = None
+        self._closed = False
+        engine.add_result_listener(self._on_result)
+
+    # ------------------------------------------------------------------ life
+
+    def start(self) -> None:
+        """Start the ticker on the running loop (the daemon's)."""
+        self._loop = asyncio.get_running_loop()
+        self._tick_wake = asyncio.Event()
+        self._ticker = self._loop.create_task(self._tick_loop())
+
+    async def stop(self) -> None:
+        self._closed = True
+        self.engine.remove_result_listener(self._on_result)
+        tasks = [t for js in self.jobs.values() for t in js._tasks]
+        if self._ticker is not None:
+            tasks.append(self._ticker)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        for js in self.jobs.values():
+            for peer in js.peers.values():
+                if peer.channel is not None:
+                    await peer.channel.close(grace=None)
+
+    def wake_ticker(self) -> None:
+        if self._tick_wake is not None:
+            self._tick_wake.set()
+
+    async def _tick_loop(self) -> None:
+        assert self._tick_wake is not None
+        while not self._closed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._tick_wake.wait(), self.config.heartbeat_s / 2)
+            self._tick_wake.clear()
+            now = time.monotonic()
+            for js in list(self.jobs.values()):
+                try:
+                    js.tick(now)
+                except Exception:
+                    logger.exception("job %r: the sync tick failed", js.job)
+
+    # ------------------------------------------------------------------ jobs
+
+    def job_registered(self, tenant: str, layout: jpb.JobLayout, node_rank: int) -> None:
+        """A node leader registered ``layout`` here (RegisterJob; on the event loop)."""
+        if self._closed:
+            return
+        key = (tenant, layout.job)
+        old = self.jobs.get(key)
+        addresses = [n.daemon_address for n in layout.nodes]
+        if old is not None:
+            same = [
+                old.addresses[old.member_of_node[i]] for i in range(len(old.member_of_node))
+            ] == addresses and old.node_of(old.me) == node_rank
+            if same:
+                return
+            for task in old._tasks:
+                task.cancel()
+        js = JobSync(self, tenant, layout, node_rank)
+        if old is not None:  # what its ranks use and what it holds stay known
+            js.known, js.digest, js.stats = old.known, old.digest, old.stats
+        self.jobs[key] = js
+        if js.syncing:
+            unreachable = [a for a in js.addresses if a.startswith("unix:")]
+            if unreachable:
+                logger.warning(
+                    "job %r spans %d daemons but some listen on Unix sockets (%s), which other "
+                    "nodes cannot reach: start one daemon per node on TCP (--listen HOST:PORT "
+                    "with tenant tokens) for the daemons to sync",
+                    layout.job,
+                    len(js.addresses),
+                    ", ".join(unreachable),
+                )
+            logger.info(
+                "job %r: peer group of %d daemons, this one is member %d",
+                layout.job,
+                len(js.addresses),
+                js.me,
+                extra={"tenant": tenant, "job": layout.job},
+            )
+            loop = self._loop or asyncio.get_running_loop()
+            for peer in js.peers.values():
+                js._tasks.append(loop.create_task(self._heartbeats(js, peer)))
+                js._tasks.append(loop.create_task(self._sender(js, peer)))
+
+    def _job_of(self, tenant: str, block: str) -> JobSync | None:
+        for (t, _), js in self.jobs.items():
+            if t == tenant and replicated(block, js.prefix):
+                return js
+        return None
+
+    # ------------------------------------------------------------------ the gate
+
+    def submit(self, task: SolveTask, job: str = "") -> SubmitOutcome:
+        """The servicer's submit: the engine's, unless another daemon owns the block."""
+        js = self._job_of(task.tenant, task.block) if self.jobs else None
+        if js is None:
+            return self.engine.submit(task, job=job)
+        return js.submit(task, job)
+
+    def _on_result(self, tenant: str, block: str) -> None:
+        """The engine's news (dispatcher thread, or an install on the loop)."""
+        loop = self._loop
+        if loop is None or self._closed or not self.jobs:
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._result_ready, tenant, block)
+
+    def _result_ready(self, tenant: str, block: str) -> None:
+        js = self._job_of(tenant, block)
+        if js is not None:
+            js.local_result(block)
+
+    # ------------------------------------------------------------------ calls out
+
+    def credentials(self, js: JobSync) -> ppb.PeerCredentials:
+        return ppb.PeerCredentials(
+            tenant=js.tenant,
+            job=js.job,
+            job_token=job_token(self._tokens.get(js.tenant, ""), js.job),
+            node=js.node_of(js.me),
+            incarnation_id=self.engine.incarnation_id,
+        )
+
+    def _stub(self, peer: _Peer) -> ppb_grpc.PeerStub:
+        if peer.stub is None:
+            options = [
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.keepalive_time_ms", 5000),
+                ("grpc.keepalive_timeout_ms", int(1000 * self.config.call_timeout_s)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", int(1000 * self.config.heartbeat_s * 4)),
+            ]
+            target = peer.address.removeprefix("dns:")
+            if self._tls_root is not None:
+                creds = grpc.ssl_channel_credentials(root_certificates=self._tls_root)
+                peer.channel = grpc.aio.secure_channel(target, creds, options=options)
+            else:
+                peer.channel = grpc.aio.insecure_channel(target, options=options)
+            peer.stub = ppb_grpc.PeerStub(peer.channel)
+        return peer.stub
+
+    async def _heartbeats(self, js: JobSync, peer: _Peer) -> None:
+        if peer.address.startswith("unix:"):
+            return  # unreachable from another node: it stays unknown, then dead
+        while not self._closed:
+            started = time.monotonic()
+            try:
+                reply = await self._stub(peer).Heartbeat(
+                    ppb.HeartbeatRequest(
+                        credentials=self.credentials(js),
+                        state=js.my_state(peer.acked),
+                        known_digest=peer.digest,
+                    ),
+                    timeout=self.config.call_timeout_s,
+                )
+                peer.acked = reply.known_digest
+                js.heard(peer, reply.state)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                ):
+                    logger.warning(
+                        "job %r: peer %s refused us: %s", js.job, peer.address, exc.details()
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("job %r: heartbeat to %s failed", js.job, peer.address)
+            js.refresh_states(time.monotonic())
+            left = self.config.heartbeat_s - (time.monotonic() - started)
+            await asyncio.sleep(max(0.01, left))
+
+    async def _sender(self, js: JobSync, peer: _Peer) -> None:
+        while not self._closed:
+            await peer.wake.wait()
+            peer.wake.clear()
+            if peer.state != "alive" or not peer.queued:
+                if peer.queued:  # try again once it is heard
+                    await asyncio.sleep(self.config.heartbeat_s)
+                    peer.wake.set()
+                continue
+            results = js.next_push(peer)
+            if not results:
+                continue
+            sent: list[tuple[str, int, int]] = []
+            try:
+                await self._stub(peer).PushResults(
+                    self._frames(js, results, sent), timeout=self.config.push_timeout_s
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # it missed them: queued again, pushed once it answers
+                logger.info("job %r: push to %s failed: %s", js.job, peer.address, exc)
+                for result in results:
+                    js._queue(peer, result.block)
+                peer.wake.clear()
+                await asyncio.sleep(self.config.heartbeat_s)
+                peer.wake.set()
+                continue
+            for block, version, size in sent:
+                peer.has[block] = max(peer.has.get(block, -1), version)
+                peer.bytes_sent += size
+                peer.results_sent += 1
+
+    async def _frames(
+        self, js: JobSync, results: list[SolveResult], sent: list[tuple[str, int, int]]
+    ) -> AsyncIterator[ppb.PushResultsRequest]:
+        """A push's messages: the hello, then each result's frames; ``sent`` gets (block,
+        version, bytes) of each result once all its frames went."""
+        yield ppb.PushResultsRequest(hello=ppb.PushHello(credentials=self.credentials(js)))
+        for result in results:
+            size = 0
+            for message in framing.result_messages(result, chunk_bytes=self.chunk_bytes):
+                data = message.SerializeToString()
+                size += len(data)
+                yield ppb.PushResultsRequest(frame=data)
+            sent.append((result.block, result.version, size))
+
+    # ------------------------------------------------------------------ calls in
+
+    def authenticate(self, creds: ppb.PeerCredentials) -> tuple[JobSync, _Peer]:
+        """The caller's job and peer record; AuthenticationError or LookupError otherwise."""
+        token = self._tokens.get(creds.tenant)
+        if token is None and self._tokens:
+            raise AuthenticationError(f"unknown tenant {creds.tenant[:64]!r}")
+        expected = job_token(token or "", creds.job)
+        if not hmac.compare_digest(expected.encode(), creds.job_token.encode()):
+            raise AuthenticationError(f"wrong job token for job {creds.job[:64]!r}")
+        js = self.jobs.get((creds.tenant, creds.job))
+        if js is None:
+            raise LookupError(f"job {creds.job[:64]!r} is not registered on this daemon yet")
+        if not 0 <= creds.node < len(js.member_of_node):
+            raise InvalidInputError(f"node {creds.node} is not one of the job's nodes")
+        member = js.member_of_node[creds.node]
+        peer = js.peers.get(member)
+        if peer is None:
+            raise InvalidInputError(f"node {creds.node} is served by this daemon itself")
+        return js, peer
+
+    def heartbeat(self, request: ppb.HeartbeatRequest) -> ppb.HeartbeatResponse:
+        js, peer = self.authenticate(request.credentials)
+        js.heard(peer, request.state)
+        return ppb.HeartbeatResponse(
+            state=js.my_state(request.known_digest), known_digest=peer.digest
+        )
+
+    async def receive(
+        self, requests: AsyncIterator[ppb.PushResultsRequest]
+    ) -> ppb.PushResultsResponse:
+        first = await anext(requests, None)
+        if first is None or first.WhichOneof("part") != "hello":
+            raise InvalidInputError("PushResults: the first message must be a hello")
+        js, peer = self.authenticate(first.hello.credentials)
+        receiver = framing.ResultReceiver(
+            max_chunk_bytes=self.chunk_bytes, max_matrix_n=self.max_matrix_n
+        )
+        kept = dropped = 0
+        size = 0
+        async for request in requests:
+            if request.WhichOneof("part") != "frame":
+                raise InvalidInputError("PushResults: only frames may follow the hello")
+            size += len(request.frame)
+            message = pb.StreamResultsResponse.FromString(request.frame)
+            result = receiver.feed(message)
+            if result is None:
+                continue
+            if result.tenant != js.tenant or not replicated(result.block, js.prefix):
+                raise InvalidInputError(
+                    f"PushResults: block {result.block[:64]!r} is not a replicated block of "
+                    f"job {js.job!r}"
+                )
+            if not result.is_finite():
+                dropped += 1
+                continue
+            if js.received(peer, result, size):
+                kept += 1
+            else:
+                dropped += 1
+            size = 0
+        receiver.close()
+        return ppb.PushResultsResponse(kept=kept, dropped=dropped)
+
+    def status(self, tenant: str) -> ppb.PeerStatusResponse:
+        now = time.monotonic()
+        return ppb.PeerStatusResponse(
+            groups=[
+                js.status(now)
+                for (t, _), js in sorted(self.jobs.items())
+                if t == tenant and js.syncing
+            ]
+        )
+
+
+def is_peer_error(exc: BaseException) -> bool:
+    return isinstance(exc, AuthenticationError | LookupError | InvalidInputError)
+
+
+class GatedEngine:
+    """The engine as the Preconditioner servicer sees it: ``submit`` goes through the sync's
+    gate (another daemon may own the block); everything else is the engine's own."""
+
+    def __init__(self, engine: PreconditionerEngine, manager: SyncManager) -> None:
+        self._engine = engine
+        self._manager = manager
+
+    def submit(self, task: SolveTask, *, job: str = "") -> SubmitOutcome:
+        return self._manager.submit(task, job)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)

@@ -1,0 +1,211 @@
+"""K simulated nodes on one host for the sync tests: K real daemons on loopback TCP (tenant
+tokens, each with its own socket directory) and real gloo ranks, spawned, whose node is named by
+``ASTERIA_NODE`` and whose daemon is that node's.
+
+A rank trains a small model (blocks of mixed sizes: 48, 40, 32, 24, 16) under DDP with SOAP in
+daemon mode and writes its parameters and runtime stats to ``tmp/rank{r}.json``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from asteria_client.daemon_process import DaemonProcess
+from asteria_client.peers_status import peers_document
+from asteria_client.status import StatusReader
+
+TENANT = "t"
+TOKEN = "secret"
+JOB = "sync-job"
+
+
+def model() -> torch.nn.Module:
+    """SOAP blocks 48, 32, 40, 48, 24, 40, 16, 24 (two per weight): LPT balances them within
+    1.05 on 2 or 3 daemons."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 48),
+        torch.nn.Tanh(),
+        torch.nn.Linear(48, 40),
+        torch.nn.Tanh(),
+        torch.nn.Linear(40, 24),
+        torch.nn.Linear(24, 16),
+    )
+
+
+NUM_BLOCKS = 8
+
+
+@dataclass
+class RunSpec:
+    """One training run of the job: which daemon each node uses, how ranks sit on nodes."""
+
+    addresses: list[str]  # by node
+    node_of_rank: list[int]
+    steps: int = 20
+    frequency: int = 2
+    budget: int = 1
+    step_sleep_s: float = 0.0
+    barrier_timeout_s: float = 30.0
+    #: the rank that writes ``tmp/at_step`` (its step number) as it trains, for the test
+    report_rank: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return len(self.node_of_rank)
+
+
+def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
+    spec = RunSpec(**json.loads(spec_json))
+    node = spec.node_of_rank[rank]
+    os.environ.update(
+        {
+            "ASTERIA_NODE": f"node{node}",
+            "ASTERIA_TENANT": TENANT,
+            "ASTERIA_TOKEN": TOKEN,
+            "ASTERIA_JOB": JOB,
+            **spec.env,
+        }
+    )
+    from asteria_client import SOAP
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        net = model()
+        ddp = torch.nn.parallel.DistributedDataParallel(net)
+        g = torch.Generator().manual_seed(7)
+        data = [torch.randn(16 * world, 32, generator=g) for _ in range(spec.steps)]
+        opt = SOAP(
+            net.named_parameters(),
+            lr=1e-2,
+            mode="daemon",
+            address=spec.addresses[node],
+            staleness_budget=spec.budget,
+            precondition_frequency=spec.frequency,
+            barrier_timeout_s=spec.barrier_timeout_s,
+        )
+        try:
+            for step, batch in enumerate(data):
+                x = batch[rank * 16 : (rank + 1) * 16]
+                opt.zero_grad()
+                ddp(x).square().mean().backward()
+                opt.step()
+                if rank == spec.report_rank:
+                    (Path(tmp) / "at_step.tmp").write_text(str(step))
+                    os.replace(Path(tmp) / "at_step.tmp", Path(tmp) / "at_step")
+                if spec.step_sleep_s:
+                    time.sleep(spec.step_sleep_s)
+            stats = opt.runtime_stats()
+        finally:
+            opt.close()
+        out = {
+            "params": {k: v.detach().tolist() for k, v in net.state_dict().items()},
+            "local_fallbacks": stats["local_fallbacks"],
+            "max_lag_steps": stats.get("max_lag_steps"),
+            "source": {k: v for k, v in stats["source"].items() if isinstance(v, int | float)},
+        }
+        (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(out))
+        del ddp, opt
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def start_ranks(tmp: Path, spec: RunSpec) -> Any:
+    """Spawn the ranks (not joined): the caller joins ``ctx`` (``ctx.join(timeout)``)."""
+    return mp.start_processes(
+        _rank,
+        args=(spec.world, str(tmp), json.dumps(asdict(spec))),
+        nprocs=spec.world,
+        start_method="spawn",
+        join=False,
+    )
+
+
+def join(ctx: Any, timeout_s: float, during: Callable[[], None] | None = None) -> None:
+    """Join every rank within ``timeout_s`` (a rank's failure raises), calling ``during``
+    between looks."""
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=0.2):
+        if during is not None:
+            during()
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise AssertionError(f"the ranks did not finish within {timeout_s} s")
+
+
+def run_ranks(tmp: Path, spec: RunSpec, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    join(start_ranks(tmp, spec), timeout_s)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(spec.world)]
+
+
+def sync_env(**timings: float) -> dict[str, str]:
+    return {f"ASTERIA_SYNC_{k.upper()}": str(v) for k, v in timings.items()}
+
+
+def daemon(
+    tmp: Path, index: int, port: int = 0, env: dict[str, str] | None = None
+) -> DaemonProcess:
+    return DaemonProcess(
+        workers=1,
+        listen=f"127.0.0.1:{port}",
+        socket_dir=tmp / f"daemon{index}",
+        env={"ASTERIA_TOKENS": f"{TENANT}={TOKEN}", **(env or {})},
+    )
+
+
+@contextmanager
+def daemons(tmp: Path, k: int, env: dict[str, str] | None = None) -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    try:
+        for i in range(k):
+            started.append(daemon(tmp, i, env=env).start())
+        yield started
+    finally:
+        for d in started:
+            if d.exit is None:
+                if d.process.poll() is None:
+                    d.stop()
+                else:
+                    d.stop()
+
+
+@dataclass
+class DaemonView:
+    solves_done: int
+    groups: list[dict[str, Any]]
+
+    @property
+    def group(self) -> dict[str, Any]:
+        (found,) = [g for g in self.groups if g["job"] == JOB]
+        return found
+
+
+def view(address: str) -> DaemonView:
+    reader = StatusReader(address, TENANT, TOKEN)
+    try:
+        stats, _, _ = reader.read()
+        return DaemonView(stats.solves_done, peers_document(reader.peers()))
+    finally:
+        reader.close()
