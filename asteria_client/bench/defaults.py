@@ -388,6 +388,15 @@ def _notes(data: dict[str, Any]) -> list[str]:
         f"{'yes' if data['batch_streams_identical'] else 'NO'}."
         + (" PARTIAL: the sweep was stopped before its end." if data.get("partial") else ""),
     ]
+    if data.get("merged_from"):
+        notes.append(
+            "Merged from "
+            + "; ".join(
+                f"`{m['command']}` on {(m.get('machine') or {}).get('cpu', '?')}"
+                for m in data["merged_from"]
+            )
+            + " (losses compare across machines; training seconds only within one)."
+        )
     if data.get("missing"):
         notes.append(f"Runs missing ({len(data['missing'])}): " + "; ".join(data["missing"]))
     return notes
@@ -510,6 +519,13 @@ def register(subparsers: Any) -> Any:
         help="with --jobs: start no run after S seconds, stop those still running at 1.25 S; "
         "the report says which runs are missing",
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: one report from these reports' runs (a sweep run in parts)",
+    )
     output.add_flush_denormal_argument(parser, "the trainer")
     parser.add_argument(
         "--json",
@@ -543,7 +559,50 @@ def config_from_args(args: argparse.Namespace) -> DefaultsConfig:
     )
 
 
+def merge_reports(paths: list[Path]) -> dict[str, Any]:
+    """One report from the runs of several (a sweep run in parts, on one machine or several):
+    the grid is the union of theirs; a setting run twice for one seed keeps the first run."""
+    parts = [json.loads(path.read_text()) for path in paths]
+    first = parts[0]["config"]
+    for path, part in zip(paths, parts, strict=True):
+        if part.get("benchmark") != "defaults":
+            raise ValueError(f"{path} is not a report of `asteria bench defaults`")
+        for key in ("steps", "eval_interval", "eval_batches", "staleness_budget"):
+            if part["config"][key] != first[key]:
+                raise ValueError(f"{path}: {key} {part['config'][key]} != {first[key]}")
+    union: dict[str, Any] = {}
+    for key in ("seeds", "optimizers", "modes", "beta1s", "frequencies"):
+        union[key] = tuple(sorted({v for part in parts for v in part["config"][key]}, key=str))
+    union["seeds"] = tuple(sorted(union["seeds"]))
+    union["frequencies"] = tuple(sorted(union["frequencies"]))
+    fields = {k: v for k, v in first.items() if k in DefaultsConfig.__dataclass_fields__}
+    cfg = DefaultsConfig(**{**fields, **union})
+    runs: list[dict[str, Any]] = []
+    seen: set[tuple[str, int]] = set()
+    for part in parts:
+        for run in part["runs"]:
+            if (run["config"], run["seed"]) not in seen:
+                seen.add((run["config"], run["seed"]))
+                runs.append(run)
+    report = _report(cfg, runs, min(p["started_unix_s"] for p in parts), partial=False)
+    report["merged_from"] = [
+        {"path": str(path), "command": part.get("command"), "machine": part.get("machine")}
+        for path, part in zip(paths, parts, strict=True)
+    ]
+    report["missing"] = [
+        line
+        for part in parts
+        for line in part.get("missing", [])
+        if not any(line.startswith(f"{r['label']} seed {r['seed']}") for r in runs)
+    ]
+    return report
+
+
 def run_command(args: argparse.Namespace) -> int:
+    if args.merge:
+        report = merge_reports(args.merge)
+        output.publish(report, format_report(report), args.json, write_figures)
+        return 0
     cfg = config_from_args(args)
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")

@@ -42,6 +42,9 @@ class PeerOptimizer:
     readme: Mapping[str, Any] = field(default_factory=dict)
     # Keywords whose values must be built from the library (config objects), by name.
     readme_objects: Callable[[ModuleType], dict[str, Any]] | None = None
+    # The class takes matrices only (2-D): the other parameters get torch's AdamW with the
+    # same lr, betas, eps and no weight decay, as its integrations do.
+    matrices_only: bool = False
     min_python: tuple[int, int] | None = None
     prepare: Callable[[ModuleType], None] | None = None  # before the first construction
     note: str = ""
@@ -104,10 +107,41 @@ class PeerOptimizer:
             decay_group: dict[str, Any] = {"params": [p for _, p in decay]}
             if decay_wd is not None:
                 decay_group["weight_decay"] = decay_wd
-            groups = [decay_group, {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
-            return optimizer_class(groups, **kwargs)
+            rest = {"params": [p for _, p in no_decay], "weight_decay": 0.0}
+            if not self.matrices_only:
+                return optimizer_class([decay_group, rest], **kwargs)
+            matrices = optimizer_class([decay_group], **kwargs)
+            adam_keys = {k: kwargs[k] for k in ("lr", "betas", "eps") if k in kwargs}
+            return MatricesAndRest(matrices, torch.optim.AdamW([rest], **adam_keys))
 
         return build
+
+
+class MatricesAndRest(torch.optim.Optimizer):
+    """Two optimizers stepped as one: a matrices-only peer and AdamW for the other parameters.
+
+    ``param_groups`` are both optimizers' own group dicts, so a learning-rate scheduler over
+    this one moves both.
+    """
+
+    def __init__(self, matrices: torch.optim.Optimizer, rest: torch.optim.Optimizer) -> None:
+        # No super().__init__: the parts own the parameters, their state and their hooks.
+        self.parts = (matrices, rest)
+        self.defaults = matrices.defaults
+        self.param_groups = [g for part in self.parts for g in part.param_groups]
+        self.state = matrices.state
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for part in self.parts:
+            part.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
 
 
 def _eager_heavyball(heavyball: ModuleType) -> None:
@@ -165,8 +199,9 @@ PEERS: tuple[PeerOptimizer, ...] = (
         # paper's 3e-3; class defaults: betas (0.9, 0.95), shampoo_beta 0.95, weight_decay
         # 0.01, and no precondition_frequency: 0.3.0 refreshes the basis every step.
         readme={"lr": 3e-3},
+        matrices_only=True,  # "SOAP is only supported for 2D tensors"
         min_python=(3, 12),
-        note="refreshes its basis every step",
+        note="refreshes its basis every step; biases and LayerNorm scales get torch's AdamW",
     ),
     PeerOptimizer(
         name="distributed-shampoo",

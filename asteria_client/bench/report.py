@@ -31,9 +31,20 @@ from asteria_client.tables import markdown_table
 logger = logging.getLogger(__name__)
 
 #: Sections in this order; other benchmarks follow in name order.
-SECTION_ORDER = ("convergence", "schedules", "spikes", "transport", "throughput", "sharing")
+SECTION_ORDER = (
+    "convergence",
+    "schedules",
+    "peers",
+    "defaults",
+    "spikes",
+    "transport",
+    "throughput",
+    "sharing",
+)
 TITLES = {
     "convergence": "Convergence: validation loss against steps and wall-clock time",
+    "peers": "Peers: Asteria against HeavyBall, Emerging-Optimizers and distributed_shampoo",
+    "defaults": "Defaults: SOAP's and KL-Shampoo's β1 × precondition frequency",
     "schedules": "Refresh schedules: every step, every 10 steps, and continuous",
     "spikes": "Step-time spikes: AdamW vs native, embedded and daemon second-order",
     "transport": "Transport: moving snapshots and results",
