@@ -128,7 +128,8 @@ def record_of(
         "config": arm.name,
         "label": arm.label,
         "seed": cfg.seed,
-        "lr": cfg.resolved_lr,
+        # The peak lr the optimizer was built with (a factory's own, not the config's).
+        "lr": trainer.optimizer.param_groups[0].get("initial_lr", cfg.resolved_lr),
         "info": arm.info or {},
         "ok": ok,
         "error": error,

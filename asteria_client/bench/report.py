@@ -4,11 +4,12 @@ Reads each ``*.json`` in ``--results`` (default ``runs/bench``) that is a benchm
 contract in :mod:`asteria_client.bench.output`), and writes ``--out`` (default
 ``docs/benchmarks.md``): the machine, library versions and BLAS kernel the runs used, the date, the
 command that reproduces each section, then one section per report in a fixed order (convergence,
-spikes, transport, throughput, sharing, then any other). Each section's body comes from its
-benchmark module's ``report_section(data)``; before calling it, the report copies the run's
-figures into ``figures/`` next to the page and rewrites ``data["figures"]`` to links relative to
-the page, so a section links ``data["figures"]`` as given. A figure the section does not link is
-appended after it. A benchmark whose module or ``report_section`` does not exist (yet) gets a note
+schedules, peers, defaults, spikes, transport, throughput, sharing, then any other). Each
+section's body comes from its benchmark module's ``report_section(data)``; before calling it, the
+report copies the run's figures into ``figures/`` next to the page and rewrites
+``data["figures"]`` to links relative to the page, so a section links ``data["figures"]`` as
+given. A figure the section does not link is appended after it. A benchmark whose module or
+``report_section`` does not exist (yet) gets a note
 instead of a body.
 """
 
