@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="shared-memory segments one client may hand over (default 4096)",
     )
+    _add_limit_flags(add)
     add(
         "--metrics-listen",
         metavar="HOST:PORT",
@@ -172,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "results held in daemon memory beyond this leave, least recently used first, to "
             "--spill-dir, or are dropped and their clients resubmit "
-            "(default: unbounded)"
+            "(default: half of --max-memory-bytes)"
         ),
     )
     add(
@@ -204,6 +206,78 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.epilog = f"Environment: {env_name('<option>')} for any option, and {env_name('tokens')}."
     return parser
+
+
+def _add_limit_flags(add: Callable[..., object]) -> None:
+    """The per-tenant and daemon-wide resource limits (README: "Limits")."""
+    add(
+        "--max-memory-bytes",
+        "--max-memory",
+        dest="max_memory_bytes",
+        type=int,
+        metavar="B",
+        help="host memory for queued snapshots, cached results and uploads (default: RAM / 4)",
+    )
+    add(
+        "--tenant-queued-bytes",
+        type=int,
+        metavar="B",
+        help="snapshot bytes one tenant may have queued in daemon memory (default: half the above)",
+    )
+    add(
+        "--tenant-cached-bytes",
+        type=int,
+        metavar="B",
+        help="result bytes one tenant may have cached in daemon memory (default: half the above)",
+    )
+    add("--tenant-max-blocks", type=int, metavar="N", help="blocks per tenant (default 100000)")
+    add("--max-block-name-bytes", type=int, metavar="B", help="longest block name (default 1024)")
+    add(
+        "--tenant-max-sessions",
+        type=int,
+        metavar="N",
+        help="open sessions per tenant (default 1024)",
+    )
+    add(
+        "--session-ttl-s",
+        type=float,
+        metavar="S",
+        help="a session without calls or an open result stream expires after this (default 300)",
+    )
+    add(
+        "--tenant-max-streams",
+        type=int,
+        metavar="N",
+        help="result streams one tenant may hold open (default 64)",
+    )
+    add(
+        "--stream-stall-s",
+        type=float,
+        metavar="S",
+        help="a result stream whose client reads nothing for this long ends (default 60)",
+    )
+    add(
+        "--tenant-upload-share",
+        type=float,
+        metavar="F",
+        help="fraction of --max-upload-bytes one tenant's uploads may hold (default 0.5)",
+    )
+    add(
+        "--upload-idle-s",
+        type=float,
+        metavar="S",
+        help="an upload that sends nothing for this long fails (default 30)",
+    )
+    add("--upload-max-s", type=float, metavar="S", help="longest one upload may take (default 300)")
+    add(
+        "--tenant-shm-segments",
+        type=int,
+        metavar="N",
+        help=(
+            "shared-memory segments (descriptors) one tenant may hand over (default: half the "
+            "daemon's descriptor budget; all of it without tenant tokens)"
+        ),
+    )
 
 
 #: Record attributes that a structured log line carries when a call site names them (``extra=``).

@@ -137,7 +137,7 @@ class DaemonConfig:
         grace_period_s: how long in-flight calls may finish at shutdown.
         keepalive_time_s: seconds between keepalive pings on idle connections.
         keepalive_timeout_s: a ping unanswered this long closes the connection.
-        max_sessions: open sessions at most (the oldest is dropped beyond it).
+        max_sessions: open sessions at most, all tenants together (never one dropped for another).
         tls_cert: PEM certificate chain for TCP (required beyond loopback), with ``tls_key``.
         tls_key: PEM private key of ``tls_cert``.
         log_level: one of ``LOG_LEVELS``.
@@ -159,12 +159,36 @@ class DaemonConfig:
             a hung or stopped worker is killed and replaced after that.
         cache_memory_bytes: the result cache's host tier: results held in the daemon's memory
             beyond it leave, least recently used first, to ``spill_dir`` (or are dropped, and
-            their clients resubmit). 0: unbounded.
+            their clients resubmit). 0: half of ``max_memory_bytes``.
         spill_dir: a local directory (absolute path) where results leaving the host tier are
             written, one checksummed file each, and read back on demand; the daemon removes the
             spill files it finds there at start. None: such results are dropped.
         test_fault_prefix: TEST-ONLY worker fault injection by block name (TOML or env only,
             never a flag; see ``asteria_server.engine.faults``). Unset in production.
+        max_memory_bytes: host memory the daemon's snapshots and results may hold, all tenants
+            together (queued snapshots, cached results, uploads being received); an upload
+            beyond it fails RESOURCE_EXHAUSTED. Default: a quarter of the host's RAM.
+        tenant_queued_bytes: snapshot bytes one tenant may have queued or solving in daemon
+            memory (snapshots in shared memory cost nothing). 0: half of ``max_memory_bytes``.
+        tenant_cached_bytes: result bytes one tenant may have cached in daemon memory; a
+            snapshot of a new block beyond it fails RESOURCE_EXHAUSTED. 0: half of
+            ``max_memory_bytes``.
+        tenant_max_blocks: blocks one tenant may have (registered or submitted).
+        max_block_name_bytes: longest block name (UTF-8 bytes) accepted.
+        tenant_max_sessions: sessions one tenant may hold open (``max_sessions`` caps all
+            tenants together); beyond either an OpenSession fails RESOURCE_EXHAUSTED and no
+            session is ever dropped to make room.
+        session_ttl_s: a session with no call and no open result stream for this long expires
+            (its handover connection is closed); every call and an open stream renew it.
+        tenant_max_streams: StreamResults calls one tenant may hold open at once.
+        stream_stall_s: a result stream whose client reads nothing for this long ends with
+            RESOURCE_EXHAUSTED (what it held is freed).
+        tenant_upload_share: the fraction of ``max_upload_bytes`` one tenant's uploads may hold.
+        upload_idle_s: an upload that sends no message for this long fails RESOURCE_EXHAUSTED.
+        upload_max_s: the most time one upload may take, however it trickles.
+        tenant_shm_segments: shared-memory segments (one descriptor each) one tenant may have
+            handed over, all its connections together. 0: half of the daemon's descriptor
+            budget (all of it when there are no tenant tokens).
         socket_group_access: make the Unix socket (and its ``.shm`` socket) 0660 instead of 0600,
             so members of the daemon's group connect; the directory must then be 0750 (the
             daemon refuses a group-writable one). Needs tenant tokens: without them every group
@@ -193,6 +217,19 @@ class DaemonConfig:
     metrics_listen: str | None = None
     log_format: LogFormat = LogFormat.TEXT
     socket_group_access: bool = False
+    max_memory_bytes: int = field(default_factory=lambda: default_max_memory_bytes())
+    tenant_queued_bytes: int = 0
+    tenant_cached_bytes: int = 0
+    tenant_max_blocks: int = 100_000
+    max_block_name_bytes: int = 1024
+    tenant_max_sessions: int = 1024
+    session_ttl_s: float = 300.0
+    tenant_max_streams: int = 64
+    stream_stall_s: float = 60.0
+    tenant_upload_share: float = 0.5
+    upload_idle_s: float = 30.0
+    upload_max_s: float = 300.0
+    tenant_shm_segments: int = 0
     solve_timeout_s: float = 600.0
     solve_timeout_floor_s: float = 30.0
     solve_timeout_factor: float = 20.0
@@ -252,6 +289,7 @@ class DaemonConfig:
                 f"got {self.max_message_bytes}"
             )
         _check_int("max_upload_bytes", self.max_upload_bytes, 1)
+        self._check_limits()
         for name in (
             "grace_period_s",
             "keepalive_time_s",
@@ -298,10 +336,33 @@ class DaemonConfig:
                     "beyond this host needs TLS (--tls-cert and --tls-key)"
                 )
 
+    def _check_limits(self) -> None:
+        """The resource limits of issue 10; 0 in the ``tenant_*_bytes`` fields means derived."""
+        _check_int("max_memory_bytes", self.max_memory_bytes, 1)
+        for name in ("tenant_queued_bytes", "tenant_cached_bytes", "tenant_shm_segments"):
+            _check_int(name, getattr(self, name), 0)
+        for name in ("tenant_queued_bytes", "tenant_cached_bytes"):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, max(1, self.max_memory_bytes // 2))
+        for name in (
+            "tenant_max_blocks",
+            "max_block_name_bytes",
+            "tenant_max_sessions",
+            "tenant_max_streams",
+        ):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("session_ttl_s", "stream_stall_s", "upload_idle_s", "upload_max_s"):
+            _check_seconds(name, getattr(self, name))
+        share = self.tenant_upload_share
+        if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share <= 1:
+            raise ValueError(
+                f"DaemonConfig.tenant_upload_share must be a number in (0, 1], got {share!r}"
+            )
+
     @property
-    def cache_budget_bytes(self) -> int | None:
-        """The result cache's host tier in bytes; None: unbounded."""
-        return self.cache_memory_bytes or None
+    def cache_budget_bytes(self) -> int:
+        """The result cache's host tier in bytes (``cache_memory_bytes``, else its default)."""
+        return self.cache_memory_bytes or max(1, self.max_memory_bytes // 2)
 
     @property
     def address(self) -> UnixAddress | TcpAddress:
@@ -391,6 +452,19 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"DaemonConfig.{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _check_seconds(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"DaemonConfig.{name} must be a finite number > 0, got {value!r}")
+
+
+def default_max_memory_bytes() -> int:
+    """A quarter of this host's RAM (1 GiB when it cannot be read)."""
+    try:
+        return max(1, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
+    except (ValueError, OSError):
+        return 1 << 30
+
+
 def parse_tokens(text: str) -> dict[str, str]:
     """``"tenant1=tok1,tenant2=tok2"`` as a mapping (the form of ``ASTERIA_TOKENS``)."""
     tokens: dict[str, str] = {}
@@ -444,6 +518,19 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "metrics_listen": str,
     "log_format": str.lower,
     "socket_group_access": _as_bool,
+    "max_memory_bytes": int,
+    "tenant_queued_bytes": int,
+    "tenant_cached_bytes": int,
+    "tenant_max_blocks": int,
+    "max_block_name_bytes": int,
+    "tenant_max_sessions": int,
+    "session_ttl_s": _as_float,
+    "tenant_max_streams": int,
+    "stream_stall_s": _as_float,
+    "tenant_upload_share": _as_float,
+    "upload_idle_s": _as_float,
+    "upload_max_s": _as_float,
+    "tenant_shm_segments": int,
     "solve_timeout_s": _as_float,
     "solve_timeout_floor_s": _as_float,
     "solve_timeout_factor": _as_float,

@@ -125,6 +125,10 @@ class SessionInfo:
     shm_socket: str = ""  # the daemon's segment-handover socket; empty: no shared memory
 
 
+#: Status pages read for one report (a page holds thousands of blocks).
+MAX_STATUS_PAGES = 1000
+
+
 class DaemonConnection:
     """One channel to a daemon and the calls on it, each with a deadline; gRPC failures come
     out as Asteria exceptions. Shared by :class:`DaemonSource` and ``asteria status``."""
@@ -193,7 +197,9 @@ class DaemonConnection:
 
     def close_session(self, session_id: str, *, forget_blocks: bool = False) -> None:
         """End the session; ``forget_blocks`` also forgets its job's blocks on the daemon."""
-        request = pb.CloseSessionRequest(session_id=session_id, forget_blocks=forget_blocks)
+        request = pb.CloseSessionRequest(
+            session_id=session_id, forget_blocks=forget_blocks, token=self._token
+        )
         try:
             self._stub.CloseSession(request, timeout=self.config.call_timeout_s)
         except grpc.RpcError as exc:
@@ -297,14 +303,23 @@ class DaemonConnection:
     def status_report(
         self, session_id: str = "", *, timeout_s: float | None = None
     ) -> tuple[EngineStats, list[BlockStatus], TransportStats | None]:
-        """:meth:`status` and the daemon's data-path numbers (None from an older daemon)."""
-        request = pb.StatusRequest(session_id=session_id)
+        """:meth:`status` and the daemon's data-path numbers (None from an older daemon). The
+        daemon answers in pages (each within its message limit); this reads them all, up to
+        ``MAX_STATUS_PAGES``."""
         timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
-        try:
-            reply = self._stub.Status(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        stats, blocks = convert.status_from_proto(reply)
+        after = ""
+        blocks: list[BlockStatus] = []
+        for _ in range(MAX_STATUS_PAGES):
+            request = pb.StatusRequest(session_id=session_id, after_block=after)
+            try:
+                reply = self._stub.Status(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                raise _error(exc) from None
+            stats, page = convert.status_from_proto(reply)
+            blocks.extend(page)
+            after = reply.next_after_block
+            if not after or not page:
+                break
         return stats, blocks, convert.transport_stats_from_proto(reply)
 
     def results(

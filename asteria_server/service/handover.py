@@ -19,10 +19,12 @@ lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ from asteria_server.protocol.handover import (
     encode_reply,
 )
 from asteria_server.protocol.shm import Segment, map_segment
+from asteria_server.service.limits import FdBudget
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class _Connection:
 
     sock: socket.socket
     session_id: str = ""
+    tenant: str | None = None  # charged for the connection's descriptors once it said hello
     segments: dict[str, Segment] = field(default_factory=dict)
     results: dict[str, str] = field(default_factory=dict)  # block -> segment id
     mapped_bytes: int = 0
@@ -67,6 +71,12 @@ class SegmentHandover:
         on_release: told the segments the daemon stops serving (detached, replaced, or their
             connection closed), so that nothing keeps a gone client's memory mapped
             (``PreconditionerEngine.release_shared``); called from a connection's thread.
+        tenant_of: the tenant of an open session (None when it is not open); with it every
+            message renews the session (``touch``).
+        touch: renews a session's lease (called from a connection's thread).
+        fds: the descriptor budget: each connection and each segment holds one descriptor in
+            the daemon, counted per tenant and in total; beyond it a connection is closed at
+            once or a segment refused, with the reason.
     """
 
     def __init__(
@@ -78,8 +88,14 @@ class SegmentHandover:
         max_mapped_bytes: int = 64 << 30,
         mode: int = 0o600,
         on_release: Callable[[list[Segment]], None] | None = None,
+        tenant_of: Callable[[str], str | None] | None = None,
+        touch: Callable[[str], None] | None = None,
+        fds: FdBudget | None = None,
     ) -> None:
         self.path = path
+        self._tenant_of = tenant_of
+        self._touch = touch
+        self.fds = fds if fds is not None else FdBudget(1 << 30, 1 << 30)
         self._on_release = on_release
         self._mode = mode
         self._is_session = is_session
@@ -158,12 +174,14 @@ class SegmentHandover:
                 conn.results.clear()
         self._release(released)
         if conn is not None:
+            self.fds.release(conn.tenant, len(released))
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
+                "descriptors": self.fds.used,
                 "connections": len(self._connections),
                 "segments": sum(len(c.segments) for c in self._connections),
                 "mapped_bytes": sum(c.mapped_bytes for c in self._connections),
@@ -175,12 +193,24 @@ class SegmentHandover:
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed: stopping
+            except OSError as exc:
+                if self._stopping or exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                    return  # the listener was closed: stopping
+                # Out of descriptors for a moment: the connection waits in the backlog.
+                logger.warning("handover socket cannot accept a connection now: %s", exc)
+                time.sleep(0.1)
+                continue
+            why = self.fds.acquire(None)
+            if why is not None:
+                with contextlib.suppress(OSError):
+                    sock.send(encode_reply(Reply(False, why)))
+                sock.close()
+                continue
             conn = _Connection(sock)
             with self._lock:
                 if self._stopping:
                     sock.close()
+                    self.fds.release(None)
                     return
                 self._connections.add(conn)
             thread = threading.Thread(
@@ -207,6 +237,9 @@ class SegmentHandover:
                     answer = Reply(True)
                 except InvalidInputError as exc:
                     answer = Reply(False, str(exc))
+                except Exception as exc:  # one bad request never takes the connection down
+                    logger.exception("a segment handover request failed")
+                    answer = Reply(False, f"the daemon could not serve this request: {exc}")
                 finally:
                     for fd in fds:
                         os.close(fd)  # refused, or mapped with a descriptor of its own
@@ -221,7 +254,9 @@ class SegmentHandover:
                 conn.segments.clear()  # the mappings go with the last reference
                 conn.results.clear()
             self._release(released)
+            self.fds.release(conn.tenant, len(released))
             conn.sock.close()
+            self.fds.release(conn.tenant)  # the connection's own descriptor
             logger.debug("handover connection of session %s closed", conn.session_id or "-")
 
     def _handle(self, conn: _Connection, request: HandoverRequest, fds: list[int]) -> None:
@@ -230,12 +265,20 @@ class SegmentHandover:
                 raise InvalidInputError(
                     f"unknown session {request.session_id!r} (or hello sent twice)"
                 )
+            tenant = self._tenant_of(request.session_id) if self._tenant_of else None
+            if tenant is not None:
+                why = self.fds.charge(tenant)
+                if why is not None:
+                    raise InvalidInputError(why)
             with self._lock:
                 conn.session_id = request.session_id
+                conn.tenant = tenant
                 self._by_session[request.session_id] = conn
             return
         if not conn.session_id:
             raise InvalidInputError("the first handover message must be hello with a session_id")
+        if self._touch is not None:
+            self._touch(conn.session_id)
         segment_id = request.segment_id
         if isinstance(request, Detach):
             with self._lock:
@@ -244,6 +287,8 @@ class SegmentHandover:
                     conn.mapped_bytes -= segment.size_bytes
                 conn.results = {b: s for b, s in conn.results.items() if s != segment_id}
             self._release([segment] if segment is not None else [])
+            if segment is not None:
+                self.fds.release(conn.tenant)
             return
         assert isinstance(request, Attach)
         if len(fds) != 1:
@@ -258,7 +303,16 @@ class SegmentHandover:
                 f"this connection would hold more than {self._max_segments} segments or "
                 f"{self._max_mapped_bytes} bytes; send further blocks in chunks"
             )
-        segment = map_segment(fds[0], size, keep_fd=True)
+        why = self.fds.acquire(conn.tenant)
+        if why is not None:
+            raise InvalidInputError(f"segment {segment_id!r} refused: {why}")
+        try:
+            segment = map_segment(fds[0], size, keep_fd=True)
+        except BaseException as exc:
+            self.fds.release(conn.tenant)
+            if isinstance(exc, OSError):
+                raise InvalidInputError(_map_failure(segment_id, exc)) from None
+            raise
         with self._lock:
             old = conn.segments.pop(segment_id, None)
             if old is not None:
@@ -268,6 +322,8 @@ class SegmentHandover:
             if request.role is SegmentRole.RESULT:
                 conn.results[request.block] = segment_id
         self._release([old] if old is not None else [])
+        if old is not None:
+            self.fds.release(conn.tenant)
 
     def _release(self, segments: list[Segment]) -> None:
         if segments and self._on_release is not None:
@@ -275,3 +331,19 @@ class SegmentHandover:
                 self._on_release(segments)
             except Exception:  # the engine's trouble must not take the handover down
                 logger.exception("releasing %d shared-memory segments failed", len(segments))
+
+
+def _map_failure(segment_id: str, exc: OSError) -> str:
+    """Why a handed-over descriptor could not be mapped, for the client."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"segment {segment_id!r} cannot be mapped for reading and writing ({exc.strerror}): "
+            "it is read-only or sealed against writes (F_SEAL_WRITE); hand over a writable "
+            "memfd sealed against resizing only"
+        )
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return (
+            f"segment {segment_id!r} refused: the daemon is out of file descriptors "
+            f"({exc.strerror}); send further blocks in chunks"
+        )
+    return f"segment {segment_id!r} cannot be mapped: {exc.strerror or exc}"

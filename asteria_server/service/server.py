@@ -31,16 +31,25 @@ from asteria_server.engine import EngineConfig, PreconditionerEngine
 from asteria_server.engine.engine import SolveObserver
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc, peer_pb2_grpc
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
-from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.jobs import JobsServicer
-from asteria_server.service.servicer import Authenticator, PreconditionerServicer, ServiceLimits
+from asteria_server.service.limits import FdBudget, fd_budget_for, raise_nofile_limit
+from asteria_server.service.servicer import (
+    Authenticator,
+    PreconditionerServicer,
+    ServiceLimits,
+    add_servicer_to_server,
+)
+from asteria_server.sync.manager import GatedEngine, SyncManager
+from asteria_server.sync.service import PeerServicer
 
 if TYPE_CHECKING:
     from asteria_server.service.metrics import DaemonMetrics
 
 logger = logging.getLogger(__name__)
 
+#: The daemon's exit status when its engine broke (a supervisor restarts it).
+EXIT_ENGINE_BROKEN = 3
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preconditioner"].full_name
 
 
@@ -215,6 +224,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
     ``observer`` is told how every solve ended (the metrics endpoint counts them).
     """
     address = config.address
+    nofile = raise_nofile_limit()
     lock: SocketLock | None = None
     if isinstance(address, UnixAddress):
         _prepare_socket_dir(address.path.parent)
@@ -245,12 +255,25 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
     try:
         server = grpc.aio.server(options=_server_options(config))
         if isinstance(address, UnixAddress) and config.shared_memory:
+            total_fds = fd_budget_for(nofile)
+            per_tenant = config.tenant_shm_segments or (
+                total_fds if config.allows_anonymous() else max(1, total_fds // 2)
+            )
             handover = SegmentHandover(
                 address.path.with_name(address.path.name + ".shm"),
                 is_session=lambda session_id: servicer.has_session(session_id),
                 max_segments=config.max_shm_segments,
                 mode=config.socket_mode,
                 on_release=engine.release_shared,
+                tenant_of=lambda session_id: servicer.tenant_of(session_id),
+                touch=lambda session_id: servicer.touch(session_id),
+                fds=FdBudget(total_fds, per_tenant),
+            )
+            logger.info(
+                "descriptor limit %d: at most %d for clients' segments, %d per tenant",
+                nofile,
+                total_fds,
+                per_tenant,
             )
         # The daemons of a multi-node job sync through the Peer service: a block another
         # daemon owns is not solved here (asteria_server/sync).
@@ -271,11 +294,27 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
                 max_matrix_n=config.max_matrix_n,
                 max_upload_bytes=config.max_upload_bytes,
                 upload_wait_s=config.upload_wait_s,
+                max_memory_bytes=config.max_memory_bytes,
+                tenant_queued_bytes=config.tenant_queued_bytes,
+                tenant_cached_bytes=config.tenant_cached_bytes,
+                tenant_max_blocks=config.tenant_max_blocks,
+                max_block_name_bytes=config.max_block_name_bytes,
+                tenant_max_sessions=min(config.tenant_max_sessions, config.max_sessions),
+                session_ttl_s=config.session_ttl_s,
+                tenant_max_streams=config.tenant_max_streams,
+                stream_stall_s=config.stream_stall_s,
+                # One tenant (no tokens) may use the whole budget: there is no one to share with.
+                tenant_upload_share=(
+                    1.0 if config.allows_anonymous() else config.tenant_upload_share
+                ),
+                upload_idle_s=config.upload_idle_s,
+                upload_max_s=config.upload_max_s,
+                private_status=isinstance(address, TcpAddress),
             ),
             max_sessions=config.max_sessions,
             handover=handover,
         )
-        pb_grpc.add_PreconditionerServicer_to_server(servicer, server)
+        add_servicer_to_server(servicer, server)
         jobs_pb2_grpc.add_JobsServicer_to_server(
             JobsServicer(servicer.session_tenant, engine.incarnation_id, sync.job_registered),
             server,
@@ -343,13 +382,25 @@ async def serve(config: DaemonConfig) -> int:
         os.replace(tmp, config.ready_file)
     print(line, flush=True)
     logger.info("%s", line)
+    broken = asyncio.ensure_future(asyncio.to_thread(daemon.engine.wait_stopped))
+    stopping = asyncio.ensure_future(stop.wait())
+    why: str | None = None
     try:
-        await stop.wait()
+        await asyncio.wait((broken, stopping), return_when=asyncio.FIRST_COMPLETED)
+        why = broken.result() if broken.done() else None
+        if why is not None:
+            # The engine cannot work any more: say so to every health check, then exit
+            # non-zero so that the supervisor starts a fresh daemon.
+            logger.error("the engine stopped working (%s); exiting so it can be restarted", why)
+            for name in ("", SERVICE_NAME):
+                await daemon.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     finally:
+        stopping.cancel()
         await daemon.stop()
         if metrics is not None:
             await asyncio.to_thread(metrics.close)
-    return 0
+        await broken  # the engine is closed now: the watcher has returned
+    return EXIT_ENGINE_BROKEN if why is not None else 0
 
 
 def _start_metrics(config: DaemonConfig) -> tuple[DaemonMetrics | None, str]:

@@ -21,7 +21,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections import OrderedDict
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -43,14 +43,19 @@ from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc
 from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
+from asteria_server.service.limits import AuthThrottle, Session, SessionTable, peer_host
 from asteria_server.types import SharedArrays, SubmitOutcome, TransportStats
 
 logger = logging.getLogger(__name__)
 
 #: The tenant of anonymous sessions (no tokens configured, Unix socket only).
 ANONYMOUS_TENANT = "local"
-#: Registered blocks kept per tenant (bounds memory; registration is advisory).
-MAX_REGISTERED_BLOCKS = 1_000_000
+#: The largest version a snapshot may carry, and the most a block's version may jump at once:
+#: a client's bug (or malice) cannot put a block out of reach of every later version.
+MAX_VERSION = 1 << 48
+MAX_VERSION_JUMP = 1 << 30
+#: Blocks in one Status answer unless the request asks for fewer.
+STATUS_PAGE_BLOCKS = 10_000
 #: Shared-memory copies larger than this run in a thread, off the event loop.
 _COPY_IN_THREAD_BYTES = 4 << 20
 #: Seconds before a stream looks again at a result that was overwritten while it copied it out.
@@ -66,6 +71,20 @@ class ServiceLimits:
     max_matrix_n: int
     max_upload_bytes: int = 2 << 30
     upload_wait_s: float = 5.0
+    max_memory_bytes: int = 1 << 62
+    tenant_queued_bytes: int = 1 << 62
+    tenant_cached_bytes: int = 1 << 62
+    tenant_max_blocks: int = 100_000
+    max_block_name_bytes: int = 1024
+    tenant_max_sessions: int = 1024
+    session_ttl_s: float = 300.0
+    tenant_max_streams: int = 64
+    stream_stall_s: float = 60.0
+    tenant_upload_share: float = 1.0
+    upload_idle_s: float = 30.0
+    upload_max_s: float = 300.0
+    #: Status without a session shows no daemon-wide counts (a TCP daemon: others can reach it)
+    private_status: bool = False
 
 
 @dataclass(eq=False)
@@ -76,15 +95,59 @@ class _Stream:
     wake: asyncio.Event
 
 
-@dataclass(frozen=True)
-class Session:
-    """One training process's session."""
+class _Frames:
+    """One result's StreamResults messages, serialized once and shared, read-only, by every
+    stream that sends it (a weak reference in the servicer's cache: gone once none sends it)."""
 
-    session_id: str
-    tenant: str
-    job: str
-    rank: int
-    opened_at: float
+    __slots__ = ("__weakref__", "messages", "version")
+
+    def __init__(self, version: int, messages: tuple[bytes, ...]) -> None:
+        self.version = version
+        self.messages = messages
+
+
+def _serialize(message: pb.StreamResultsResponse | bytes) -> bytes:
+    """StreamResults' response serializer: a frame already serialized passes as it is."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_servicer_to_server(servicer: PreconditionerServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` like the generated ``add_PreconditionerServicer_to_server``, except
+    that StreamResults sends frames serialized once per result (:class:`_Frames`)."""
+    handlers = {
+        "OpenSession": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenSession,
+            request_deserializer=pb.OpenSessionRequest.FromString,
+            response_serializer=pb.OpenSessionResponse.SerializeToString,
+        ),
+        "CloseSession": grpc.unary_unary_rpc_method_handler(
+            servicer.CloseSession,
+            request_deserializer=pb.CloseSessionRequest.FromString,
+            response_serializer=pb.CloseSessionResponse.SerializeToString,
+        ),
+        "RegisterBlocks": grpc.unary_unary_rpc_method_handler(
+            servicer.RegisterBlocks,
+            request_deserializer=pb.RegisterBlocksRequest.FromString,
+            response_serializer=pb.RegisterBlocksResponse.SerializeToString,
+        ),
+        "SubmitSnapshot": grpc.stream_unary_rpc_method_handler(
+            servicer.SubmitSnapshot,
+            request_deserializer=pb.SubmitSnapshotRequest.FromString,
+            response_serializer=pb.SubmitSnapshotResponse.SerializeToString,
+        ),
+        "StreamResults": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamResults,
+            request_deserializer=pb.StreamResultsRequest.FromString,
+            response_serializer=_serialize,
+        ),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status,
+            request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusResponse.SerializeToString,
+        ),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Preconditioner"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
 
 class Authenticator:
@@ -93,6 +156,11 @@ class Authenticator:
     def __init__(self, tokens: Mapping[str, str], *, allow_anonymous: bool) -> None:
         self._tokens = {t: tok.encode() for t, tok in tokens.items()}
         self._allow_anonymous = allow_anonymous
+
+    @property
+    def allows_anonymous(self) -> bool:
+        """True when no tokens are configured (tenant ``local`` only)."""
+        return self._allow_anonymous
 
     def tenant_of(self, tenant: str, token: str) -> str:
         """The authenticated tenant, or AuthenticationError."""
@@ -112,6 +180,13 @@ class Authenticator:
                 "daemon's [tenants] table or ASTERIA_TOKENS holds for it"
             )
         return tenant
+
+
+def _result_bytes(header: pb.SnapshotHeader) -> int:
+    """About what a block's result takes in daemon memory: its float32 n x n matrix (twice for
+    a refresh, which adds a rotation) and n eigenvalues or permutation entries."""
+    n = header.n
+    return 4 * n * n * (2 if header.has_basis else 1) + 16 * n
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
@@ -140,7 +215,21 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._limits = limits
         self._max_sessions = max_sessions
         self._clock = clock
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._sessions = SessionTable(
+            max_sessions=max_sessions,
+            tenant_max_sessions=limits.tenant_max_sessions,
+            ttl_s=limits.session_ttl_s,
+            incarnation_id=engine.incarnation_id,
+            clock=clock,
+        )
+        self._reaper: asyncio.TimerHandle | None = None
+        self._auth_throttle = AuthThrottle()
+        #: (tenant, block) -> the frames of the result streams are sending now
+        self._frames: weakref.WeakValueDictionary[tuple[str, str], _Frames] = (
+            weakref.WeakValueDictionary()
+        )
+        #: tenant -> blocks it submitted without registering them (they count in its quota)
+        self._unregistered: dict[str, set[str]] = {}
         self._registered: dict[str, dict[str, tuple[int, SolveKind]]] = {}
         self._stopping = False
         #: tenant -> its open StreamResults calls (touched on the event loop only)
@@ -148,7 +237,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._loop: asyncio.AbstractEventLoop | None = None
         engine.add_result_listener(self._on_result)
         self._handover = handover
-        self._uploads = UploadBudget(limits.max_upload_bytes)
+        share = max(1, int(limits.max_upload_bytes * limits.tenant_upload_share))
+        self._uploads = UploadBudget(limits.max_upload_bytes, share)
 
     def has_session(self, session_id: str) -> bool:
         """Whether ``session_id`` is open (the segment handover asks, from its threads)."""
@@ -159,10 +249,24 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         the daemon authenticate their calls with the sessions opened here."""
         return self._session(session_id).tenant
 
+    def tenant_of(self, session_id: str) -> str | None:
+        """The tenant of an open session, or None (the segment handover asks, from its
+        threads)."""
+        session = self._sessions.peek(session_id)
+        return None if session is None else session.tenant
+
+    def touch(self, session_id: str) -> None:
+        """Renew a session's lease: its client handed a segment over (from a handover thread,
+        so on the event loop)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._sessions.touch, session_id)
+
     def sessions_by_tenant(self) -> dict[str, int]:
         """Open sessions per tenant (the metrics endpoint asks, from its own thread)."""
         counts: dict[str, int] = {}
-        for session in tuple(self._sessions.values()):  # one C-level copy: no GIL switch inside
+        for session in self._sessions.values():  # one C-level copy: no GIL switch inside
             counts[session.tenant] = counts.get(session.tenant, 0) + 1
         return counts
 
@@ -197,37 +301,70 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     # ------------------------------------------------------------------ sessions
 
     def _session(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise UnknownSessionError(
-                f"unknown session {session_id!r} on daemon incarnation "
-                f"{self._engine.incarnation_id}: the daemon restarted or the session was closed; "
-                "open a new session, re-register the blocks and resubmit"
-            )
-        return session
+        """The open session (its lease renewed), or UnknownSessionError saying why not."""
+        try:
+            return self._sessions.get(session_id)
+        except UnknownSessionError:
+            self._ended(session_id)  # it may have just expired: its handover goes too
+            raise
+
+    def _ended(self, session_id: str) -> None:
+        """A session ended (closed, expired): its streams end, its handover is closed."""
+        self._wake_session(session_id)
+        if self._handover is not None:
+            self._handover.drop_session(session_id)
+
+    def _arm_reaper(self) -> None:
+        """Expire idle sessions when the earliest lease runs out (no timer while none can)."""
+        loop = self._loop
+        if loop is None or self._reaper is not None:
+            return
+        at = self._sessions.next_expiry()
+        if at is not None:
+            delay = max(0.0, at - self._clock()) + 0.05
+            self._reaper = loop.call_later(delay, self._reap)
+
+    def _reap(self) -> None:
+        self._reaper = None
+        for session in self._sessions.reap():
+            self._expired(session)
+        self._arm_reaper()
+
+    def _expired(self, session: Session) -> None:
+        logger.info(
+            "session of tenant %r job %r expired (no call for %g s)",
+            session.tenant,
+            session.job,
+            self._limits.session_ttl_s,
+            extra={"tenant": session.tenant, "job": session.job},
+        )
+        self._ended(session.session_id)
 
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OpenSessionResponse:
+        self._loop = asyncio.get_running_loop()
+        # Failures are counted per peer host and claimed tenant: guessing one tenant's token
+        # never locks out another tenant.
+        peer = f"{peer_host(context.peer() or '')} for tenant {request.tenant[:64]!r}"
         try:
-            tenant = self._auth.tenant_of(request.tenant, request.token)
-        except AuthenticationError as exc:
-            logger.warning(
-                "refused a session for tenant %r: wrong token",
-                request.tenant,
-                extra={"tenant": request.tenant, "job": request.job},
-            )
+            self._auth_throttle.check(peer)
+            try:
+                tenant = self._auth.tenant_of(request.tenant, request.token)
+            except AuthenticationError:
+                self._auth_throttle.failed(peer)
+                logger.warning(
+                    "refused a session for tenant %r: wrong token",
+                    request.tenant,
+                    extra={"tenant": request.tenant, "job": request.job},
+                )
+                raise
+            session = Session(uuid.uuid4().hex, tenant, request.job, request.rank, self._clock())
+            for expired in self._sessions.open(session):
+                self._expired(expired)
+        except (AuthenticationError, DaemonBusyError) as exc:
             await _abort(context, exc)
-        session = Session(uuid.uuid4().hex, tenant, request.job, request.rank, self._clock())
-        self._sessions[session.session_id] = session
-        while len(self._sessions) > self._max_sessions:
-            _, dropped = self._sessions.popitem(last=False)
-            self._wake_session(dropped.session_id)
-            logger.warning(
-                "session limit reached: dropped the oldest (tenant %r)",
-                dropped.tenant,
-                extra={"tenant": dropped.tenant, "job": dropped.job},
-            )
+        self._arm_reaper()
         logger.info(
             "session opened: tenant %r job %r rank %d",
             tenant,
@@ -251,12 +388,13 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     ) -> pb.CloseSessionResponse:
         try:
             session = self._session(request.session_id)
-        except (UnknownSessionError, InvalidInputError) as exc:
+            if not self._auth.allows_anonymous:
+                # A session id alone does not end a session: its tenant's token must come too.
+                self._auth.tenant_of(session.tenant, request.token)
+        except (UnknownSessionError, InvalidInputError, AuthenticationError) as exc:
             await _abort(context, exc)
-        del self._sessions[request.session_id]
-        self._wake_session(request.session_id)
-        if self._handover is not None:
-            self._handover.drop_session(request.session_id)
+        self._sessions.end(request.session_id, "was closed by CloseSession")
+        self._ended(request.session_id)
         if request.forget_blocks:  # the session's job: its blocks, results and spill files
             registered = self._registered.get(session.tenant, {})
             for block in self._engine.forget(session.tenant, session.job):
@@ -272,8 +410,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             specs: dict[str, tuple[int, SolveKind]] = {}
             for spec in request.blocks:
                 what = f"RegisterBlocks: block {spec.block!r}"
-                if not spec.block:
-                    raise InvalidInputError("RegisterBlocks: every block needs a non-empty name")
+                self._check_name(spec.block, "RegisterBlocks")
                 if spec.block in specs:
                     raise InvalidInputError(f"{what} is named twice")
                 if not 1 <= spec.n <= self._limits.max_matrix_n:
@@ -289,13 +426,18 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     )
                 specs[spec.block] = (spec.n, kind)
             new = [b for b in specs if b not in known]
-            if len(known) + len(new) > MAX_REGISTERED_BLOCKS:
-                raise InvalidInputError(
-                    f"RegisterBlocks: tenant {session.tenant!r} would exceed "
-                    f"{MAX_REGISTERED_BLOCKS} registered blocks"
+            unregistered = self._unregistered.get(session.tenant, set())
+            held = len(known) + len(unregistered)
+            added = sum(1 for b in new if b not in unregistered)
+            quota = self._limits.tenant_max_blocks
+            if held + added > quota:
+                raise DaemonBusyError(
+                    f"RegisterBlocks: tenant {session.tenant!r} has {held} blocks and {added} "
+                    f"new would exceed its quota of {quota} (tenant_max_blocks)"
                 )
             known.update(specs)
-        except (UnknownSessionError, InvalidInputError) as exc:
+            unregistered.difference_update(specs)
+        except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
             await _abort(context, exc)
         return pb.RegisterBlocksResponse(num_new=len(new), num_known=len(specs) - len(new))
 
@@ -316,13 +458,19 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 max_matrix_n=self._limits.max_matrix_n,
             )
             session = self._session(receiver.session_id)
-            self._check_registered(session.tenant, receiver.header)
+            header = receiver.header
+            self._check_name(header.block, "SubmitSnapshot")
+            self._check_registered(session.tenant, header)
             num_bytes = sum(spec.num_bytes for spec in receiver.specs)
-            what = f"SubmitSnapshot of block {receiver.header.block!r}"
+            what = f"SubmitSnapshot of block {header.block!r}"
+            self._check_quotas(session.tenant, header, 0 if receiver.shm else num_bytes, what)
+            started = self._clock()
             async with self._uploads.hold(
-                num_bytes, wait_s=self._upload_wait_s(context), what=what
+                num_bytes, wait_s=self._upload_wait_s(context), what=what, tenant=session.tenant
             ):
-                async for message in request_iterator:
+                while (
+                    message := await self._next_chunk(request_iterator, started, what)
+                ) is not None:
                     receiver.feed(message)
                 task: SolveTask | None
                 if receiver.shm is None:
@@ -340,6 +488,89 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         ) as exc:
             await _abort(context, exc)
         return convert.outcome_to_proto(outcome)
+
+    async def _next_chunk(
+        self, messages: AsyncIterator[pb.SubmitSnapshotRequest], started: float, what: str
+    ) -> pb.SubmitSnapshotRequest | None:
+        """The upload's next message (None at its end), within ``upload_idle_s`` of the last one
+        and ``upload_max_s`` of its start: a stalled upload does not hold the budget."""
+        limits = self._limits
+        left = limits.upload_max_s - (self._clock() - started)
+        wait = min(limits.upload_idle_s, left)
+        try:
+            return await asyncio.wait_for(anext(messages, None), max(0.0, wait))
+        except TimeoutError:
+            if wait < limits.upload_idle_s:
+                why = f"took longer than {limits.upload_max_s:g} s (upload_max_s)"
+            else:
+                why = f"sent nothing for {limits.upload_idle_s:g} s (upload_idle_s)"
+            raise DaemonBusyError(
+                f"{what}: the upload {why}; the daemon dropped it and freed its share of the "
+                "upload budget; send the next snapshot"
+            ) from None
+
+    def _check_name(self, block: str, call: str) -> None:
+        if not block:
+            raise InvalidInputError(f"{call}: every block needs a non-empty name")
+        size = len(block.encode())
+        if size > self._limits.max_block_name_bytes:
+            raise InvalidInputError(
+                f"{call}: block name {block[:64]!r}... is {size} bytes, longer than the "
+                f"daemon's max_block_name_bytes ({self._limits.max_block_name_bytes})"
+            )
+
+    def _check_quotas(
+        self, tenant: str, header: pb.SnapshotHeader, upload_bytes: int, what: str
+    ) -> None:
+        """Refuse a snapshot the tenant's quotas or the daemon's memory budget have no room
+        for (before anything is received), naming the limit."""
+        limits = self._limits
+        if not 0 <= header.version <= MAX_VERSION:
+            raise InvalidInputError(f"{what}: version {header.version} is not in 0..{MAX_VERSION}")
+        known, submitted = self._engine.block_versions(header.block, tenant)
+        if submitted >= 0 and header.version - submitted > MAX_VERSION_JUMP:
+            raise InvalidInputError(
+                f"{what}: version {header.version} jumps more than {MAX_VERSION_JUMP} past the "
+                f"block's newest version {submitted}; versions are optimizer steps"
+            )
+        registered = self._registered.get(tenant, {})
+        unregistered = self._unregistered.setdefault(tenant, set())
+        if header.block not in registered and header.block not in unregistered:
+            held = len(registered) + len(unregistered)
+            if held >= limits.tenant_max_blocks:
+                raise DaemonBusyError(
+                    f"{what}: tenant {tenant!r} has {held} blocks, its quota "
+                    f"(tenant_max_blocks = {limits.tenant_max_blocks})"
+                )
+            counted = header.block
+        else:
+            counted = None
+        usage = self._engine.usage(tenant)
+        if upload_bytes and usage.queued_bytes + upload_bytes > limits.tenant_queued_bytes:
+            raise DaemonBusyError(
+                f"{what}: tenant {tenant!r} has {usage.queued_bytes} snapshot bytes queued in "
+                f"daemon memory; {upload_bytes} more would exceed its quota of "
+                f"{limits.tenant_queued_bytes} (tenant_queued_bytes); send the next snapshot "
+                "once results come back"
+            )
+        result_bytes = 0 if known else _result_bytes(header)
+        if result_bytes and usage.cached_bytes + result_bytes > limits.tenant_cached_bytes:
+            raise DaemonBusyError(
+                f"{what}: tenant {tenant!r} has {usage.cached_bytes} result bytes cached in "
+                f"daemon memory; a new block's {result_bytes} would exceed its quota of "
+                f"{limits.tenant_cached_bytes} (tenant_cached_bytes); forget blocks or use fewer"
+            )
+        if upload_bytes or result_bytes:
+            total = self._engine.usage()
+            held = total.queued_bytes + total.cached_bytes + self._uploads.in_use_bytes
+            if held + upload_bytes + result_bytes > limits.max_memory_bytes:
+                raise DaemonBusyError(
+                    f"{what}: the daemon holds {held} bytes of snapshots, results and uploads; "
+                    f"{upload_bytes + result_bytes} more would exceed its max_memory_bytes "
+                    f"({limits.max_memory_bytes}); send the next snapshot later"
+                )
+        if counted is not None:
+            unregistered.add(counted)
 
     def _upload_wait_s(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         """How long an upload may wait for room: the configured wait, within its deadline."""
@@ -385,14 +616,24 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
 
     # ------------------------------------------------------------------ results
 
-    async def StreamResults(
+    async def StreamResults(  # type: ignore[override]  # writes instead of yielding
         self, request: pb.StreamResultsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.StreamResultsResponse]:
+    ) -> None:
+        """Writes (``context.write``) rather than yields, so a write the client does not read
+        is bounded by ``stream_stall_s``; results go out as frames serialized once per result
+        and shared by every stream that sends them."""
         try:
             session = self._session(request.session_id)
-        except UnknownSessionError as exc:
+            tenant = session.tenant
+            open_streams = len(self._streams.get(tenant, ()))
+            if open_streams >= self._limits.tenant_max_streams:
+                raise DaemonBusyError(
+                    f"tenant {tenant!r} holds {open_streams} open result streams "
+                    f"(tenant_max_streams = {self._limits.tenant_max_streams}); a session needs "
+                    "one: cancel the streams it no longer reads"
+                )
+        except (UnknownSessionError, DaemonBusyError) as exc:
             await _abort(context, exc)
-        tenant = session.tenant
         wanted = set(request.blocks)
         sent: dict[str, int] = dict(request.held_versions)
         epoch = -1
@@ -400,6 +641,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         loop = self._loop = asyncio.get_running_loop()
         stream = _Stream(session.session_id, asyncio.Event())
         self._streams.setdefault(tenant, set()).add(stream)
+        self._sessions.stream_started(session.session_id)
+        ended: BaseException | None = None
         try:
             while not self._stopping and session.session_id in self._sessions:
                 stream.wake.clear()  # news from now on wakes the wait below
@@ -407,10 +650,10 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 if now_epoch != epoch or retry:
                     changed = self._engine.blocks_with_results_since(epoch, tenant)
                     epoch = now_epoch
-                    blocks = [b for b in changed if b in wanted] if wanted else changed
-                    blocks = set(blocks) | retry
+                    chosen = set(b for b in changed if b in wanted) if wanted else set(changed)
+                    chosen |= retry
                     retry = set()
-                    for block in sorted(blocks):
+                    for block in sorted(chosen):
                         result = self._engine.latest_result(
                             block, tenant, newer_than=sent.get(block, -1)
                         )
@@ -426,19 +669,68 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                             loop.call_later(_RETRY_COPY_S, stream.wake.set)
                             continue
                         sent[block] = result.version
-                        for message in framing.result_messages(
-                            sending[0], chunk_bytes=self._limits.chunk_bytes, shm=sending[1]
-                        ):
-                            yield message
+                        frames = await self._frames_of(sending[0], sending[1])
                         result = sending = None  # hold no client's segment while idle
+                        for frame in frames.messages:
+                            await self._write(context, frame)
+                        del frames
                     continue  # results may have come while this stream was sending
                 await stream.wake.wait()
+            if not self._stopping and session.session_id not in self._sessions:
+                try:
+                    self._sessions.get(session.session_id)
+                except UnknownSessionError as exc:
+                    ended = exc  # closed or expired: the stream says so, not OK
+        except DaemonBusyError as exc:
+            ended = exc
         finally:
             streams = self._streams.get(tenant)
             if streams is not None:
                 streams.discard(stream)
                 if not streams:
                     del self._streams[tenant]
+            self._sessions.stream_ended(session.session_id)
+            self._arm_reaper()
+        if ended is not None:
+            await _abort(context, ended)
+
+    async def _write(self, context: grpc.aio.ServicerContext[Any, Any], frame: bytes) -> None:
+        """Send one frame; DaemonBusyError when the client has not read for stream_stall_s."""
+        stall_s = self._limits.stream_stall_s
+        try:
+            await asyncio.wait_for(context.write(frame), stall_s)
+        except TimeoutError:
+            raise DaemonBusyError(
+                f"the client read nothing of its result stream for {stall_s:g} s "
+                "(stream_stall_s); the daemon ended the stream and freed what it held for it; "
+                "open a new stream (held_versions skips what arrived)"
+            ) from None
+
+    async def _frames_of(self, result: SolveResult, shm: SegmentRef | None) -> _Frames:
+        """``result``'s messages, serialized once: shared with every other stream sending the
+        same result now. A result announced in a segment is one small header, never shared."""
+        if shm is not None:
+            messages = framing.result_messages(
+                result, chunk_bytes=self._limits.chunk_bytes, shm=shm
+            )
+            return _Frames(result.version, tuple(m.SerializeToString() for m in messages))
+        key = (result.tenant, result.block)
+        frames = self._frames.get(key)
+        if frames is not None and frames.version == result.version:
+            return frames
+
+        def build() -> _Frames:
+            messages = framing.result_messages(result, chunk_bytes=self._limits.chunk_bytes)
+            return _Frames(result.version, tuple(m.SerializeToString() for m in messages))
+
+        if sum(spec.num_bytes for spec in result_specs(result)) > _COPY_IN_THREAD_BYTES:
+            frames = await asyncio.to_thread(build)
+        else:
+            frames = build()
+        current = self._frames.get(key)
+        if current is None or current.version < frames.version:
+            self._frames[key] = frames
+        return frames
 
     async def _to_send(
         self, session_id: str, result: SolveResult, shm_results: bool
@@ -468,19 +760,51 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StatusResponse:
-        stats, transport = self._engine.stats(), self.transport_stats()
         if not request.session_id:  # no credentials: daemon-wide numbers only
-            return convert.status_to_proto(stats, [], transport)
+            stats = self._engine.stats()
+            if self._limits.private_status:  # reachable by others: no counts without a session
+                engine = pb.EngineStats(
+                    incarnation_id=stats.incarnation_id,
+                    uptime_s=stats.uptime_s,
+                    closed=stats.closed,
+                    broken_reason=stats.broken_reason,
+                )
+                return pb.StatusResponse(engine=engine)
+            return convert.status_to_proto(stats, [], self.transport_stats())
         try:
             session = self._session(request.session_id)
             if request.tenant and request.tenant != session.tenant:
                 raise AuthenticationError(
                     f"session of tenant {session.tenant!r} may not read tenant {request.tenant!r}"
                 )
-        except (UnknownSessionError, AuthenticationError) as exc:
+            if request.max_blocks < 0:
+                raise InvalidInputError(
+                    f"Status: max_blocks must be >= 0, got {request.max_blocks}"
+                )
+        except (UnknownSessionError, AuthenticationError, InvalidInputError) as exc:
             await _abort(context, exc)
         stats = self._engine.stats(session.tenant)  # its own blocks' names in the workers
-        return convert.status_to_proto(stats, self._engine.status(session.tenant), transport)
+        reply = convert.status_to_proto(stats, [], self.transport_stats())
+        blocks = self._engine.status(session.tenant)  # sorted by name
+        after = request.after_block
+        first = 0
+        if after:
+            first = next((i for i, b in enumerate(blocks) if b.block > after), len(blocks))
+        page = min(request.max_blocks or STATUS_PAGE_BLOCKS, STATUS_PAGE_BLOCKS)
+        # Stop well short of the message limit: the engine numbers and framing need room too.
+        room = self._limits.max_message_bytes - reply.ByteSize() - 4096
+        taken: list[pb.BlockStatus] = []
+        for block in blocks[first:]:
+            message = convert.block_status_to_proto(block)
+            room -= message.ByteSize() + 8
+            if len(taken) >= page or (room < 0 and taken):
+                break
+            taken.append(message)
+        reply.blocks.extend(taken)
+        reply.total_blocks = len(blocks)
+        if first + len(taken) < len(blocks) and taken:
+            reply.next_after_block = taken[-1].block
+        return reply
 
     def transport_stats(self) -> TransportStats:
         """The data path's numbers now (shared memory, uploads); for Status and metrics."""

@@ -294,6 +294,7 @@ class CloseSessionRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     FORGET_BLOCKS_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session to close."""
     forget_blocks: _builtins.bool
@@ -301,15 +302,20 @@ class CloseSessionRequest(_message.Message):
     queued snapshots, cached and spilled results; a solve running for one of them is discarded
     when it ends. Other jobs' blocks stay. False keeps them cached for a restart.
     """
+    token: _builtins.str
+    """The token of the session's tenant. A daemon with tenant tokens requires it, so a session id
+    alone cannot end another's session (UNAUTHENTICATED otherwise).
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         forget_blocks: _builtins.bool = ...,
+        token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["forget_blocks", b"forget_blocks", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forget_blocks", b"forget_blocks", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -771,21 +777,33 @@ class StatusRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_FIELD_NUMBER: _builtins.int
+    AFTER_BLOCK_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    """With a session: only that session's tenant's blocks. Empty: the daemon-wide numbers and the
-    blocks the caller's credentials allow (the daemon's auth policy decides).
+    """With a session: only that session's tenant's blocks. Empty: no blocks, and on a TCP daemon
+    (reachable by others) only the incarnation, uptime and health, no counts.
     """
     tenant: _builtins.str
     """Restrict the blocks to one tenant; empty means all the caller may see."""
+    max_blocks: _builtins.int
+    """At most this many blocks in the answer (0: the daemon's page size). The daemon also stops
+    short of its message size limit; `next_after_block` then says where to go on.
+    """
+    after_block: _builtins.str
+    """Only blocks whose name sorts after this one (a page's `next_after_block`); empty: from the
+    first.
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         tenant: _builtins.str = ...,
+        max_blocks: _builtins.int = ...,
+        after_block: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_block", b"after_block", "max_blocks", b"max_blocks", "session_id", b"session_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1132,6 +1150,12 @@ class StatusResponse(_message.Message):
     ENGINE_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
+    TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    NEXT_AFTER_BLOCK_FIELD_NUMBER: _builtins.int
+    total_blocks: _builtins.int
+    """How many blocks the caller may see in all (`blocks` may be one page of them)."""
+    next_after_block: _builtins.str
+    """Set when more blocks follow: ask again with `after_block` set to it."""
     @_builtins.property
     def engine(self) -> Global___EngineStats:
         """Engine-wide numbers."""
@@ -1150,10 +1174,12 @@ class StatusResponse(_message.Message):
         engine: Global___EngineStats | None = ...,
         blocks: _abc.Iterable[Global___BlockStatus] | None = ...,
         transport: Global___TransportStats | None = ...,
+        total_blocks: _builtins.int = ...,
+        next_after_block: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "transport", b"transport"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "engine", b"engine", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "engine", b"engine", "next_after_block", b"next_after_block", "total_blocks", b"total_blocks", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,310 @@
+"""What keeps one tenant, or one unlucky client, from breaking the daemon for the others.
+
+- :class:`SessionTable`: sessions are leases. Every call naming a session renews it, and so does
+  an open result stream (whose connection gRPC keepalive pings, so a dead or stopped client's
+  stream ends); a session with neither for ``ttl_s`` expires. Sessions are capped per tenant and
+  in total, and a new session is refused (RESOURCE_EXHAUSTED) rather than another one dropped,
+  so no tenant can evict another's. A session that ended is remembered (boundedly) with why, so
+  a late call hears "expired" or "closed", not a guess.
+- :class:`AuthThrottle`: failed authentications from one peer are limited to a small burst and
+  a steady rate; beyond it OpenSession fails RESOURCE_EXHAUSTED before a token is compared.
+- :class:`FdBudget`: the descriptors the segment handover keeps (one per segment, one per
+  connection), bounded per tenant and in total below the process's limit, so that running out
+  is a refused segment, never a dispatcher or a worker that cannot get a descriptor.
+- :func:`raise_nofile_limit`: the soft descriptor limit raised to the hard one at start.
+
+Everything here but :class:`FdBudget` is used from the event loop only.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from asteria_server.errors import DaemonBusyError, UnknownSessionError
+
+#: Ended sessions remembered with the reason they ended (for an accurate NOT_FOUND).
+ENDED_SESSIONS_KEPT = 4096
+#: Peers whose failed authentications are tracked at once (the oldest are forgotten).
+AUTH_PEERS_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class Session:
+    """One training process's session."""
+
+    session_id: str
+    tenant: str
+    job: str
+    rank: int
+    opened_at: float
+
+
+@dataclass
+class _Lease:
+    last_seen: float
+    streams: int = 0
+
+
+class SessionTable:
+    """Open sessions with their leases (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        tenant_max_sessions: int,
+        ttl_s: float,
+        incarnation_id: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.tenant_max_sessions = tenant_max_sessions
+        self.ttl_s = ttl_s
+        self._incarnation = incarnation_id
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._by_tenant: dict[str, int] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def values(self) -> tuple[Session, ...]:
+        return tuple(self._sessions.values())  # one C-level copy: safe from other threads
+
+    def peek(self, session_id: str) -> Session | None:
+        """The open session, its lease untouched (safe from other threads)."""
+        return self._sessions.get(session_id)
+
+    def tenant_sessions(self, tenant: str) -> int:
+        return self._by_tenant.get(tenant, 0)
+
+    def open(self, session: Session) -> list[Session]:
+        """Add ``session``; returns the sessions that expired meanwhile (the caller drops
+        their handovers). DaemonBusyError when a cap is reached: nothing is dropped for it."""
+        expired = self.reap()
+        held = self._by_tenant.get(session.tenant, 0)
+        if held >= self.tenant_max_sessions:
+            raise DaemonBusyError(
+                f"tenant {session.tenant!r} already holds {held} open sessions "
+                f"(tenant_max_sessions = {self.tenant_max_sessions}); close unused sessions "
+                f"(CloseSession) or wait for idle ones to expire (session_ttl_s = "
+                f"{self.ttl_s:g} s)"
+            )
+        if len(self._sessions) >= self.max_sessions:
+            raise DaemonBusyError(
+                f"the daemon holds {len(self._sessions)} open sessions (max_sessions = "
+                f"{self.max_sessions}); try again later"
+            )
+        self._sessions[session.session_id] = session
+        self._leases[session.session_id] = _Lease(self._clock())
+        self._by_tenant[session.tenant] = held + 1
+        return expired
+
+    def get(self, session_id: str) -> Session:
+        """The open session (its lease renewed), or UnknownSessionError saying why not."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            lease = self._leases[session_id]
+            now = self._clock()
+            if lease.streams or now - lease.last_seen <= self.ttl_s:
+                lease.last_seen = now
+                return session
+            self.end(session_id, self._expired_reason())
+        why = self._ended.get(session_id)
+        if why is not None:
+            raise UnknownSessionError(
+                f"session {session_id!r} {why}; open a new session, re-register the blocks "
+                "and resubmit"
+            )
+        raise UnknownSessionError(
+            f"unknown session {session_id!r}: this daemon (incarnation {self._incarnation}) "
+            "never opened it, so it was opened by an earlier run of the daemon (it restarted) "
+            "or the id is wrong; open a new session, re-register the blocks and resubmit"
+        )
+
+    def touch(self, session_id: str) -> None:
+        """Renew a lease (a handover message of the session)."""
+        lease = self._leases.get(session_id)
+        if lease is not None:
+            lease.last_seen = self._clock()
+
+    def stream_started(self, session_id: str) -> None:
+        lease = self._leases.get(session_id)
+        if lease is not None:
+            lease.streams += 1
+
+    def stream_ended(self, session_id: str) -> None:
+        lease = self._leases.get(session_id)
+        if lease is not None:
+            lease.streams = max(0, lease.streams - 1)
+            lease.last_seen = self._clock()
+
+    def end(self, session_id: str, why: str) -> Session | None:
+        """Forget a session, remembering ``why`` (e.g. "was closed by CloseSession")."""
+        session = self._sessions.pop(session_id, None)
+        self._leases.pop(session_id, None)
+        if session is None:
+            return None
+        left = self._by_tenant[session.tenant] - 1
+        if left:
+            self._by_tenant[session.tenant] = left
+        else:
+            del self._by_tenant[session.tenant]
+        self._ended[session_id] = why
+        while len(self._ended) > ENDED_SESSIONS_KEPT:
+            self._ended.popitem(last=False)
+        return session
+
+    def _expired_reason(self) -> str:
+        return (
+            f"expired: no call and no open result stream for more than {self.ttl_s:g} s "
+            "(session_ttl_s)"
+        )
+
+    def reap(self) -> list[Session]:
+        """End every session whose lease ran out; returns them."""
+        deadline = self._clock() - self.ttl_s
+        gone = [
+            sid
+            for sid, lease in self._leases.items()
+            if not lease.streams and lease.last_seen < deadline
+        ]
+        ended = [self.end(sid, self._expired_reason()) for sid in gone]
+        return [s for s in ended if s is not None]
+
+    def next_expiry(self) -> float | None:
+        """When the earliest lease runs out (the table's clock), or None when none can."""
+        idle = [lease.last_seen for lease in self._leases.values() if not lease.streams]
+        return None if not idle else min(idle) + self.ttl_s
+
+
+class AuthThrottle:
+    """Failed authentications per peer: a burst of ``burst``, then ``per_s`` a second."""
+
+    def __init__(
+        self, *, burst: int = 10, per_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.burst = burst
+        self.per_s = per_s
+        self._clock = clock
+        #: peer -> (failures still allowed, when that was counted)
+        self._peers: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def _allowance(self, peer: str) -> float:
+        left, at = self._peers.get(peer, (float(self.burst), self._clock()))
+        return min(float(self.burst), left + (self._clock() - at) * self.per_s)
+
+    def check(self, peer: str) -> None:
+        """DaemonBusyError while ``peer`` has used up its failed authentications."""
+        if self._allowance(peer) < 1.0:
+            raise DaemonBusyError(
+                f"too many failed authentications from {peer}: at most {self.burst} in a row, "
+                f"then {self.per_s:g} a second; wait and check the tenant's token"
+            )
+
+    def failed(self, peer: str) -> None:
+        self._peers[peer] = (self._allowance(peer) - 1.0, self._clock())
+        self._peers.move_to_end(peer)
+        while len(self._peers) > AUTH_PEERS_KEPT:
+            self._peers.popitem(last=False)
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string (``ipv4:1.2.3.4:567`` -> ``ipv4:1.2.3.4``); a Unix
+    socket's peers are one."""
+    if peer.startswith("unix"):
+        return "unix"
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer
+
+
+class FdBudget:
+    """Descriptors held for clients (handover segments and connections), per tenant and in
+    total; thread-safe."""
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total = max(1, total)
+        self.per_tenant = max(1, min(per_tenant, self.total))
+        self._lock = threading.Lock()
+        self._used = 0
+        self._by_tenant: dict[str, int] = {}
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def acquire(self, tenant: str | None) -> str | None:
+        """Take one descriptor for ``tenant`` (None: not yet known, the total only); None when
+        it was granted, else why not."""
+        with self._lock:
+            if self._used >= self.total:
+                return (
+                    f"the daemon holds {self._used} descriptors for clients, its limit (the "
+                    "process's descriptor limit less a reserve for its own work); send further "
+                    "blocks in chunks"
+                )
+            if tenant is not None:
+                held = self._by_tenant.get(tenant, 0)
+                if held >= self.per_tenant:
+                    return (
+                        f"tenant {tenant!r} holds {held} handed-over descriptors "
+                        f"(tenant_shm_segments = {self.per_tenant}); send further blocks in chunks"
+                    )
+                self._by_tenant[tenant] = held + 1
+            self._used += 1
+            return None
+
+    def charge(self, tenant: str) -> str | None:
+        """Charge a descriptor already counted in the total to ``tenant`` (a connection that
+        said hello); None when granted, else why not (it stays counted in the total)."""
+        with self._lock:
+            held = self._by_tenant.get(tenant, 0)
+            if held >= self.per_tenant:
+                return (
+                    f"tenant {tenant!r} holds {held} handed-over descriptors "
+                    f"(tenant_shm_segments = {self.per_tenant}); close some connections"
+                )
+            self._by_tenant[tenant] = held + 1
+            return None
+
+    def release(self, tenant: str | None, count: int = 1) -> None:
+        if count <= 0:
+            return
+        with self._lock:
+            self._used -= count
+            if tenant is not None:
+                left = self._by_tenant.get(tenant, 0) - count
+                if left > 0:
+                    self._by_tenant[tenant] = left
+                else:
+                    self._by_tenant.pop(tenant, None)
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft descriptor limit to the hard one (where the hard one is finite); returns
+    the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def fd_budget_for(soft_limit: int) -> int:
+    """Descriptors the handover may keep for clients under ``soft_limit``: a quarter (at
+    least 64) is kept back for the daemon's own sockets, pipes, workers and gRPC connections."""
+    return max(1, soft_limit - max(64, soft_limit // 4))
