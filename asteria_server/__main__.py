@@ -366,7 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         return health_check(config, health_timeout_s)
     setup_logging(config)
     # Imported here so `--help` and config errors stay fast.
+    from asteria_server.service.allocator import tune_allocator
     from asteria_server.service.server import StartupError, run
+
+    tune_allocator()  # before any thread: freed memory goes back to the system
 
     try:
         return run(config)

@@ -4,7 +4,7 @@ Reads each ``*.json`` in ``--results`` (default ``runs/bench``) that is a benchm
 contract in :mod:`asteria_client.bench.output`), and writes ``--out`` (default
 ``docs/benchmarks.md``): the machine, library versions and BLAS kernel the runs used, the date, the
 command that reproduces each section, then one section per report in a fixed order (convergence,
-schedules, peers, defaults, spikes, transport, throughput, sharing, then any other). Each
+schedules, peers, defaults, spikes, transport, throughput, sharing, soak, then any other). Each
 section's body comes from its benchmark module's ``report_section(data)``; before calling it, the
 report copies the run's figures into ``figures/`` next to the page and rewrites
 ``data["figures"]`` to links relative to the page, so a section links ``data["figures"]`` as
@@ -41,6 +41,7 @@ SECTION_ORDER = (
     "transport",
     "throughput",
     "sharing",
+    "soak",
 )
 TITLES = {
     "convergence": "Convergence: validation loss against steps and wall-clock time",
@@ -51,12 +52,13 @@ TITLES = {
     "transport": "Transport: moving snapshots and results",
     "throughput": "Throughput: daemon solves/s against a bare LAPACK loop",
     "sharing": "Sharing: N training processes on one daemon",
+    "soak": "Soak: clients, kills and a misbehaving tenant on one daemon",
 }
 DEFAULT_RESULTS = Path("runs/bench")
 DEFAULT_OUT = Path("docs/benchmarks.md")
 FIGURES_DIR = "figures"
 _MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-_NOT_BENCHMARKS = frozenset({"report", "output", "daemon", "stats", "affinity"})
+_NOT_BENCHMARKS = frozenset({"report", "output", "daemon", "stats", "affinity", "soak_actors"})
 
 
 def load_results(results_dir: Path) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:

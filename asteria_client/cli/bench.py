@@ -20,6 +20,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         peers,
         report,
         sharing,
+        soak,
         spikes,
         throughput,
         transport,
@@ -27,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
 
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks (convergence, peers, defaults, spikes, transport, throughput, sharing) "
+        help="benchmarks (convergence, peers, defaults, spikes, transport, throughput, sharing, "
+        "soak) "
         "and their report",
         description=BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -39,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         "defaults": defaults.register(benches),
         "spikes": spikes.register(benches),
         "sharing": sharing.register(benches),
+        "soak": soak.register(benches),
         "throughput": throughput.register(benches),
         "transport": transport.register(benches),
         "report": report.register(benches),

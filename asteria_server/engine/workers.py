@@ -76,6 +76,9 @@ logger = logging.getLogger(__name__)
 MAX_START_FAILURES = 3
 #: segments one worker keeps mapped (besides those dropped as soon as nothing holds them).
 MAX_MAPPED_PER_WORKER = 64
+#: a pool segment larger than this is released when its task is done (made again when needed):
+#: an input segment this size holds n=1024 fp64 snapshots; larger ones are rare and slow anyway.
+KEEP_SEGMENT_BYTES = 24 << 20
 
 
 def _process_stopped(pid: int) -> bool:
@@ -588,6 +591,18 @@ class WorkerPool:
             self._events.append(PoolEvent(job.job_id, job.task, None, None, job.runs, True))
         else:
             self._events.append(PoolEvent(job.job_id, job.task, None, str(msg[2]), job.runs))
+        self._shrink(slot)
+
+    def _shrink(self, slot: _Slot) -> None:
+        """Let go of a segment of the slot's grown past :data:`KEEP_SEGMENT_BYTES` once its task
+        is done: one big block must not pin its size in shared memory for the daemon's life. The
+        worker unmaps it at its next task (its reference here was the last)."""
+        for name in ("inp", "out"):
+            seg = getattr(slot, name)
+            if seg is not None and seg.size_bytes > KEEP_SEGMENT_BYTES:
+                setattr(slot, name, None)
+                slot.names.pop(seg.token, None)
+                seg.close()
 
     def _collect(self, slot: _Slot, job: _Job, meta: dict[str, Any]) -> PoolEvent:
         task, n, sequence = job.task, job.task.n, int(meta["sequence"])
