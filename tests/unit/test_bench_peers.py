@@ -162,3 +162,18 @@ def test_the_defaults_rule_takes_the_cheapest_setting_within_noise_of_the_best()
     # A setting missing a pair is judged on the pairs every setting has.
     del per_setting[(0.95, 10)][("embedded", 1)]
     assert defaults._choose(per_setting)["pairs"] == 3  # type: ignore[index]
+
+
+@pytest.mark.parametrize("name", ["SOAP", "KLShampoo"])
+def test_the_swept_defaults_hold_and_the_reference_is_one_keyword_away(name: str) -> None:
+    import asteria_client
+
+    optimizer_class = getattr(asteria_client, name)
+    param = torch.nn.Parameter(torch.zeros(3, 2))
+    chosen = optimizer_class([("w", param)], mode="native")
+    reference = optimizer_class([("w", param)], mode="native", **optimizer_class.REFERENCE_SETTINGS)
+    group, ref_group = chosen.param_groups[0], reference.param_groups[0]
+    assert (group["betas"], group["precondition_frequency"]) == ((0.9, 0.95), 5)
+    assert (ref_group["betas"], ref_group["precondition_frequency"]) == ((0.95, 0.95), 10)
+    chosen.close()
+    reference.close()
