@@ -367,7 +367,7 @@ class DaemonSource(PreconditionerSource):
                 self._conn.register(session.session_id, new)
                 with self._lock:
                     self._registered.update(t.block for t in new)
-        except InvalidInputError as exc:
+        except (InvalidInputError, DaemonBusyError) as exc:  # a limit: registering is advisory
             logger.warning("the daemon refused to register %d blocks: %s", len(new), exc)
         except AsteriaError as exc:
             self._session.lost(session, exc)
