@@ -409,7 +409,7 @@ def format_report(data: dict[str, Any]) -> str:
 
 def report_section(data: dict[str, Any]) -> str:
     lines = [f"- {note}" for note in _notes(data)]
-    lines += ["", *markdown_table(list(_HEAD), table_rows(data), align="lll>>>>")]
+    lines += ["", *markdown_table(list(_HEAD), table_rows(data), align="<<<>>>>")]
     lines += ["", *[f"- {line}" for line in choice_lines(data)]]
     for figure in data.get("figures", []):
         lines += ["", f"![{Path(figure).stem}]({figure})"]
@@ -643,9 +643,10 @@ def _single_run_command(cfg: DefaultsConfig, arm: Arm, json_path: Path) -> list[
 
 
 def _expected_cost(arm: Arm) -> float:
-    """Longest first (better packing): runs that refresh often cost most."""
+    """Longest first (better packing): runs that refresh often cost most; AdamW, whose loss
+    is every other run's target, before them all."""
     if arm.info is None:
-        return 0.5
+        return math.inf
     return 1.0 + 4.0 / arm.info["frequency"]
 
 
