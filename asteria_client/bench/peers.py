@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import logging
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -251,6 +252,7 @@ def _run_peers(cfg: PeersConfig) -> dict[str, Any]:
     from asteria_client.train.corpus import load_corpus
 
     started = time.time()
+    load_before = os.getloadavg()[0]
     trainer_cpus, solver_cpus = split_cpus(cfg.threads) if cfg.pin_solver else (None, None)
     by_seed, skipped = plan(cfg, solver_cpus)
     for line in skipped:
@@ -312,6 +314,8 @@ def _run_peers(cfg: PeersConfig) -> dict[str, Any]:
         },
         "started_unix_s": started,
         "wall_time_s": time.time() - started,
+        # How busy the machine was (others' work too): the 1-minute load average, and CPUs.
+        "load_average": {"start": load_before, "end": os.getloadavg()[0], "cpus": os.cpu_count()},
         "skipped": skipped,
         "target_val_loss": target,
         "batch_streams_identical": convergence_summary.batch_streams_identical(runs),
@@ -556,6 +560,12 @@ def _notes(data: dict[str, Any]) -> list[str]:
         "Identical batch streams per seed across configurations: "
         f"{'yes' if data['batch_streams_identical'] else 'NO'}.",
     ]
+    load = data.get("load_average")
+    if load is not None:
+        notes.append(
+            f"Machine load (1-minute load average, others' work included): {load['start']:.1f} "
+            f"at the start, {load['end']:.1f} at the end, on {load['cpus']} CPUs."
+        )
     notes += data["skipped"]
     return notes
 

@@ -116,6 +116,8 @@ def test_quick_defaults_sweep_writes_the_grid_and_a_choice(tmp_path: Path) -> No
     assert len(data["merged_from"]) == 2 and "soap-native-b0.9-f8" in {
         r["config"] for r in data["runs"]
     }
+    page = bench_report.render(tmp_path, tmp_path / "docs" / "benchmarks.md")
+    assert "| soap | native | 0.9 | 8 |" in page and "Not rendered" not in page
 
 
 @pytest.mark.slow
