@@ -359,6 +359,8 @@ class TransportStats:
         upload_bytes_in_flight: snapshot bytes being received now (chunks or segment copies).
         upload_budget_bytes: the limit on those (``max_upload_bytes``).
         uploads_waiting: uploads waiting for room in that budget.
+        snapshots_received: snapshots received and handed to the engine, all time.
+        snapshot_bytes_received: their bytes (chunks, or announced in shared memory).
     """
 
     shm_connections: int = 0
@@ -367,6 +369,8 @@ class TransportStats:
     upload_bytes_in_flight: int = 0
     upload_budget_bytes: int = 0
     uploads_waiting: int = 0
+    snapshots_received: int = 0
+    snapshot_bytes_received: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

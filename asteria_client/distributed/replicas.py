@@ -117,14 +117,21 @@ class NodeShareSource(PreconditionerSource):
         self.owners = BlockOwners(layout.local_ranks)
         self.uploaded = 0  # snapshots this rank handed to the daemon
         self.left_to_peers = 0  # snapshots another local rank uploads
+        self.uploaded_bytes = 0  # their bytes (factor, and basis when sent)
+        self.left_bytes = 0
 
     def submit(self, request: PreconditionerRequest) -> None:
         n = int(request.matrix.shape[0])
+        size = sum(
+            t.numel() * t.element_size() for t in (request.matrix, request.basis) if t is not None
+        )
         if not _shared(request.block) or self.owners.owner(request.block, n) == self.layout.rank:
             self.uploaded += 1
+            self.uploaded_bytes += size
             self.inner.submit(request)
         else:
             self.left_to_peers += 1
+            self.left_bytes += size
             self.inner.expect(request)
 
     def take(self, block: str) -> PreconditionerResult | None:
@@ -140,6 +147,8 @@ class NodeShareSource(PreconditionerSource):
             "blocks_owned": len(self.owners.owned_by(self.layout.rank)),
             "snapshots_uploaded": self.uploaded,
             "snapshots_left_to_peers": self.left_to_peers,
+            "snapshot_bytes_uploaded": self.uploaded_bytes,
+            "snapshot_bytes_left_to_peers": self.left_bytes,
         }
 
     def __getattr__(self, name: str) -> Any:  # status(), jobs(), segments(), address, ...

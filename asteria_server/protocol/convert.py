@@ -482,6 +482,8 @@ def transport_stats_from_proto(message: pb.StatusResponse) -> TransportStats | N
         upload_bytes_in_flight=t.upload_bytes_in_flight,
         upload_budget_bytes=t.upload_budget_bytes,
         uploads_waiting=t.uploads_waiting,
+        snapshots_received=t.snapshots_received,
+        snapshot_bytes_received=t.snapshot_bytes_received,
     )
 
 

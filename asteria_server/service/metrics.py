@@ -268,6 +268,16 @@ class _StatusCollector(Collector):
             "The daemon's max_upload_bytes.",
             transport.upload_budget_bytes,
         )
+        yield CounterMetricFamily(
+            "asteria_snapshots_received",
+            "Snapshots received and handed to the engine.",
+            value=transport.snapshots_received,
+        )
+        yield CounterMetricFamily(
+            "asteria_snapshot_bytes_received",
+            "Bytes of those snapshots (chunks, or announced in shared memory).",
+            value=transport.snapshot_bytes_received,
+        )
         yield _gauge(
             "asteria_uploads_waiting",
             "Uploads waiting for room in the upload budget.",

@@ -232,6 +232,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._unregistered: dict[str, set[str]] = {}
         self._registered: dict[str, dict[str, tuple[int, SolveKind]]] = {}
         self._stopping = False
+        self._received = [0, 0]  # snapshots handed to the engine, and their bytes
         #: tenant -> its open StreamResults calls (touched on the event loop only)
         self._streams: dict[str, set[_Stream]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -479,6 +480,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     task = await self._from_segment(receiver, session)
             if task is None:  # the client already wrote a newer snapshot over this one
                 return convert.outcome_to_proto(SubmitOutcome.STALE_IGNORED)
+            self._received[0] += 1
+            self._received[1] += num_bytes
             outcome = self._engine.submit(task, job=session.job)
         except (
             InvalidInputError,
@@ -816,4 +819,6 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             upload_bytes_in_flight=self._uploads.in_use_bytes,
             upload_budget_bytes=self._uploads.limit_bytes,
             uploads_waiting=self._uploads.waiting,
+            snapshots_received=self._received[0],
+            snapshot_bytes_received=self._received[1],
         )

@@ -84,7 +84,7 @@ def test_four_ranks_upload_and_solve_each_block_version_once(
         stats = [json.loads((tmp_path / f"stats{r}.json").read_text()) for r in range(WORLD)]
         reader = StatusReader(daemon.target, "", "")
         try:
-            engine, blocks, _ = reader.read()
+            engine, blocks, transport = reader.read()
             jobs = reader.jobs()
         finally:
             reader.close()
@@ -107,6 +107,11 @@ def test_four_ranks_upload_and_solve_each_block_version_once(
     # The daemon solved each block version once, and was never sent one twice.
     ours = [b for b in blocks if b.block.startswith(f"{JOB}:")]
     assert engine.solves_done == versions
+    assert transport is not None and transport.snapshots_received == versions
+    one_copy = {s["snapshot_bytes_uploaded"] + s["snapshot_bytes_left_to_peers"] for s in stats}
+    assert len(one_copy) == 1  # every rank held the same snapshots
+    assert transport.snapshot_bytes_received == one_copy.pop()  # and the daemon got them once
+    assert sum(s["snapshot_bytes_uploaded"] for s in stats) == transport.snapshot_bytes_received
     assert sum(b.duplicates + b.stale_ignored + b.superseded for b in ours) == 0
     assert sum(1 for b in ours) * (STEPS // FREQ) == versions
 

@@ -1111,6 +1111,8 @@ class TransportStats(_message.Message):
     UPLOAD_BYTES_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     UPLOAD_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
     UPLOADS_WAITING_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_RECEIVED_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
     shm_connections: _builtins.int
     """Clients connected to the segment-handover socket."""
     shm_segments: _builtins.int
@@ -1123,6 +1125,12 @@ class TransportStats(_message.Message):
     """The limit on those (the daemon's max_upload_bytes)."""
     uploads_waiting: _builtins.int
     """Uploads waiting for room in that budget."""
+    snapshots_received: _builtins.int
+    """Snapshots received and handed to the engine since the daemon started, and their bytes (read
+    in chunks or announced in a shared-memory segment): one per (block, version) when the ranks
+    of a job share their uploads.
+    """
+    snapshot_bytes_received: _builtins.int
     def __init__(
         self,
         *,
@@ -1132,10 +1140,12 @@ class TransportStats(_message.Message):
         upload_bytes_in_flight: _builtins.int = ...,
         upload_budget_bytes: _builtins.int = ...,
         uploads_waiting: _builtins.int = ...,
+        snapshots_received: _builtins.int = ...,
+        snapshot_bytes_received: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["shm_connections", b"shm_connections", "shm_mapped_bytes", b"shm_mapped_bytes", "shm_segments", b"shm_segments", "upload_budget_bytes", b"upload_budget_bytes", "upload_bytes_in_flight", b"upload_bytes_in_flight", "uploads_waiting", b"uploads_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shm_connections", b"shm_connections", "shm_mapped_bytes", b"shm_mapped_bytes", "shm_segments", b"shm_segments", "snapshot_bytes_received", b"snapshot_bytes_received", "snapshots_received", b"snapshots_received", "upload_budget_bytes", b"upload_budget_bytes", "upload_bytes_in_flight", b"upload_bytes_in_flight", "uploads_waiting", b"uploads_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
