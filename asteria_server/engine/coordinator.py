@@ -141,12 +141,12 @@ class Coordinator:
         :meth:`discard` ed when it ends)."""
         queued = self.scheduler.forget(tenant, block)
         if queued is not None:
-            self._hold(tenant, -task_host_bytes(queued))  # HELD
+            self._hold(tenant, -task_host_bytes(queued))
         self.registry.forget(tenant, block)
 
     def discard(self, task: SolveTask) -> None:
         """A task of a forgotten block ended, whichever way: nothing of it is recorded."""
-        self._finished(task)  # HELD
+        self._finished(task)
         self.scheduler.finish(task.tenant, task.block, None)
 
     def drop_result(self, tenant: str, block: str) -> None:

@@ -239,9 +239,9 @@ class CoherenceRegistry:
         rec = self._records.pop((tenant, block), None)
         if rec is not None:
             self._set_result(rec, None)
-            self._blocks_of[tenant] = self._blocks_of.get(tenant, 1) - 1  # COUNT
-            if not self._blocks_of[tenant]:  # COUNT
-                del self._blocks_of[tenant]  # COUNT
+            self._blocks_of[tenant] = self._blocks_of.get(tenant, 1) - 1
+            if not self._blocks_of[tenant]:
+                del self._blocks_of[tenant]
 
     def blocks_of_job(self, tenant: str, job: str) -> list[str]:
         """The tenant's blocks last submitted by a session of ``job``."""
