@@ -84,7 +84,7 @@ def test_a_stopped_worker_is_shown_killed_and_replaced_while_small_blocks_are_se
             seen_a = _workers(stub, a)[0]
         assert seen_a.pid == stopped_pid and seen_a.block == "big"
         assert seen_a.state == "stopped" and seen_a.n == 2048
-        assert 0 < seen_a.expected_s < seen_a.timeout_s < 600.0
+        assert 0 < seen_a.expected_s <= seen_a.timeout_s < 600.0  # factor 1: equal
         seen_b = _workers(stub, b)[0]
         assert seen_b.state == "stopped" and seen_b.block == ""  # never another tenant's name
 
