@@ -248,7 +248,7 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
         "--tenant-max-streams",
         type=int,
         metavar="N",
-        help="result streams one tenant may hold open (default 256)",
+        help="result streams one tenant may hold open (default 1024)",
     )
     add(
         "--stream-stall-s",

@@ -224,7 +224,7 @@ class DaemonConfig:
     max_block_name_bytes: int = 1024
     tenant_max_sessions: int = 1024
     session_ttl_s: float = 300.0
-    tenant_max_streams: int = 256
+    tenant_max_streams: int = 1024
     stream_stall_s: float = 60.0
     tenant_upload_share: float = 0.5
     upload_idle_s: float = 30.0

@@ -88,10 +88,9 @@ class SessionTable:
     def tenant_sessions(self, tenant: str) -> int:
         return self._by_tenant.get(tenant, 0)
 
-    def open(self, session: Session) -> list[Session]:
-        """Add ``session``; returns the sessions that expired meanwhile (the caller drops
-        their handovers). DaemonBusyError when a cap is reached: nothing is dropped for it."""
-        expired = self.reap()
+    def open(self, session: Session) -> None:
+        """Add ``session`` (:meth:`reap` first, so expired sessions make room). DaemonBusyError
+        when a cap is reached: nothing is dropped for it."""
         held = self._by_tenant.get(session.tenant, 0)
         if held >= self.tenant_max_sessions:
             raise DaemonBusyError(
@@ -108,7 +107,6 @@ class SessionTable:
         self._sessions[session.session_id] = session
         self._leases[session.session_id] = _Lease(self._clock())
         self._by_tenant[session.tenant] = held + 1
-        return expired
 
     def get(self, session_id: str) -> Session:
         """The open session (its lease renewed), or UnknownSessionError saying why not."""

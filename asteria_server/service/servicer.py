@@ -78,7 +78,7 @@ class ServiceLimits:
     max_block_name_bytes: int = 1024
     tenant_max_sessions: int = 1024
     session_ttl_s: float = 300.0
-    tenant_max_streams: int = 256
+    tenant_max_streams: int = 1024
     stream_stall_s: float = 60.0
     tenant_upload_share: float = 1.0
     upload_idle_s: float = 30.0
@@ -360,9 +360,10 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     extra={"tenant": request.tenant, "job": request.job},
                 )
                 raise
-            session = Session(uuid.uuid4().hex, tenant, request.job, request.rank, self._clock())
-            for expired in self._sessions.open(session):
+            for expired in self._sessions.reap():  # their room first
                 self._expired(expired)
+            session = Session(uuid.uuid4().hex, tenant, request.job, request.rank, self._clock())
+            self._sessions.open(session)
         except (AuthenticationError, DaemonBusyError) as exc:
             await _abort(context, exc)
         self._arm_reaper()
