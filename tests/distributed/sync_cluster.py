@@ -60,6 +60,9 @@ class RunSpec:
     barrier_timeout_s: float = 30.0
     #: the rank that writes ``tmp/at_step`` (its step number) as it trains, for the test
     report_rank: int = 0
+    #: False: no DDP, every rank trains on the whole batch (replicas hold the same factors
+    #: without a collective per step, so a stalled rank does not stall the others)
+    ddp: bool = True
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -91,7 +94,7 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
     )
     try:
         net = model()
-        ddp = torch.nn.parallel.DistributedDataParallel(net)
+        ddp = torch.nn.parallel.DistributedDataParallel(net) if spec.ddp else net
         g = torch.Generator().manual_seed(7)
         data = [torch.randn(16 * world, 32, generator=g) for _ in range(spec.steps)]
         opt = SOAP(
@@ -105,7 +108,7 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
         )
         try:
             for step, batch in enumerate(data):
-                x = batch[rank * 16 : (rank + 1) * 16]
+                x = batch[rank * 16 : (rank + 1) * 16] if spec.ddp else batch
                 opt.zero_grad()
                 ddp(x).square().mean().backward()
                 opt.step()
@@ -120,7 +123,8 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
         out = {
             "params": {k: v.detach().tolist() for k, v in net.state_dict().items()},
             "local_fallbacks": stats["local_fallbacks"],
-            "max_lag_steps": stats.get("max_lag_steps"),
+            "max_lag_steps": stats["max_lag_steps"],
+            "barrier_max_wait_s": stats["barrier_max_wait_s"],
             "source": {k: v for k, v in stats["source"].items() if isinstance(v, int | float)},
         }
         (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(out))
@@ -132,6 +136,7 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
 
 def start_ranks(tmp: Path, spec: RunSpec) -> Any:
     """Spawn the ranks (not joined): the caller joins ``ctx`` (``ctx.join(timeout)``)."""
+    tmp.mkdir(parents=True, exist_ok=True)
     return mp.start_processes(
         _rank,
         args=(spec.world, str(tmp), json.dumps(asdict(spec))),
@@ -195,6 +200,8 @@ def daemons(tmp: Path, k: int, env: dict[str, str] | None = None) -> Iterator[li
 class DaemonView:
     solves_done: int
     groups: list[dict[str, Any]]
+    #: block -> snapshots its engine replaced in the queue by a newer one (latest wins)
+    superseded: dict[str, int] = field(default_factory=dict)
 
     @property
     def group(self) -> dict[str, Any]:
@@ -205,7 +212,8 @@ class DaemonView:
 def view(address: str) -> DaemonView:
     reader = StatusReader(address, TENANT, TOKEN)
     try:
-        stats, _, _ = reader.read()
-        return DaemonView(stats.solves_done, peers_document(reader.peers()))
+        stats, blocks, _ = reader.read()
+        superseded = {b.block: b.superseded for b in blocks}
+        return DaemonView(stats.solves_done, peers_document(reader.peers()), superseded)
     finally:
         reader.close()

@@ -4,9 +4,16 @@ daemon i), SOAP in daemon mode. See tests/distributed/sync_cluster.py."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import signal
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from asteria_server.sync.owners import balance, owner_map
 from tests.distributed import sync_cluster as sc
@@ -27,7 +34,7 @@ def _exactly_once(tmp_path: Path, k: int, ranks_per_node: int) -> None:
     last = spec.steps - 1  # snapshots of each block at steps 1, 3, ..., 19
     assert all(r["local_fallbacks"] == 0 for r in ranks), [r["local_fallbacks"] for r in ranks]
     groups = [v.group for v in views]
-    assert all(g["agreed"] and g["fallbacks"] == 0 for g in groups)
+    assert all(g["agreed"] and g["fallbacks"] == 0 for g in groups), groups
     solved: dict[str, list[int]] = {}
     owners: dict[str, set[int]] = {}
     for g in groups:
@@ -38,13 +45,17 @@ def _exactly_once(tmp_path: Path, k: int, ranks_per_node: int) -> None:
     assert len(solved) == sc.NUM_BLOCKS
     assert all(len(o) == 1 for o in owners.values()), owners  # every daemon's map is the same
     # Every (block, version) solved exactly once in the whole cluster: no version twice, and
-    # from its first solve on (the first snapshots wait while the daemons agree on the blocks,
-    # and a newer one replaces them) every version of every block; the engines' solve counts
-    # add up to exactly that.
+    # each version not solved anywhere was replaced by a newer snapshot before any daemon
+    # solved it (latest wins: the first ones while the daemons agree on the blocks, and any
+    # that waited in a busy owner's queue); the engines' solve counts add up to exactly that.
+    expected = set(range(1, last + 1, spec.frequency))
     for block, versions in solved.items():
         assert len(versions) == len(set(versions)), (block, sorted(versions))
-        assert set(versions) == set(range(min(versions), last + 1, spec.frequency)), versions
-        assert min(versions) <= 2 * spec.frequency, versions
+        assert set(versions) <= expected and last in versions, versions
+        replaced = sum(v.superseded.get(block, 0) for v in views) + sum(
+            b["superseded"] for g in groups for b in g["blocks"] if b["block"] == block
+        )
+        assert len(expected - set(versions)) <= replaced, (block, sorted(versions), replaced)
     assert sum(v.solves_done for v in views) == sum(len(vs) for vs in solved.values())
     # Each block was solved on its owner only; the others received each version from it.
     for g in groups:
@@ -78,7 +89,7 @@ def test_three_daemons_solve_each_block_version_once(tmp_path: Path) -> None:
 
 
 def test_owner_map_is_balanced_and_moves_only_a_dead_nodes_blocks() -> None:
-    blocks = {f"j:{i}": n for i, n in enumerate([48, 32, 40, 48, 24, 40, 16, 24, 8, 64])}
+    blocks = {f"j:{i}": n for i, n in enumerate([48, 32, 40, 48, 24, 40, 16, 24, 8, 36])}
     for k in (2, 3, 4):
         owners = owner_map(blocks, range(k), range(k))
         assert set(owners) == set(blocks) and set(owners.values()) <= set(range(k))
@@ -91,3 +102,186 @@ def test_owner_map_is_balanced_and_moves_only_a_dead_nodes_blocks() -> None:
     assert set(failed.values()) <= {0, 2}
     assert owner_map(blocks, range(3), range(3)) == owners  # it comes back: they move back
     assert owner_map(blocks, range(3), []) == {}
+
+
+@pytest.mark.slow
+def test_s0_parameters_equal_the_single_daemon_run(tmp_path: Path) -> None:
+    """At S = 0 every rank installs every version at its step, so two nodes with a daemon each
+    (blocks solved once, on their owners, and pushed) end where one daemon serving both ranks
+    ends."""
+    with sc.daemons(tmp_path / "one", 1) as ds:
+        spec = sc.RunSpec(addresses=[ds[0].address], node_of_rank=[0, 0], budget=0)
+        single = sc.run_ranks(tmp_path / "one", spec)
+    with sc.daemons(tmp_path / "two", 2) as ds:
+        spec = sc.RunSpec(addresses=[d.address for d in ds], node_of_rank=[0, 1], budget=0)
+        synced = sc.run_ranks(tmp_path / "two", spec)
+        views = [sc.view(d.address) for d in ds]
+    assert all(r["local_fallbacks"] == 0 for r in single + synced)
+    groups = [v.group for v in views]
+    assert all(b["received"] > 0 for g in groups for b in g["blocks"] if b["owner"] != g["node"])
+    # Within float32 noise of the training itself: two runs of the single-daemon job differ
+    # by up to ~3e-5 after 20 steps on this host (SOAP's bases amplify rounding), so the
+    # tolerance is that of tests/distributed/test_ranks.py, widened by that spread.
+    for name, value in single[0]["params"].items():
+        expected = torch.tensor(value)
+        for rank in synced:
+            torch.testing.assert_close(
+                torch.tensor(rank["params"][name]), expected, rtol=1e-3, atol=1e-4, msg=name
+            )
+
+
+def _versions(group: dict[str, Any]) -> dict[str, int]:
+    return {b["block"]: b["version"] for b in group["blocks"]}
+
+
+def _owners(group: dict[str, Any]) -> dict[str, int]:
+    return {b["block"]: b["owner"] for b in group["blocks"]}
+
+
+def _peer(group: dict[str, Any], node: int) -> dict[str, Any]:
+    (found,) = [p for p in group["peers"] if p["node"] == node]
+    return found
+
+
+def _at_step(tmp: Path) -> int:
+    try:
+        return int((tmp / "at_step").read_text())
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+#: Short failure detection for the fault tests (the defaults are 2 s suspect, 5 s dead).
+FAST = sc.sync_env(heartbeat_s=0.1, suspect_s=0.6, dead_s=1.5, patience_s=1.0)
+
+
+@pytest.mark.slow
+def test_kill_one_daemon_mid_run_fails_over_and_a_restart_rejoins(tmp_path: Path) -> None:
+    """Three nodes; daemon 1 is killed with SIGKILL at step 15 and restarted on its port 3 s
+    later. Every rank finishes (node 1's rank computes locally while its daemon is gone);
+    daemons 0 and 2 declare node 1 dead and own all its blocks, and once the restarted daemon
+    (a new incarnation) is back its blocks move back to it; no daemon's versions go back."""
+    with sc.daemons(tmp_path, 3, env=FAST) as ds:
+        port = int(ds[1].address.rsplit(":", 1)[1])
+        first_incarnation = ds[1].serving_line.split("incarnation=")[1].split()[0]
+        spec = sc.RunSpec(
+            addresses=[d.address for d in ds],
+            node_of_rank=[0, 1, 2],
+            steps=240,
+            step_sleep_s=0.05,
+            barrier_timeout_s=3.0,
+        )
+        seen: dict[str, Any] = {"phase": "before", "versions": []}
+
+        def during() -> None:
+            now = time.monotonic()
+            if seen["phase"] == "restarted" or now < seen.get("next_look", 0.0):
+                return
+            seen["next_look"] = now + 0.3
+            views = [sc.view(ds[i].address) for i in (0, 2)]
+            if not all(v.groups for v in views):
+                return  # the job is not registered yet
+            survivors = [v.group for v in views]
+            seen["versions"].append([_versions(g) for g in survivors])
+            if seen["phase"] == "before" and _at_step(tmp_path) >= 15:
+                seen["owners_before"] = _owners(survivors[0])
+                ds[1].process.kill()  # SIGKILL
+                ds[1].process.wait()
+                seen["phase"], seen["killed_at"] = "killed", now
+            elif seen["phase"] == "killed" and now - seen["killed_at"] > 3.0:
+                seen["dead"] = survivors
+                ds[1].stop()  # reaps it (already dead) and removes its files
+                ds[1] = sc.daemon(tmp_path, 1, port=port, env=FAST).start()
+                seen["phase"] = "restarted"
+
+        sc.join(sc.start_ranks(tmp_path, spec), 150, during)
+        assert seen["phase"] == "restarted", seen["phase"]
+        # The restarted daemon rejoins: its rank registered the job again.
+        deadline = time.monotonic() + 10
+        while True:
+            final = [sc.view(ds[i].address).group for i in range(3)]
+            back = _peer(final[0], 1)
+            if (back["state"] == "alive" and final[0]["agreed"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+
+    assert ranks[1]["local_fallbacks"] > 0  # node 1's rank computed while its daemon was gone
+    # While it was dead: both survivors say so, and own every block between them.
+    for group in seen["dead"]:
+        assert _peer(group, 1)["state"] == "dead" and _peer(group, 1)["died"] >= 1
+        assert group["agreed"] and set(_owners(group).values()) <= {0, 2}, _owners(group)
+    moved = {b for b, o in seen["owners_before"].items() if o == 1}
+    assert moved and all(
+        _owners(seen["dead"][0])[b] == seen["owners_before"][b]
+        for b in seen["owners_before"]
+        if b not in moved
+    )  # only its blocks
+    # Back: a new incarnation, rejoined, and the owners are those before the kill again.
+    assert back["state"] == "alive" and back["incarnation_id"] != first_incarnation
+    assert back["rejoined"] >= 1
+    assert _owners(final[0]) == seen["owners_before"]
+    # Versions never went back on the survivors.
+    for i in range(2):
+        history = [sample[i] for sample in seen["versions"]] + [_versions(final[2 * i])]
+        for older, newer in itertools.pairwise(history):
+            assert all(newer.get(b, -1) >= v for b, v in older.items()), (older, newer)
+
+
+@pytest.mark.slow
+def test_a_sigstopped_daemon_does_not_stall_the_others_and_rejoins(tmp_path: Path) -> None:
+    """Two nodes whose ranks train the same batches without DDP (so node 0's rank does not wait
+    for node 1's in a collective). Daemon 1 is SIGSTOPped for 10 s: daemon 0 keeps answering,
+    suspects then buries it and solves its blocks itself, so its rank keeps training within the
+    staleness budget, never computing locally; after SIGCONT daemon 1 is heard again."""
+    with sc.daemons(tmp_path, 2, env=FAST) as ds:
+        spec = sc.RunSpec(
+            addresses=[d.address for d in ds],
+            node_of_rank=[0, 1],
+            steps=400,
+            step_sleep_s=0.02,
+            barrier_timeout_s=2.0,
+            ddp=False,
+        )
+        seen: dict[str, Any] = {"phase": "before", "status_s": 0.0}
+
+        def during() -> None:
+            now = time.monotonic()
+            step = _at_step(tmp_path)
+            if seen["phase"] == "before" and step >= 15:
+                os.kill(ds[1].pid, signal.SIGSTOP)
+                seen.update(phase="stopped", stopped_at=now, step_at_stop=step)
+            elif seen["phase"] == "stopped":
+                started = time.monotonic()
+                group = sc.view(ds[0].address).group
+                seen["status_s"] = max(seen["status_s"], time.monotonic() - started)
+                if now - seen["stopped_at"] >= 10.0:
+                    seen.update(during=group, step_at_cont=_at_step(tmp_path), phase="continued")
+                    os.kill(ds[1].pid, signal.SIGCONT)
+
+        try:
+            sc.join(sc.start_ranks(tmp_path, spec), 150, during)
+        finally:
+            if seen["phase"] == "stopped":
+                os.kill(ds[1].pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while True:
+            final = sc.view(ds[0].address).group
+            if _peer(final, 1)["state"] == "alive" or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    assert seen["phase"] == "continued"
+    # Node 0's rank trained on while daemon 1 was stopped, within its budget (S = 1, f = 2),
+    # and never had to compute a block itself: daemon 0 served every block.
+    assert seen["step_at_cont"] - seen["step_at_stop"] >= 50, seen
+    assert ranks[0]["local_fallbacks"] == 0
+    assert ranks[0]["max_lag_steps"] <= spec.budget * spec.frequency
+    assert seen["status_s"] < 2.0  # daemon 0's Status answered promptly throughout
+    during_group = seen["during"]
+    assert _peer(during_group, 1)["state"] == "dead" and during_group["agreed"]
+    assert set(_owners(during_group).values()) == {0}  # all of node 1's blocks moved to node 0
+    # SIGCONT: the same incarnation is heard again, rejoins, and owns its blocks again.
+    back = _peer(final, 1)
+    assert back["state"] == "alive" and back["rejoined"] >= 1
+    assert set(_owners(final).values()) == {0, 1}
