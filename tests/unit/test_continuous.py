@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asteria_client import SOAP, KLShampoo, Shampoo
+from asteria_client.optim.tensor_ops import project
 from asteria_client.runtime.refresh import estimate_drift
 from asteria_client.runtime.source import (
     NativeSource,
@@ -326,6 +327,28 @@ def test_kl_shampoo_takes_the_eigenvalues_of_the_basis_snapshot() -> None:
     assert seen
     for installed, from_snapshot in seen:
         torch.testing.assert_close(installed, from_snapshot)
+
+
+def test_soap_moments_are_rotated_in_the_step_a_basis_is_installed() -> None:
+    """Each install moves SOAP's first moment into the new basis at once: expressed in the
+    parameter's coordinates it is the same before and after (a basis installed without its
+    rotation, or half-way, would change it)."""
+    model = _model()
+    source = DelayedSource(1, [2, 0, 3])
+    opt = SOAP(model.named_parameters(), source=source, refresh="continuous", staleness_budget=3)
+    checked = []
+    original = SOAP._install
+
+    def install(tile: Any, dim: int, result: PreconditionerResult) -> None:
+        before = project(tile.exp_avg, tile.bases, back=True)
+        original(tile, dim, result)
+        after = project(tile.exp_avg, tile.bases, back=True)
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-6)
+        checked.append(tile.blocks[dim])
+
+    opt._install = install  # type: ignore[method-assign]
+    _train(model, opt, 20, tick=source.tick)
+    assert len(checked) >= 8
 
 
 def test_refresh_argument_is_checked() -> None:
