@@ -79,11 +79,13 @@ def _kib(num_bytes: int) -> str:
 
 
 def format_peers(reply: ppb.PeerStatusResponse | None) -> str:
-    """The peers tables ("" when there are no peer groups)."""
-    if reply is None or not reply.groups:
+    """The peers tables ("" when there are no peer groups of more than one daemon)."""
+    if reply is None:
         return ""
     parts = []
     for group in reply.groups:
+        if len(group.peers) < 2:
+            continue  # a job on one daemon: nothing to sync
         head = (
             f"peers of job {group.job} (this daemon: node {group.node}; owners "
             f"{'agreed' if group.agreed else 'not agreed yet'}; {group.waiting} snapshots "

@@ -19,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         defaults,
         peers,
         report,
+        scale,
         sharing,
         soak,
         spikes,
@@ -29,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks (convergence, peers, defaults, spikes, transport, throughput, sharing, "
-        "soak) "
+        "soak, scale) "
         "and their report",
         description=BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -41,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         "defaults": defaults.register(benches),
         "spikes": spikes.register(benches),
         "sharing": sharing.register(benches),
+        "scale": scale.register(benches),
         "soak": soak.register(benches),
         "throughput": throughput.register(benches),
         "transport": transport.register(benches),

@@ -102,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
                     if args.watch is not None and sys.stdout.isatty():
                         print("\x1b[H\x1b[2J", end="")
                     print(format_table(address, stats, blocks, transport, jobs), flush=True)
-                    if peers is not None and peers.groups:
-                        print(format_peers(peers), flush=True)
+                    table = format_peers(peers)
+                    if table:
+                        print(table, flush=True)
             first = False
             if args.watch is None:
                 return EXIT_OK

@@ -915,11 +915,7 @@ class SyncManager:
     def status(self, tenant: str) -> ppb.PeerStatusResponse:
         now = time.monotonic()
         return ppb.PeerStatusResponse(
-            groups=[
-                js.status(now)
-                for (t, _), js in sorted(self.jobs.items())
-                if t == tenant and js.syncing
-            ]
+            groups=[js.status(now) for (t, _), js in sorted(self.jobs.items()) if t == tenant]
         )
 
 

@@ -15,11 +15,14 @@ from typing import Any
 import pytest
 import torch
 
+from asteria_client.cli import main
 from asteria_server.sync.owners import balance, owner_map
 from tests.distributed import sync_cluster as sc
 
 
-def _exactly_once(tmp_path: Path, k: int, ranks_per_node: int) -> None:
+def _exactly_once(
+    tmp_path: Path, k: int, ranks_per_node: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     with sc.daemons(tmp_path, k) as ds:
         spec = sc.RunSpec(
             addresses=[d.address for d in ds],
@@ -30,6 +33,19 @@ def _exactly_once(tmp_path: Path, k: int, ranks_per_node: int) -> None:
         )
         ranks = sc.run_ranks(tmp_path, spec)
         views = [sc.view(d.address) for d in ds]
+        status = ["status", "--address", ds[0].address, "--tenant", sc.TENANT, "--token", sc.TOKEN]
+        capsys.readouterr()
+        assert main(status) == 0
+        table = capsys.readouterr().out
+        assert main([*status, "--json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+
+    # `asteria status` shows the peers table (text) and every peer and block (--json).
+    assert f"peers of job {sc.JOB} (this daemon: node 0; owners agreed" in table
+    assert all(d.address in table for d in ds)
+    (group,) = document["peer_groups"]
+    assert [p["state"] for p in group["peers"]] == ["self"] + ["alive"] * (k - 1)
+    assert len(group["blocks"]) == sc.NUM_BLOCKS
 
     last = spec.steps - 1  # snapshots of each block at steps 1, 3, ..., 19
     assert all(r["local_fallbacks"] == 0 for r in ranks), [r["local_fallbacks"] for r in ranks]
@@ -79,13 +95,17 @@ def _exactly_once(tmp_path: Path, k: int, ranks_per_node: int) -> None:
                 assert p["results_received"] == sum(len(solved[b["block"]]) for b in theirs)
 
 
-def test_two_daemons_solve_each_block_version_once(tmp_path: Path) -> None:
-    _exactly_once(tmp_path, k=2, ranks_per_node=1)
+def test_two_daemons_solve_each_block_version_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _exactly_once(tmp_path, k=2, ranks_per_node=1, capsys=capsys)
 
 
 @pytest.mark.slow
-def test_three_daemons_solve_each_block_version_once(tmp_path: Path) -> None:
-    _exactly_once(tmp_path, k=3, ranks_per_node=1)
+def test_three_daemons_solve_each_block_version_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _exactly_once(tmp_path, k=3, ranks_per_node=1, capsys=capsys)
 
 
 def test_owner_map_is_balanced_and_moves_only_a_dead_nodes_blocks() -> None:

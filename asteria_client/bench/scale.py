@@ -1,0 +1,341 @@
+"""`asteria bench scale`: one job on K simulated nodes, each with its own daemon, synced.
+
+For each K (default 1, 2, 4) the benchmark starts K `asteria-server` processes on loopback TCP
+(tenant tokens, one worker each) and one simulated rank per node: a thread with a daemon client
+of that node's daemon. The ranks register the job's layout (every node's daemon), then run the
+same fixed job: blocks of mixed sizes (SOAP eigenbases), a snapshot of every block every f
+steps, identical on every node (data-parallel replicas), and at each step the staleness
+barrier (S·f steps) a real optimizer applies. It reports, per daemon: solves, the CPU-seconds
+of its process and workers, the estimated CPU-seconds of its solves (the calibrated cost model
+times n³), bytes pushed to and received from its peers; and overall:
+
+- duplicate solves: (block, version) pairs solved on more than one daemon (must be 0);
+- the balance ratio: the largest daemon's estimated solve CPU-seconds over the mean, of the
+  owner map (what each daemon owns, per version) and of the solves actually done (a snapshot
+  replaced by a newer one before its solve is not solved: latest wins);
+- bytes between daemons per refresh against the minimum (each result once to each peer that
+  needs it: K-1 copies of every result solved);
+- the staleness observed: the largest lag, in steps, of a block a rank used (the budget is
+  S·f), and the barrier waits and local fallbacks.
+
+On a host with few cores the K daemons, their workers and the ranks share the same cores, so
+these are counts and bytes, not speed: the time columns say what this host did, not what K real
+nodes would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asteria_client.bench import output
+from asteria_client.daemon_process import DaemonProcess
+from asteria_client.peers_status import peers_document
+from asteria_client.runtime.source import PreconditionerRequest
+from asteria_client.status import StatusReader
+from asteria_client.tables import markdown_table, text_table
+from asteria_client.transport.connection import JobNodeInfo, RegisteredJob
+from asteria_client.transport.daemon import DaemonSource
+from asteria_server.types import SolveKind
+
+DEFAULT_NODES = (1, 2, 4)
+#: The fixed job: block dimensions (two of most sizes, like the two factors of a weight).
+BLOCK_SIZES = (96, 96, 80, 80, 64, 64, 64, 48, 48, 40, 32, 32, 24, 16)
+DEFAULT_REFRESHES = 8
+QUICK_REFRESHES = 3
+TENANT = "bench"
+TOKEN = "bench-scale-token"
+JOB = "scale"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleConfig:
+    nodes: tuple[int, ...] = DEFAULT_NODES
+    refreshes: int = DEFAULT_REFRESHES
+    precondition_frequency: int = 5
+    staleness_budget: int = 1
+    step_s: float = 0.02
+    barrier_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.nodes or any(k < 1 for k in self.nodes):
+            raise ValueError(f"nodes must be counts >= 1, got {list(self.nodes)}")
+        if self.refreshes < 1 or self.precondition_frequency < 1:
+            raise ValueError("refreshes and precondition_frequency must be >= 1")
+        if self.staleness_budget < 0 or self.step_s < 0:
+            raise ValueError("staleness_budget and step_s must be >= 0")
+
+
+def _factor(n: int, block: int, version: int) -> torch.Tensor:
+    """The block's factor at ``version``: SPD, the same on every node (replicas)."""
+    rng = np.random.default_rng(1000 * block + version)
+    a = rng.standard_normal((n, 2 * n)).astype(np.float32)
+    return torch.from_numpy(a @ a.T / (2 * n) + 1e-3 * np.eye(n, dtype=np.float32))
+
+
+class _Rank(threading.Thread):
+    """One simulated rank of one node: snapshots every f steps, the staleness barrier."""
+
+    def __init__(self, cfg: ScaleConfig, source: DaemonSource, go: threading.Barrier) -> None:
+        super().__init__(name="asteria-bench-scale-rank", daemon=True)
+        self.cfg = cfg
+        self.source = source
+        self.go = go
+        self.max_lag = 0
+        self.waits = 0
+        self.wait_s = 0.0
+        self.fallbacks = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._train()
+        except BaseException as exc:  # reported by the benchmark, never swallowed
+            self.error = exc
+
+    def _train(self) -> None:
+        cfg = self.cfg
+        f, budget = cfg.precondition_frequency, cfg.staleness_budget * cfg.precondition_frequency
+        installed = dict.fromkeys(range(len(BLOCK_SIZES)), -1)
+        newest = -1
+        self.go.wait()
+        for step in range(cfg.refreshes * f):
+            if step % f == 0:
+                newest = step
+                for i, n in enumerate(BLOCK_SIZES):
+                    self.source.submit(
+                        PreconditionerRequest(
+                            block=f"b{i}",
+                            version=step,
+                            kind=SolveKind.EIGENBASIS,
+                            matrix=_factor(n, i, step),
+                            deadline_step=step + budget,
+                        )
+                    )
+            for i in range(len(BLOCK_SIZES)):
+                result = self.source.take(f"b{i}")
+                if result is not None:
+                    installed[i] = max(installed[i], result.version)
+                required = newest - budget  # the staleness barrier, as the optimizer's
+                if required >= 0 and installed[i] < required:
+                    started = time.perf_counter()
+                    got = self.source.wait(f"b{i}", required, cfg.barrier_timeout_s)
+                    self.waits += 1
+                    self.wait_s += time.perf_counter() - started
+                    if got is None:
+                        self.fallbacks += 1  # a real optimizer would solve it itself
+                        installed[i] = newest
+                    else:
+                        installed[i] = max(installed[i], got.version)
+                if installed[i] >= 0:  # the lag of the version in use, in steps
+                    self.max_lag = max(self.max_lag, newest - installed[i])
+            time.sleep(cfg.step_s)
+
+
+def _result_bytes(n: int) -> int:
+    """A SOAP eigenbasis result's arrays: the n x n float32 basis and n float32 eigenvalues."""
+    return 4 * n * n + 4 * n
+
+
+def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
+    """One run of the job on ``k`` simulated nodes."""
+    env = {"ASTERIA_TOKENS": f"{TENANT}={TOKEN}"}
+    daemons = [DaemonProcess(workers=1, listen="127.0.0.1:0", env=env) for _ in range(k)]
+    sources: list[DaemonSource] = []
+    try:
+        for d in daemons:
+            d.start()
+        sources = [
+            DaemonSource(d.address, tenant=TENANT, token=TOKEN, job=JOB, rank=i)
+            for i, d in enumerate(daemons)
+        ]
+        nodes = tuple(
+            JobNodeInfo(
+                host=f"node{i}",
+                ranks=(i,),
+                daemon_address=d.address,
+                daemon_incarnation=s.incarnation_id,
+            )
+            for i, (d, s) in enumerate(zip(daemons, sources, strict=True))
+        )
+        for i, s in enumerate(sources):
+            s.register_job(RegisteredJob(job=JOB, world_size=k, nodes=nodes, node_rank=i))
+        go = threading.Barrier(k)
+        ranks = [_Rank(cfg, s, go) for s in sources]
+        started = time.perf_counter()
+        for r in ranks:
+            r.start()
+        for r in ranks:
+            r.join()
+        wall_s = time.perf_counter() - started
+        for r in ranks:
+            if r.error is not None:
+                raise RuntimeError(f"a simulated rank failed: {r.error!r}") from r.error
+        time.sleep(0.5)  # the last pushes land
+        views = []
+        for d in daemons:
+            reader = StatusReader(d.address, TENANT, TOKEN)
+            try:
+                stats, _, _ = reader.read()
+                groups = peers_document(reader.peers())
+            finally:
+                reader.close()
+            views.append((stats, groups[0] if groups else None))
+    finally:
+        for s in sources:
+            s.close()
+        for d in daemons:
+            if d.exit is None:
+                d.stop()
+
+    names = {f"{JOB}:b{i}": n for i, n in enumerate(BLOCK_SIZES)}
+    per_daemon = []
+    solved: dict[str, list[int]] = {}
+    for i, ((stats, group), d) in enumerate(zip(views, daemons, strict=True)):
+        blocks = [] if group is None else group["blocks"]
+        solves = stats.solves_done
+        est = 0.0
+        for b in blocks:
+            solved.setdefault(b["block"], []).extend(b["solved_versions"])
+            est += stats.seconds_per_n3 * b["n"] ** 3 * len(b["solved_versions"])
+        peers = [] if group is None else [p for p in group["peers"] if p["state"] != "self"]
+        per_daemon.append(
+            {
+                "node": i,
+                "solves": solves,
+                "cpu_s": d.cpu_s,
+                "solve_cpu_s_estimated": est,
+                "bytes_pushed": sum(p["bytes_sent"] for p in peers),
+                "bytes_received": sum(p["bytes_received"] for p in peers),
+                "results_pushed": sum(p["results_sent"] for p in peers),
+                "fallbacks": 0 if group is None else group["fallbacks"],
+            }
+        )
+    duplicates = sum(len(v) - len(set(v)) for v in solved.values())
+    distinct = {b: set(v) for b, v in solved.items()}
+    minimum = (k - 1) * sum(_result_bytes(names[b]) * len(v) for b, v in distinct.items())
+    pushed = sum(p["bytes_pushed"] for p in per_daemon)
+    planned = [] if views[0][1] is None else [p["owned_cost_s"] for p in views[0][1]["peers"]]
+    planned_mean = sum(planned) / len(planned) if planned else 0.0
+    loads = [float(p["solve_cpu_s_estimated"]) for p in per_daemon]
+    mean = sum(loads) / len(loads)
+    return {
+        "nodes": k,
+        "wall_s": wall_s,
+        "daemons": per_daemon,
+        "solves": sum(p["solves"] for p in per_daemon),
+        "duplicate_solves": duplicates,
+        "balance": max(loads) / mean if mean > 0 else 1.0,
+        "balance_of_owner_map": max(planned) / planned_mean if planned_mean > 0 else 1.0,
+        "bytes_between_daemons": pushed,
+        "bytes_minimum": minimum,
+        "bytes_over_minimum": pushed / minimum if minimum else None,
+        "bytes_per_refresh": pushed / cfg.refreshes,
+        "max_lag_steps": max(r.max_lag for r in ranks),
+        "budget_steps": cfg.staleness_budget * cfg.precondition_frequency,
+        "barrier_waits": sum(r.waits for r in ranks),
+        "barrier_wait_s": sum(r.wait_s for r in ranks),
+        "rank_fallbacks": sum(r.fallbacks for r in ranks),
+    }
+
+
+def run_scale(cfg: ScaleConfig) -> dict[str, Any]:
+    runs = [run_k(cfg, k) for k in cfg.nodes]
+    return {
+        "benchmark": "scale",
+        "config": {**asdict(cfg), "block_sizes": list(BLOCK_SIZES)},
+        "note": "counts and bytes; K daemons and ranks share this host's cores, so times are "
+        "this host's, not K real nodes'",
+        "runs": runs,
+    }
+
+
+def _rows(report: dict[str, Any]) -> list[list[str]]:
+    rows = [
+        [
+            "K",
+            "solves/daemon",
+            "dup",
+            "balance map/done",
+            "est. solve CPU-s/daemon",
+            "CPU-s/daemon",
+            "KiB pushed/daemon",
+            "bytes/min",
+            "max lag/budget",
+            "fallbacks",
+        ]
+    ]
+    for run in report["runs"]:
+        daemons = run["daemons"]
+        over = run["bytes_over_minimum"]
+        rows.append(
+            [
+                str(run["nodes"]),
+                " ".join(str(d["solves"]) for d in daemons),
+                str(run["duplicate_solves"]),
+                f"{run['balance_of_owner_map']:.2f}/{run['balance']:.2f}",
+                " ".join(f"{d['solve_cpu_s_estimated']:.3f}" for d in daemons),
+                " ".join("-" if d["cpu_s"] is None else f"{d['cpu_s']:.1f}" for d in daemons),
+                " ".join(f"{d['bytes_pushed'] / 1024:.0f}" for d in daemons),
+                "-" if over is None else f"{over:.3f}",
+                f"{run['max_lag_steps']}/{run['budget_steps']}",
+                str(run["rank_fallbacks"] + sum(d["fallbacks"] for d in daemons)),
+            ]
+        )
+    return rows
+
+
+def format_report(report: dict[str, Any]) -> str:
+    return "\n".join([*text_table(_rows(report), align=">"), report["note"]])
+
+
+def markdown(report: dict[str, Any]) -> str:
+    rows = _rows(report)
+    return "\n".join(markdown_table(rows[0], rows[1:], align=">"))
+
+
+def write_figures(report: dict[str, Any], json_path: Path) -> list[Path]:
+    return []
+
+
+def register(subparsers: Any) -> Any:
+    parser = subparsers.add_parser(
+        "scale",
+        help="one job on K simulated nodes: solves, duplicates, balance, bytes between daemons",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_REFRESHES} refreshes instead of {DEFAULT_REFRESHES}",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        metavar="K,K,...",
+        help=f"simulated node counts (default {','.join(map(str, DEFAULT_NODES))})",
+    )
+    parser.add_argument("--precondition-frequency", type=int, default=5, metavar="F")
+    parser.add_argument("--staleness-budget", type=int, default=1, metavar="S")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here")
+    return run_command
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cfg = ScaleConfig(
+        nodes=args.nodes or DEFAULT_NODES,
+        refreshes=QUICK_REFRESHES if args.quick else DEFAULT_REFRESHES,
+        precondition_frequency=args.precondition_frequency,
+        staleness_budget=args.staleness_budget,
+    )
+    report = run_scale(cfg)
+    output.publish(report, format_report(report), args.json, write_figures)
+    return 0

@@ -1,0 +1,26 @@
+"""`asteria bench scale` on real daemons (loopback TCP): two simulated nodes, two refreshes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from asteria_client.bench.scale import BLOCK_SIZES
+from asteria_client.cli import main
+
+
+def test_bench_scale_counts_no_duplicates_and_near_minimal_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    assert main(["bench", "scale", "--quick", "--nodes", "1,2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    one, two = report["runs"]
+    assert one["nodes"] == 1 and two["nodes"] == 2
+    assert one["bytes_between_daemons"] == 0 and one["duplicate_solves"] == 0
+    # Two daemons: every solve on one daemon only, each result pushed once to the other one.
+    assert two["duplicate_solves"] == 0
+    assert 0 < two["solves"] <= len(BLOCK_SIZES) * report["config"]["refreshes"]
+    assert 1.0 <= two["bytes_over_minimum"] < 1.05
+    assert two["balance_of_owner_map"] <= 1.25
+    assert two["max_lag_steps"] <= two["budget_steps"] and two["rank_fallbacks"] == 0
+    assert all(d["bytes_pushed"] > 0 and d["bytes_received"] > 0 for d in two["daemons"])
+    assert "counts and bytes" in report["note"]
