@@ -75,7 +75,9 @@ class SoakConfig:
     daemon_workers: int = 2
     cache_memory_bytes: int = 256 << 20
     warmup_fraction: float = 0.6
-    settle_s: float = 5.0
+    #: the daemon's rest before the end sample: longer than its 30 s reclaim round (the cyclic
+    #: garbage collector and malloc_trim, see asteria_server.service.allocator)
+    settle_s: float = 35.0
     drain_s: float = 30.0
     bad_big_n: int = 2048
     sample_interval_s: float = 0.5
@@ -118,6 +120,9 @@ def proc_sample(pid: int) -> dict[str, int]:
                 workers_rss += int(line.split()[1]) * 1024
     return {
         "rss_bytes": rss,
+        # of which: anonymous (the heap), file-backed (code), shared memory (memfd segments)
+        "rss_anon_bytes": int(fields["RssAnon"].split()[0]) * 1024,
+        "rss_shmem_bytes": int(fields["RssShmem"].split()[0]) * 1024,
         "fds": fds,
         "threads": threads,
         "memfd_maps": memfd,
@@ -716,7 +721,7 @@ def run_command(args: argparse.Namespace) -> int:
         interval_s=args.interval,
         daemon_workers=args.daemon_workers,
         bad_big_n=1024 if quick else 2048,
-        settle_s=3.0 if quick else 5.0,
+        settle_s=3.0 if quick else 35.0,
         drain_s=20.0 if quick else 30.0,
     )
     report = run_soak(cfg, quick=quick)

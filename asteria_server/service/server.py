@@ -31,6 +31,7 @@ from asteria_server.engine import EngineConfig, PreconditionerEngine
 from asteria_server.engine.engine import SolveObserver
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc, peer_pb2_grpc
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+from asteria_server.service.allocator import reclaim_periodically
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.jobs import JobsServicer
 from asteria_server.service.limits import FdBudget, fd_budget_for, raise_nofile_limit
@@ -384,6 +385,7 @@ async def serve(config: DaemonConfig) -> int:
     logger.info("%s", line)
     broken = asyncio.ensure_future(asyncio.to_thread(daemon.engine.wait_stopped))
     stopping = asyncio.ensure_future(stop.wait())
+    reclaiming = asyncio.ensure_future(reclaim_periodically())  # garbage goes back
     why: str | None = None
     try:
         await asyncio.wait((broken, stopping), return_when=asyncio.FIRST_COMPLETED)
@@ -396,6 +398,7 @@ async def serve(config: DaemonConfig) -> int:
                 await daemon.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     finally:
         stopping.cancel()
+        reclaiming.cancel()
         await daemon.stop()
         if metrics is not None:
             await asyncio.to_thread(metrics.close)
