@@ -29,6 +29,7 @@ def peers_document(reply: ppb.PeerStatusResponse | None) -> list[dict[str, Any]]
                 "waiting": group.waiting,
                 "left_to_owner": group.left_to_owner,
                 "fallbacks": group.fallbacks,
+                "fallback_reasons": dict(group.fallback_reasons),
                 "late_arrivals": group.late_arrivals,
                 "max_arrival_lag_steps": group.max_arrival_lag_steps,
                 "peers": [

@@ -41,6 +41,7 @@ SECTION_ORDER = (
     "transport",
     "throughput",
     "sharing",
+    "scale",
     "soak",
 )
 TITLES = {
@@ -52,6 +53,7 @@ TITLES = {
     "transport": "Transport: moving snapshots and results",
     "throughput": "Throughput: daemon solves/s against a bare LAPACK loop",
     "sharing": "Sharing: N training processes on one daemon",
+    "scale": "Scale: one job on K simulated nodes, daemons synced",
     "soak": "Soak: clients, kills and a misbehaving tenant on one daemon",
 }
 DEFAULT_RESULTS = Path("runs/bench")

@@ -216,6 +216,7 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
                 "bytes_received": sum(p["bytes_received"] for p in peers),
                 "results_pushed": sum(p["results_sent"] for p in peers),
                 "fallbacks": 0 if group is None else group["fallbacks"],
+                "fallback_reasons": {} if group is None else group["fallback_reasons"],
             }
         )
     duplicates = sum(len(v) - len(set(v)) for v in solved.values())
@@ -302,7 +303,32 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write_figures(report: dict[str, Any], json_path: Path) -> list[Path]:
-    return []
+    return []  # a table says it all: counts and bytes per K
+
+
+def report_section(report: dict[str, Any]) -> str:
+    """The section of docs/benchmarks.md (``asteria bench report``)."""
+    cfg = report["config"]
+    sizes = ", ".join(str(n) for n in cfg["block_sizes"])
+    lines = [
+        f"One job of {len(cfg['block_sizes'])} SOAP blocks (n = {sizes}), a snapshot of every "
+        f"block every {cfg['precondition_frequency']} steps for {cfg['refreshes']} refreshes, "
+        f"staleness budget S = {cfg['staleness_budget']}, on K simulated nodes: one daemon each "
+        "(loopback TCP, tenant token, one solver worker) and one simulated rank each (a daemon "
+        "client with the staleness barrier). " + report["note"].capitalize() + ".",
+        "",
+        markdown(report),
+        "",
+        "Columns: solves per daemon; `dup`: (block, version) pairs solved on more than one "
+        "daemon; balance: largest over mean estimated solve CPU-seconds, of the owner map and "
+        "of the solves done (a snapshot replaced by a newer one before its solve is skipped, "
+        "latest wins, so the done balance also reflects which versions each owner skipped); "
+        "CPU-s: each daemon process with its worker, start to stop; bytes/min: bytes pushed "
+        "between daemons over K-1 copies of every result solved; max lag: the largest lag "
+        "of a version in use, in steps, against the budget S·f; fallbacks: ranks and daemons "
+        "that computed a block themselves.",
+    ]
+    return "\n".join(lines)
 
 
 def register(subparsers: Any) -> Any:

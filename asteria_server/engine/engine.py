@@ -429,6 +429,14 @@ class PreconditionerEngine:
             self._bring_back(tenant, block)
             return self._coord.registry.latest_result(tenant, block)
 
+    def note_elsewhere(self, task: SolveTask, *, job: str = "") -> None:
+        """``task`` arrived here but another daemon solves it (the sync between node daemons):
+        the registry counts its version as submitted, nothing is queued, and the same task may
+        still be submitted here once if its owner's result does not come."""
+        with self._cond:
+            self._check_usable()
+            self._coord.registry.on_elsewhere(task.tenant, task.block, task.version, job)
+
     def install_result(self, result: SolveResult) -> bool:
         """Keep a result computed elsewhere (a peer daemon that owns the block) as the block's
         newest, exactly like one of its own workers': streams serve it, versions never go back.

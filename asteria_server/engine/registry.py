@@ -64,6 +64,9 @@ class _Record:
     result: SolveResult | None = None
     job: str = ""  # the job of the session that submitted it last (what a forget names)
     resubmit_ok: bool = False  # its result was dropped: its newest version may come again
+    #: the newest version another daemon solves for it (the sync between node daemons): a
+    #: submission of that version here is still accepted once (a local fallback)
+    elsewhere_version: int = -1
 
     @property
     def in_flight_version(self) -> int:
@@ -147,10 +150,12 @@ class CoherenceRegistry:
             rec.stale_ignored += 1
             return SubmitOutcome.STALE_IGNORED
         idle = rec.queued_version < 0 and rec.running_version < 0
-        if version == rec.submitted_version and not (rec.resubmit_ok and idle):
+        elsewhere = version == rec.elsewhere_version
+        if version == rec.submitted_version and not (rec.resubmit_ok and idle) and not elsewhere:
             rec.duplicates += 1
             return SubmitOutcome.DUPLICATE
         rec.resubmit_ok = False
+        rec.elsewhere_version = -1
         outcome = SubmitOutcome.QUEUED
         if rec.queued_version >= 0:
             rec.superseded += 1
@@ -158,6 +163,17 @@ class CoherenceRegistry:
         rec.submitted_version = rec.queued_version = version
         rec.submitted_at = self._clock()
         return outcome
+
+    def on_elsewhere(self, tenant: str, block: str, version: int, job: str = "") -> None:
+        """A snapshot of ``version`` arrived here but another daemon solves it (its owner, in
+        the sync between node daemons): it counts as submitted (status, staleness, ``forget``)
+        without being queued, and may still be submitted here once (a local fallback)."""
+        rec = self._record(tenant, block)
+        if job:
+            rec.job = job
+        if version > rec.submitted_version:
+            rec.submitted_version = rec.elsewhere_version = version
+            rec.submitted_at = self._clock()
 
     def on_dispatch(self, tenant: str, block: str, version: int) -> None:
         """The queued version of a block was handed to a worker."""

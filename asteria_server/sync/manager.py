@@ -218,6 +218,7 @@ class JobSync:
         self.deadlines: dict[str, float] = {}  # block -> deadline of its newest local snapshot
         self.left_to_owner = 0
         self.fallbacks = 0
+        self.fallback_reasons: dict[str, int] = {}
         self.late_arrivals = 0
         self.max_arrival_lag = 0
         self._agreed_key: tuple[str, tuple[int, ...]] | None = None
@@ -303,13 +304,12 @@ class JobSync:
             workers_busy=stats.workers_busy,
             workers=stats.num_workers,
             queue_depth=stats.queue_depth,
-            queued_work_s=0.0,
             blocks_digest=self.digest,
             blocks=[ppb.BlockUse(block=b, n=n) for b, n in sorted(self.known.items())]
             if include
             else [],
             blocks_included=include,
-            alive_nodes=[m for m in self.living()],
+            alive_members=self.living(),
         )
 
     # ------------------------------------------------------------------ owners
@@ -379,11 +379,13 @@ class JobSync:
         if owner == self.me:
             return self._solve_here(task, job, fallback=False)
         if owner is not None and self.peers[owner].state != "alive":
+            self.fallback_reasons["owner_down"] = self.fallback_reasons.get("owner_down", 0) + 1
             return self._solve_here(task, job, fallback=True)
         budget = max(0.0, task.deadline - task.version) if math.isfinite(task.deadline) else 0.0
         wait = max(self.manager.config.patience_s, budget * (self.step_s or 0.0))
         if held is not None:
             stats.superseded += 1
+        self.manager.engine.note_elsewhere(task, job=job)
         self.held[task.block] = _Held(task, job, now, now + wait)
         self.left_to_owner += 1
         self.manager.wake_ticker()
@@ -406,16 +408,34 @@ class JobSync:
                 continue
             owner = self.owner_of(block, now)
             fallback: bool | None
+            why = reason = ""
             if owner == self.me:
                 fallback = False
             elif owner is None:
                 fallback = True if now >= held.since + self.manager.config.patience_s else None
-            elif self.peers[owner].state != "alive" or now >= held.due:
+                why = "the daemons did not agree on the job's blocks in time"
+                reason = "not_agreed"
+            elif self.peers[owner].state != "alive":
+                fallback, why = True, f"its owner (member {owner}) is {self.peers[owner].state}"
+                reason = "owner_down"
+            elif now >= held.due:
                 fallback = True
+                why = f"its owner's push did not come within {now - held.since:.2f} s"
+                reason = "push_late"
             else:
                 fallback = None
             if fallback is None:
                 continue
+            if fallback:
+                self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+                logger.info(
+                    "job %r: solving block %r version %d here: %s",
+                    self.job,
+                    block,
+                    held.task.version,
+                    why,
+                    extra={"tenant": self.tenant, "job": self.job},
+                )
             del self.held[block]
             try:
                 self._solve_here(held.task, held.job, fallback=fallback)
@@ -477,10 +497,16 @@ class JobSync:
         n = int(result.matrix.shape[0])
         if stats is None:
             stats = self.stats[result.block] = _BlockStats(n)
-        if stats.n != n:
-            raise InvalidInputError(
-                f"pushed result of block {result.block!r} is {n}x{n}; its ranks use n={stats.n}"
+        if stats.n != n:  # not what its ranks use: dropped, never served
+            logger.warning(
+                "job %r: dropped a pushed result of block %r: %dx%d, its ranks use n=%d",
+                self.job,
+                result.block,
+                n,
+                n,
+                stats.n,
             )
+            return False
         if result.version <= stats.version:
             return False
         if not self.manager.engine.install_result(result):
@@ -594,6 +620,7 @@ class JobSync:
             fallbacks=self.fallbacks,
             late_arrivals=self.late_arrivals,
             max_arrival_lag_steps=max(0, self.max_arrival_lag),
+            fallback_reasons=self.fallback_reasons,
         )
 
 
@@ -901,6 +928,10 @@ class SyncManager:
                     f"PushResults: block {result.block[:64]!r} is not a replicated block of "
                     f"job {js.job!r}"
                 )
+            if result.block not in js.known:  # its ranks do not use it (yet): nothing to serve
+                dropped += 1
+                size = 0
+                continue
             if not result.is_finite():
                 dropped += 1
                 continue

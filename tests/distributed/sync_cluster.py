@@ -63,6 +63,9 @@ class RunSpec:
     #: False: no DDP, every rank trains on the whole batch (replicas hold the same factors
     #: without a collective per step, so a stalled rank does not stall the others)
     ddp: bool = True
+    #: seconds a rank waits after its last step before it closes its optimizer, so that its
+    #: last snapshots reach its daemon (a closing client drops what it has not sent)
+    drain_s: float = 1.0
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -117,6 +120,7 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
                     os.replace(Path(tmp) / "at_step.tmp", Path(tmp) / "at_step")
                 if spec.step_sleep_s:
                     time.sleep(spec.step_sleep_s)
+            time.sleep(spec.drain_s)
             stats = opt.runtime_stats()
         finally:
             opt.close()
@@ -150,14 +154,17 @@ def join(ctx: Any, timeout_s: float, during: Callable[[], None] | None = None) -
     """Join every rank within ``timeout_s`` (a rank's failure raises), calling ``during``
     between looks."""
     deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=0.2):
-        if during is not None:
-            during()
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise AssertionError(f"the ranks did not finish within {timeout_s} s")
+    try:
+        while not ctx.join(timeout=0.2):
+            if during is not None:
+                during()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the ranks did not finish within {timeout_s} s")
+    except BaseException:
+        for p in ctx.processes:  # no rank outlives a failed test
+            if p.is_alive():
+                p.kill()
+        raise
 
 
 def run_ranks(tmp: Path, spec: RunSpec, timeout_s: float = 120.0) -> list[dict[str, Any]]:

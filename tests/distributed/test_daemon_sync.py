@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from asteria_client.cli import main
+from asteria_server.errors import AsteriaError
 from asteria_server.sync.owners import balance, owner_map
 from tests.distributed import sync_cluster as sc
 
@@ -32,7 +33,14 @@ def _exactly_once(
             budget=1,
         )
         ranks = sc.run_ranks(tmp_path, spec)
-        views = [sc.view(d.address) for d in ds]
+        last = spec.steps - 1  # snapshots of each block at steps 1, 3, ..., 19
+        deadline = time.monotonic() + 10
+        while True:  # the last pushes may still be on their way
+            views = [sc.view(d.address) for d in ds]
+            newest = [b["version"] for v in views for b in v.group["blocks"]]
+            if set(newest) == {last} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         status = ["status", "--address", ds[0].address, "--tenant", sc.TENANT, "--token", sc.TOKEN]
         capsys.readouterr()
         assert main(status) == 0
@@ -47,10 +55,11 @@ def _exactly_once(
     assert [p["state"] for p in group["peers"]] == ["self"] + ["alive"] * (k - 1)
     assert len(group["blocks"]) == sc.NUM_BLOCKS
 
-    last = spec.steps - 1  # snapshots of each block at steps 1, 3, ..., 19
     assert all(r["local_fallbacks"] == 0 for r in ranks), [r["local_fallbacks"] for r in ranks]
     groups = [v.group for v in views]
-    assert all(g["agreed"] and g["fallbacks"] == 0 for g in groups), groups
+    assert all(g["agreed"] and g["fallbacks"] == 0 for g in groups), [
+        (g["agreed"], g["fallback_reasons"], [b["fallbacks"] for b in g["blocks"]]) for g in groups
+    ]
     solved: dict[str, list[int]] = {}
     owners: dict[str, set[int]] = {}
     for g in groups:
@@ -73,26 +82,26 @@ def _exactly_once(
         )
         assert len(expected - set(versions)) <= replaced, (block, sorted(versions), replaced)
     assert sum(v.solves_done for v in views) == sum(len(vs) for vs in solved.values())
-    # Each block was solved on its owner only; the others received each version from it.
+    # Each block was solved on its owner only; the others received its results from it (the
+    # newest of each block when a push goes out: one that a newer result overtook is skipped).
     for g in groups:
         for b in g["blocks"]:
             if b["owner"] == g["node"]:
                 assert b["origin"] == "local" and b["solves"] == len(solved[b["block"]])
             else:
                 assert b["solves"] == 0 and b["origin"] == f"node{b['owner']}"
-                assert b["received"] == len(solved[b["block"]])
+                assert 1 <= b["received"] <= len(solved[b["block"]])
     # Balanced owners: estimated CPU-seconds per version, max over mean.
     costs = [p["owned_cost_s"] for p in groups[0]["peers"]]
     assert len(costs) == k and max(costs) / (sum(costs) / k) <= 1.25, costs
-    # Every daemon pushed each of its results once to every other daemon.
+    # Both ends of every link count the same pushes and bytes: nothing lost on the way.
     for g in groups:
         for p in g["peers"]:
             if p["state"] != "self":
                 assert p["state"] == "alive"
-                mine = [b for b in g["blocks"] if b["owner"] == g["node"]]
-                theirs = [b for b in g["blocks"] if b["owner"] == p["node"]]
-                assert p["results_sent"] == sum(len(solved[b["block"]]) for b in mine)
-                assert p["results_received"] == sum(len(solved[b["block"]]) for b in theirs)
+                back = next(q for q in groups[p["node"]]["peers"] if q["node"] == g["node"])
+                assert p["results_sent"] == back["results_received"] > 0
+                assert p["bytes_sent"] == back["bytes_received"] > 0
 
 
 def test_two_daemons_solve_each_block_version_once(
@@ -197,7 +206,11 @@ def test_kill_one_daemon_mid_run_fails_over_and_a_restart_rejoins(tmp_path: Path
             if seen["phase"] == "restarted" or now < seen.get("next_look", 0.0):
                 return
             seen["next_look"] = now + 0.3
-            views = [sc.view(ds[i].address) for i in (0, 2)]
+            try:
+                views = [sc.view(ds[i].address) for i in (0, 2)]
+            except AsteriaError:  # a survivor slow to answer on a loaded host: look again
+                seen["missed_looks"] = seen.get("missed_looks", 0) + 1
+                return
             if not all(v.groups for v in views):
                 return  # the job is not registered yet
             survivors = [v.group for v in views]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from asteria_client.bench.scale import BLOCK_SIZES
+from asteria_client.bench.scale import BLOCK_SIZES, report_section
 from asteria_client.cli import main
 
 
@@ -24,3 +24,5 @@ def test_bench_scale_counts_no_duplicates_and_near_minimal_bytes(tmp_path: Path)
     assert two["max_lag_steps"] <= two["budget_steps"] and two["rank_fallbacks"] == 0
     assert all(d["bytes_pushed"] > 0 and d["bytes_received"] > 0 for d in two["daemons"])
     assert "counts and bytes" in report["note"]
+    section = report_section(report)  # what `asteria bench report` puts in docs/benchmarks.md
+    assert "| K |" in section and "bytes/min" in section

@@ -86,11 +86,10 @@ class PeerState(_message.Message):
     WORKERS_BUSY_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
-    QUEUED_WORK_S_FIELD_NUMBER: _builtins.int
     BLOCKS_DIGEST_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     BLOCKS_INCLUDED_FIELD_NUMBER: _builtins.int
-    ALIVE_NODES_FIELD_NUMBER: _builtins.int
+    ALIVE_MEMBERS_FIELD_NUMBER: _builtins.int
     node: _builtins.int
     """Its node in the layout and its incarnation."""
     incarnation_id: _builtins.str
@@ -98,8 +97,6 @@ class PeerState(_message.Message):
     """Solver workers busy / in all, and snapshots queued, now."""
     workers: _builtins.int
     queue_depth: _builtins.int
-    queued_work_s: _builtins.float
-    """Estimated seconds of solves queued or running."""
     blocks_digest: _builtins.str
     """Digest of the replicated blocks its ranks use (sha256 over the sorted "name:n" lines)."""
     blocks_included: _builtins.bool
@@ -109,8 +106,10 @@ class PeerState(_message.Message):
         """Those blocks, sent when the digest changed since the receiver last acknowledged it."""
 
     @_builtins.property
-    def alive_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The nodes it holds for alive now (its own view; the owner map uses each daemon's own)."""
+    def alive_members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The members (daemons, numbered by their first node in the layout) it holds for not dead
+        now, itself included: its own view (each daemon's owner map uses its own).
+        """
 
     def __init__(
         self,
@@ -120,15 +119,14 @@ class PeerState(_message.Message):
         workers_busy: _builtins.int = ...,
         workers: _builtins.int = ...,
         queue_depth: _builtins.int = ...,
-        queued_work_s: _builtins.float = ...,
         blocks_digest: _builtins.str = ...,
         blocks: _abc.Iterable[Global___BlockUse] | None = ...,
         blocks_included: _builtins.bool = ...,
-        alive_nodes: _abc.Iterable[_builtins.int] | None = ...,
+        alive_members: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive_nodes", b"alive_nodes", "blocks", b"blocks", "blocks_digest", b"blocks_digest", "blocks_included", b"blocks_included", "incarnation_id", b"incarnation_id", "node", b"node", "queue_depth", b"queue_depth", "queued_work_s", b"queued_work_s", "workers", b"workers", "workers_busy", b"workers_busy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive_members", b"alive_members", "blocks", b"blocks", "blocks_digest", b"blocks_digest", "blocks_included", b"blocks_included", "incarnation_id", b"incarnation_id", "node", b"node", "queue_depth", b"queue_depth", "workers", b"workers", "workers_busy", b"workers_busy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -445,6 +443,26 @@ Global___PeerBlock: _TypeAlias = PeerBlock  # noqa: Y015
 class PeerGroup(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class FallbackReasonsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
@@ -455,6 +473,7 @@ class PeerGroup(_message.Message):
     FALLBACKS_FIELD_NUMBER: _builtins.int
     LATE_ARRIVALS_FIELD_NUMBER: _builtins.int
     MAX_ARRIVAL_LAG_STEPS_FIELD_NUMBER: _builtins.int
+    FALLBACK_REASONS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     node: _builtins.int
     """This daemon's node in the layout."""
@@ -474,6 +493,13 @@ class PeerGroup(_message.Message):
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerInfo]: ...
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerBlock]: ...
+    @_builtins.property
+    def fallback_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Local fallbacks by reason: "not_agreed" (the daemons did not agree on the blocks within
+        patience_s), "owner_down" (its owner was suspect or dead), "push_late" (its push did not
+        come by the snapshot's deadline).
+        """
+
     def __init__(
         self,
         *,
@@ -487,10 +513,11 @@ class PeerGroup(_message.Message):
         fallbacks: _builtins.int = ...,
         late_arrivals: _builtins.int = ...,
         max_arrival_lag_steps: _builtins.int = ...,
+        fallback_reasons: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agreed", b"agreed", "blocks", b"blocks", "fallbacks", b"fallbacks", "job", b"job", "late_arrivals", b"late_arrivals", "left_to_owner", b"left_to_owner", "max_arrival_lag_steps", b"max_arrival_lag_steps", "node", b"node", "peers", b"peers", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agreed", b"agreed", "blocks", b"blocks", "fallback_reasons", b"fallback_reasons", "fallbacks", b"fallbacks", "job", b"job", "late_arrivals", b"late_arrivals", "left_to_owner", b"left_to_owner", "max_arrival_lag_steps", b"max_arrival_lag_steps", "node", b"node", "peers", b"peers", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
