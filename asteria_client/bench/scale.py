@@ -315,7 +315,10 @@ def report_section(report: dict[str, Any]) -> str:
         f"block every {cfg['precondition_frequency']} steps for {cfg['refreshes']} refreshes, "
         f"staleness budget S = {cfg['staleness_budget']}, on K simulated nodes: one daemon each "
         "(loopback TCP, tenant token, one solver worker) and one simulated rank each (a daemon "
-        "client with the staleness barrier). " + report["note"].capitalize() + ".",
+        "client with the staleness barrier). "
+        + report["note"][:1].upper()
+        + report["note"][1:]
+        + ".",
         "",
         markdown(report),
         "",
