@@ -31,6 +31,7 @@ training process flushes subnormal floats to zero unless --no-flush-denormal (se
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import math
@@ -92,11 +93,17 @@ class RunConfig:
         """Steps between refreshes on the amortized schedule (None: AdamW, continuous)."""
         if self.mode is None or self.refresh == "continuous":
             return None
-        return self.precondition_frequency or DEFAULT_FREQUENCY
+        return self.precondition_frequency or default_frequency(self.optimizer)
 
 
-#: The optimizers' own precondition frequency (SOAP, Shampoo, KL-Shampoo).
-DEFAULT_FREQUENCY = 10
+def default_frequency(optimizer: str) -> int:
+    """The precondition frequency ``optimizer`` (an `asteria train --optimizer` name) runs
+    with when none is given: its class's default, read from its signature."""
+    from asteria_client import SOAP, KLShampoo, Shampoo
+
+    classes = {"soap": SOAP, "shampoo": Shampoo, "kl-shampoo": KLShampoo}
+    parameters = inspect.signature(classes[optimizer]).parameters
+    return int(parameters["precondition_frequency"].default)
 
 
 def _all_configs() -> dict[str, RunConfig]:

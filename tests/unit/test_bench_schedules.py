@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from asteria_client import SOAP
 from asteria_client.bench.convergence import (
+    CONFIGS,
     SCHEDULES,
     ConvergenceConfig,
     _train_command,
@@ -51,6 +54,9 @@ def test_schedule_commands_set_frequency_and_refresh() -> None:
     assert cont[cont.index("--mode") + 1] == "embedded"
     assert SCHEDULES["soap-continuous-s4"].amortized_frequency is None
     assert SCHEDULES["soap-native-f10"].amortized_frequency == 10
+    # without an explicit f, the optimizer's own default (read from its signature)
+    soap = SOAP([("w", torch.nn.Parameter(torch.zeros(2, 2)))], mode="native")
+    assert CONFIGS["soap-native"].amortized_frequency == soap.defaults["precondition_frequency"]
     assert SCHEDULES["soap-embedded-f10-s1"].label == "soap embedded f=10 S=1"
 
 
