@@ -149,6 +149,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 "the daemon does not report its free workers to a client yet, so it cannot pull "
                 "snapshots — use refresh='amortized' with a daemon"
             )
+        if policy.continuous and mode is not Mode.NATIVE and distributed_job():
+            raise InvalidInputError(
+                "refresh='continuous' is not supported in a torch.distributed job yet: each rank "
+                "would pick the blocks to refresh by its own workers' timing, and data-parallel "
+                "replicas would end up with different bases — use refresh='amortized'"
+            )
         self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
         check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
         check_range("precondition_frequency", defaults["precondition_frequency"], 1, math.inf)

@@ -359,6 +359,22 @@ def test_refresh_argument_is_checked() -> None:
         Shampoo(model.named_parameters(), mode="native", refresh="continuous")
 
 
+def test_continuous_is_refused_in_a_distributed_job(tmp_path: Any) -> None:
+    """Ranks would pick blocks by their own workers' timing: refused, not silently divergent."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with pytest.raises(InvalidInputError, match=r"torch\.distributed"):
+            SOAP(_model().named_parameters(), mode="embedded", refresh="continuous")
+        # native continuous is deterministic on every rank (every block, every step)
+        SOAP(_model().named_parameters(), mode="native", refresh="continuous").close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_continuous_budget_is_in_steps() -> None:
     policy = StalenessPolicy(budget_intervals=2, refresh=Refresh.CONTINUOUS)
     # snapshot of step 10 in flight: usable without it at steps 11 and 12, required at 13
