@@ -326,7 +326,8 @@ class Trainer:
             "training a %d-parameter GPT with %s (lr %.3g) for %d steps on %s",
             self.model.num_params,
             cfg.optimizer.value if optimizer_factory is None else type(self.optimizer).__name__,
-            cfg.resolved_lr,
+            # the peak lr the optimizer was built with (a factory's own, not the config's)
+            self.optimizer.param_groups[0].get("initial_lr", cfg.resolved_lr),
             cfg.steps,
             self.device,
         )
