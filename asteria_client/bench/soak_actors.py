@@ -178,11 +178,12 @@ class _BadTenant:
             block=f"{block}-{serial}", version=1, kind=SolveKind.EIGENBASIS, matrix=self.big
         )
 
-    def stalled_uploads(self) -> None:
+    def stalled_uploads(self, session: str | None) -> None:
         from asteria_server.protocol import framing
 
         while not self.stop.is_set():
-            session = self.session()
+            if session is None:
+                session = self.session()
             if session is None:
                 self.stop.wait(1.0)
                 continue
@@ -193,6 +194,8 @@ class _BadTenant:
                 self.count("stalled_upload:OK")
             except grpc.RpcError as exc:
                 self._code("stalled_upload", exc)
+                if exc.code() is grpc.StatusCode.NOT_FOUND:
+                    session = None  # expired: open another
 
     def _stalling(self, messages: Any) -> Any:
         yield next(messages)  # the header
@@ -205,10 +208,11 @@ class _BadTenant:
                 self.count("open_session:OK")
             self.stop.wait(self.args.spam_interval_s)
 
-    def silent_streams(self) -> None:
+    def silent_streams(self, session: str | None) -> None:
         calls: list[Any] = []
         while not self.stop.is_set():
-            session = self.session()
+            if session is None or not calls:
+                session = self.session() if session is None else session
             if session is not None:
                 for _ in range(self.args.silent_streams):
                     calls.append(
@@ -220,19 +224,22 @@ class _BadTenant:
                 if call.done():
                     self.count(f"silent_stream:{call.code().name}")
             calls = [c for c in calls if not c.done()]
+            if not calls:
+                session = None  # the daemon ended them all (its session may be gone too)
         for call in calls:
             call.cancel()
 
-    def big_snapshots(self) -> None:
+    def big_snapshots(self, session: str | None) -> None:
         from asteria_server.protocol import framing
 
         while not self.stop.is_set():
-            session = self.session()
+            if session is None:
+                session = self.session()
             if session is None:
                 self.stop.wait(1.0)
                 continue
             for _ in range(self.args.burst):
-                if self.stop.is_set():
+                if self.stop.is_set() or session is None:
                     break
                 messages = framing.snapshot_messages(self._task("big"), session_id=session)
                 try:
@@ -240,17 +247,20 @@ class _BadTenant:
                     self.count("big_snapshot:OK")
                 except grpc.RpcError as exc:
                     self._code("big_snapshot", exc)
+                    if exc.code() is grpc.StatusCode.NOT_FOUND:
+                        session = None  # expired: open another
             self.stop.wait(self.args.burst_interval_s)
 
     def run(self) -> dict[str, Any]:
+        # The other attacks open their sessions first: the spam soon fills the tenant's quota.
         threads = [
             *(
-                threading.Thread(target=self.stalled_uploads, daemon=True)
+                threading.Thread(target=self.stalled_uploads, args=(self.session(),), daemon=True)
                 for _ in range(self.args.stalled_uploads)
             ),
+            threading.Thread(target=self.silent_streams, args=(self.session(),), daemon=True),
+            threading.Thread(target=self.big_snapshots, args=(self.session(),), daemon=True),
             threading.Thread(target=self.session_spam, daemon=True),
-            threading.Thread(target=self.silent_streams, daemon=True),
-            threading.Thread(target=self.big_snapshots, daemon=True),
         ]
         for thread in threads:
             thread.start()
