@@ -363,9 +363,15 @@ class JobSync:
             self.digest = blocks_digest(self.known)
             self.stats.setdefault(task.block, _BlockStats(task.n))
         self.deadlines[task.block] = task.deadline
+        if not self.syncing:  # a job on this daemon alone: the engine's own rules
+            return self.manager.engine.submit(task, job=job)
         stats = self.stats[task.block]
-        if stats.version >= task.version:  # a push brought it (or a newer one) already
-            return SubmitOutcome.DUPLICATE
+        if stats.version >= task.version:  # a push brought it (or a newer one) already ...
+            kept = self.manager.engine.peek_result(task.block, task.tenant)
+            if kept is not None and kept.version >= task.version:
+                return SubmitOutcome.DUPLICATE
+            # ... but the cache dropped it, and the rank sent it again: solve it here
+            return self._solve_here(task, job, fallback=False)
         held = self.held.get(task.block)
         if held is not None and held.task.version >= task.version:
             return (
@@ -373,8 +379,6 @@ class JobSync:
                 if held.task.version == task.version
                 else SubmitOutcome.STALE_IGNORED
             )
-        if not self.syncing:
-            return self._solve_here(task, job, fallback=False)
         owner = self.owner_of(task.block, now)
         if owner == self.me:
             return self._solve_here(task, job, fallback=False)
