@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 #: Marks a shard's block (FSDP2): it belongs to one rank's node and is never synced.
 SHARD_MARK = "@"
+#: Seconds between heartbeats to a peer declared dead.
+DEAD_PEER_HEARTBEAT_S = 1.0
 #: Versions solved here that a block's status lists.
 SOLVED_VERSIONS_KEPT = 256
 #: Environment variables that override :class:`SyncConfig`'s defaults (seconds).
@@ -830,7 +832,10 @@ class SyncManager:
             except Exception:
                 logger.exception("job %r: heartbeat to %s failed", js.job, peer.address)
             js.refresh_states(time.monotonic())
-            left = self.config.heartbeat_s - (time.monotonic() - started)
+            # A dead peer (or a job that ended there) is asked less often, never given up: it
+            # may come back (a restart, SIGCONT) and must be heard within a few seconds.
+            every = self.config.heartbeat_s if peer.state != "dead" else DEAD_PEER_HEARTBEAT_S
+            left = every - (time.monotonic() - started)
             await asyncio.sleep(max(0.01, left))
 
     async def _sender(self, js: JobSync, peer: _Peer) -> None:
