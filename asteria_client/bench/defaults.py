@@ -572,9 +572,10 @@ def merge_reports(paths: list[Path]) -> dict[str, Any]:
                 raise ValueError(f"{path}: {key} {part['config'][key]} != {first[key]}")
     union: dict[str, Any] = {}
     for key in ("seeds", "optimizers", "modes", "beta1s", "frequencies"):
-        union[key] = tuple(sorted({v for part in parts for v in part["config"][key]}, key=str))
-    union["seeds"] = tuple(sorted(union["seeds"]))
-    union["frequencies"] = tuple(sorted(union["frequencies"]))
+        values = [v for part in parts for v in part["config"][key]]
+        union[key] = tuple(dict.fromkeys(values))  # the first part's order, then new ones
+    for key in ("seeds", "beta1s", "frequencies"):
+        union[key] = tuple(sorted(union[key]))
     fields = {k: v for k, v in first.items() if k in DefaultsConfig.__dataclass_fields__}
     cfg = DefaultsConfig(**{**fields, **union})
     runs: list[dict[str, Any]] = []
