@@ -26,6 +26,12 @@ behind the work that waited meanwhile. :meth:`WorkerPool.states`
 shows each worker's block and how long it has run; one past twice its estimate is ``overdue``,
 one whose process is stopped by a signal (SIGSTOP, a debugger) is ``stopped``.
 
+Spares: while a worker is overdue, the pool runs one **spare** worker beside it (at most as many
+spares as configured workers), so the blocks queued behind a stuck or far-too-slow solve — of
+every tenant — are served at once, not after its timeout; a spare retires when it is idle and no
+worker is overdue any more. So a pool always has a worker not held by a block far beyond its
+expected cost.
+
 Threading: the pool belongs to one thread (the engine's dispatcher). Only :meth:`WorkerPool.wakeup`
 and :meth:`WorkerPool.states` (a racy but consistent-per-worker read) may be called from others.
 """
@@ -203,6 +209,17 @@ class PoolConfig:
             )
 
 
+#: A solve running longer than ``OVERDUE_FACTOR`` times its estimate (and ``OVERDUE_MIN_S``) is
+#: overdue: shown so in status, and a spare worker takes its place meanwhile.
+OVERDUE_FACTOR = 2.0
+OVERDUE_MIN_S = 1.0
+
+
+def _overdue_after(job: _Job) -> float:
+    """Seconds after which ``job``'s run is overdue."""
+    return max(OVERDUE_MIN_S, OVERDUE_FACTOR * (job.expected_s or 0.0))
+
+
 @dataclass(frozen=True)
 class PoolEvent:
     """A task's end: ``result`` on success, else ``error`` says why (after all retries);
@@ -260,6 +277,7 @@ class WorkerPool:
         self._start_failures = 0
         self.broken_reason: str | None = None
         self.restarts = 0
+        self.spares_started = 0  # spare workers started beside overdue ones, all time
         self.segment_names_created: list[str] = []
         try:
             for slot in self._slots:
@@ -373,8 +391,7 @@ class WorkerPool:
             elapsed = 0.0
             if job is not None and sent_at is not None:
                 elapsed = max(0.0, now - sent_at)
-                expected = job.expected_s or 0.0
-                if elapsed > max(1.0, 2.0 * expected):
+                if elapsed > _overdue_after(job):
                     state = "overdue"
             if pid and _process_stopped(pid):
                 state = "stopped"
@@ -524,10 +541,10 @@ class WorkerPool:
         now = time.monotonic()
         wait_s = None if timeout_s is None else max(0.0, timeout_s)
         for slot in self._slots:
-            limit = self._deadline(slot)
-            if limit is not None:
-                left = max(0.0, limit - now)
-                wait_s = left if wait_s is None else min(wait_s, left)
+            for limit in (self._deadline(slot), self._overdue_at(slot)):
+                if limit is not None:
+                    left = max(0.0, limit - now)
+                    wait_s = left if wait_s is None else min(wait_s, left)
         if wait_s is not None and math.isinf(wait_s):
             wait_s = None  # a solve timeout of math.inf
         handles: list[Any] = [self._wake_r]
@@ -541,11 +558,59 @@ class WorkerPool:
                     pass
             except BlockingIOError:
                 pass
-        for slot in self._slots:
+        for slot in list(self._slots):
             self._service(slot)
         self._enforce_deadlines()
+        self._balance_spares()
         events, self._events = self._events, []
         return events
+
+    def _overdue_at(self, slot: _Slot) -> float | None:
+        """When the slot's running solve becomes overdue (None: nothing runs)."""
+        job, sent_at = slot.job, slot.sent_at
+        if job is None or sent_at is None or slot.process is None:
+            return None
+        return sent_at + _overdue_after(job)
+
+    def _balance_spares(self) -> None:
+        """One spare worker per overdue one, at most ``num_workers`` of them; an idle spare
+        retires once fewer workers are overdue than spares run."""
+        if self._closed or self.broken_reason is not None:
+            return
+        now = time.monotonic()
+        overdue = sum(
+            1 for s in self._slots if (at := self._overdue_at(s)) is not None and now >= at
+        )
+        base = self.config.num_workers
+        spares = [s for s in self._slots if s.index >= base]
+        if overdue > len(spares) and len(spares) < base:
+            slot = _Slot(max(s.index for s in self._slots) + 1)
+            self._slots.append(slot)
+            self.spares_started += 1
+            logger.warning(
+                "%d solver worker(s) overdue: starting spare worker %d so queued blocks are "
+                "served meanwhile",
+                overdue,
+                slot.index,
+            )
+            self._spawn(slot)
+        elif overdue < len(spares):
+            idle = next((s for s in reversed(spares) if s.job is None), None)
+            if idle is not None:
+                self._retire(idle)
+
+    def _retire(self, slot: _Slot) -> None:
+        """Stop a spare worker and drop its slot (it is idle)."""
+        if slot.conn is not None and slot.ready:
+            with contextlib.suppress(OSError):
+                slot.conn.send(None)  # leave politely
+        self._kill(slot)
+        for seg in (slot.inp, slot.out):
+            if seg is not None:
+                seg.close()
+        slot.inp = slot.out = None
+        slot.handed.clear()
+        self._slots.remove(slot)
 
     def _deadline(self, slot: _Slot) -> float | None:
         if slot.process is None:

@@ -128,3 +128,64 @@ def test_a_stopped_worker_is_shown_killed_and_replaced_while_small_blocks_are_se
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped_pid, signal.SIGCONT)
         stop_daemon(daemon)
+
+
+@pytest.mark.slow
+def test_a_spare_worker_serves_the_queue_while_one_is_overdue_and_retires_after(
+    tmp_path: Path,
+) -> None:
+    """Within the stopped worker's timeout (30 s here), not after it: while a worker is overdue
+    (twice its estimate), a spare runs beside it, tenant b's n=8 block is served by the spare
+    with no worker killed, and once the stopped solve finishes the spare retires."""
+    daemon = start_daemon(tmp_path, "--config", str(_write_tenants(tmp_path)))
+    stopped_pid = 0
+    try:
+        stub = daemon.stub()
+        a = open_session(stub, "a", "token-a")
+        b = open_session(stub, "b", "token-b")
+        big = SolveTask(block="big", version=1, kind=SolveKind.EIGENBASIS, matrix=spd(2048, 1))
+        submit(stub, a, big)
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and not stopped_pid:
+            busy = [w for w in _workers(stub, a) if w.block == "big" and w.state == "busy"]
+            if busy and busy[0].pid:
+                stopped_pid = busy[0].pid
+                os.kill(stopped_pid, signal.SIGSTOP)
+            time.sleep(0.005)
+        assert stopped_pid, "the n=2048 solve never showed as running in status"
+        timeout_s = _workers(stub, a)[0].timeout_s
+        assert timeout_s >= 30.0  # the default floor: the spare must act long before it
+
+        small = SolveTask(block="small", version=1, kind=SolveKind.INVERSE_ROOT, matrix=spd(8, 2))
+        submitted = time.monotonic()
+        submit(stub, b, small)
+        stream = stub.StreamResults(
+            pb.StreamResultsRequest(session_id=b, blocks=["small"]), timeout=timeout_s - 5.0
+        )
+        try:
+            got = next(iter(read_results(stream)))
+        finally:
+            stream.cancel()
+        waited = time.monotonic() - submitted
+        assert got.block == "small" and waited < timeout_s - 5.0
+        reply = stub.Status(pb.StatusRequest(session_id=a), timeout=CALL_TIMEOUT_S)
+        assert reply.engine.worker_restarts == 0  # nobody was killed: a spare served it
+        assert len(reply.engine.workers) == 2 and reply.engine.num_workers == 2
+        assert stopped_pid in [w.pid for w in reply.engine.workers]
+        print(f"n=8 block served by the spare {waited:.1f} s after it was submitted")
+
+        os.kill(stopped_pid, signal.SIGCONT)  # the stuck solve finishes; the spare retires
+        until = time.monotonic() + 60.0
+        while time.monotonic() < until:
+            reply = stub.Status(pb.StatusRequest(session_id=a), timeout=CALL_TIMEOUT_S)
+            blocks = {s.block: s for s in reply.blocks}
+            if blocks["big"].version == 1 and len(reply.engine.workers) == 1:
+                break
+            time.sleep(0.1)
+        assert blocks["big"].version == 1 and len(reply.engine.workers) == 1
+        stopped_pid = 0
+    finally:
+        if stopped_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped_pid, signal.SIGCONT)
+        stop_daemon(daemon)
