@@ -136,14 +136,12 @@ def describe(ranks: Ranks, optimizer: Any) -> str:
     layout = getattr(optimizer, "layout", None)
     nodes = 1 if layout is None else layout.num_nodes
     job = "" if layout is None else f", job {layout.job_id}"
-    source = getattr(optimizer, "source", None)
-    address = getattr(source, "address", None)
+    address = getattr(getattr(optimizer, "source", None), "address", None)
     mode = getattr(optimizer, "mode", None)
-    where = (
-        f"daemon {address}"
-        if address
-        else f"{getattr(mode, 'value', 'adamw')} engine per rank"
-        if mode is not None
-        else "no preconditioner"
-    )
+    if address:
+        where = f"daemon {address}"
+    elif mode is not None:
+        where = f"{mode.value} engine per rank"
+    else:
+        where = "no preconditioner"
     return f"{ranks.world_size} ranks on {nodes} node(s){job}, {where}"

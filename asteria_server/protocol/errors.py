@@ -15,6 +15,9 @@ of :data:`STATUS_TABLE` round-trips: ``from_status(*to_status(exc))`` has the cl
 
 from __future__ import annotations
 
+import logging
+from typing import Any, NoReturn
+
 import grpc
 
 from asteria_server.errors import (
@@ -90,3 +93,13 @@ def from_status(code: grpc.StatusCode, message: str) -> AsteriaError:
     return EngineUnavailableError(
         f"the call to the daemon failed with {code.name}: {message or 'no details'}"
     )
+
+
+async def abort_call(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
+    """End a servicer's call with the status of ``exc`` (:func:`to_status`); an INTERNAL one, a
+    bug, is logged with its traceback, since its text never reaches the caller."""
+    code, message = to_status(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logging.getLogger(__name__).error("internal error in a call", exc_info=exc)
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises

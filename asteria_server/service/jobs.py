@@ -15,12 +15,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
 from asteria_server.errors import DaemonBusyError, InvalidInputError, UnknownSessionError
-from asteria_server.protocol.errors import to_status
+from asteria_server.protocol.errors import abort_call
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc as jpb_grpc
 
@@ -126,7 +126,7 @@ class JobsServicer(jpb_grpc.JobsServicer):
                 1 if old is None else old.registrations + 1,
             )
         except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         if self._on_register is not None:
             try:
                 self._on_register(tenant, layout, request.node_rank)
@@ -142,7 +142,7 @@ class JobsServicer(jpb_grpc.JobsServicer):
         try:
             tenant = self._tenant_of(request.session_id)
         except UnknownSessionError as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         now = time.monotonic()
         return jpb.ListJobsResponse(
             jobs=[
@@ -155,9 +155,3 @@ class JobsServicer(jpb_grpc.JobsServicer):
                 for layout, node_rank, at, count in self.jobs(tenant)
             ]
         )
-
-
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
-    code, message = to_status(exc)
-    await context.abort(code, message)
-    raise AssertionError("unreachable")  # context.abort raises

@@ -24,7 +24,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -37,7 +37,7 @@ from asteria_server.errors import (
     UnknownSessionError,
 )
 from asteria_server.protocol import convert, framing
-from asteria_server.protocol.errors import to_status
+from asteria_server.protocol.errors import abort_call
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
@@ -187,14 +187,6 @@ def _result_bytes(header: pb.SnapshotHeader) -> int:
     a refresh, which adds a rotation) and n eigenvalues or permutation entries."""
     n = header.n
     return 4 * n * n * (2 if header.has_basis else 1) + 16 * n
-
-
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
-    code, message = to_status(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        logger.error("internal error in a call", exc_info=exc)
-    await context.abort(code, message)
-    raise AssertionError("unreachable")  # context.abort raises
 
 
 class PreconditionerServicer(pb_grpc.PreconditionerServicer):
@@ -365,7 +357,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             session = Session(uuid.uuid4().hex, tenant, request.job, request.rank, self._clock())
             self._sessions.open(session)
         except (AuthenticationError, DaemonBusyError) as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         self._arm_reaper()
         logger.info(
             "session opened: tenant %r job %r rank %d",
@@ -394,7 +386,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 # A session id alone does not end a session: its tenant's token must come too.
                 self._auth.tenant_of(session.tenant, request.token)
         except (UnknownSessionError, InvalidInputError, AuthenticationError) as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         self._sessions.end(request.session_id, "was closed by CloseSession")
         self._ended(request.session_id)
         if request.forget_blocks:  # the session's job: its blocks, results and spill files
@@ -440,7 +432,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             known.update(specs)
             unregistered.difference_update(specs)
         except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         return pb.RegisterBlocksResponse(num_new=len(new), num_known=len(specs) - len(new))
 
     # ------------------------------------------------------------------ snapshots
@@ -490,7 +482,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             EngineUnavailableError,
             DaemonBusyError,
         ) as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         return convert.outcome_to_proto(outcome)
 
     async def _next_chunk(
@@ -637,7 +629,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     "one: cancel the streams it no longer reads"
                 )
         except (UnknownSessionError, DaemonBusyError) as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         wanted = set(request.blocks)
         sent: dict[str, int] = dict(request.held_versions)
         epoch = -1
@@ -696,7 +688,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             self._sessions.stream_ended(session.session_id)
             self._arm_reaper()
         if ended is not None:
-            await _abort(context, ended)
+            await abort_call(context, ended)
 
     async def _write(self, context: grpc.aio.ServicerContext[Any, Any], frame: bytes) -> None:
         """Send one frame; DaemonBusyError when the client has not read for stream_stall_s."""
@@ -786,7 +778,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     f"Status: max_blocks must be >= 0, got {request.max_blocks}"
                 )
         except (UnknownSessionError, AuthenticationError, InvalidInputError) as exc:
-            await _abort(context, exc)
+            await abort_call(context, exc)
         stats = self._engine.stats(session.tenant)  # its own blocks' names in the workers
         reply = convert.status_to_proto(stats, [], self.transport_stats())
         blocks = self._engine.status(session.tenant)  # sorted by name

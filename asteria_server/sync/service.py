@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 import grpc
 
 from asteria_server.errors import AuthenticationError, InvalidInputError, UnknownSessionError
-from asteria_server.protocol.errors import to_status
+from asteria_server.protocol.errors import abort_call
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
 from asteria_server.sync.manager import SyncManager
@@ -17,9 +17,7 @@ from asteria_server.sync.manager import SyncManager
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
     if isinstance(exc, LookupError):
         await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-    code, message = to_status(exc)
-    await context.abort(code, message)
-    raise AssertionError("unreachable")  # context.abort raises
+    await abort_call(context, exc)
 
 
 class PeerServicer(ppb_grpc.PeerServicer):

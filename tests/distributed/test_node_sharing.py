@@ -5,7 +5,6 @@ Real parts: a real ``asteria-server`` process, four spawned gloo ranks, DDP, sha
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 from asteria_client import SOAP
 from asteria_client.cli import main
 from asteria_client.status import StatusReader
+from tests.distributed.spawn import init
 from tests.integration.test_daemon import start_daemon, stop_daemon
 
 WORLD = 4
@@ -35,14 +35,7 @@ def _model() -> torch.nn.Module:
 
 
 def _rank(rank: int, tmp: str, address: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init(rank, WORLD, tmp)
     try:
         model = _model()
         ddp = torch.nn.parallel.DistributedDataParallel(model)

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from asteria_client import SOAP, Shampoo
 from asteria_client.distributed import JobLayout, discover_layout
 from asteria_server.engine import EngineConfig
+from tests.distributed.spawn import init
 from tests.integration.test_daemon import LaunchedDaemon, start_daemon, stop_daemon
 
 WORLD = 2
@@ -211,14 +212,7 @@ def test_the_job_name_defaults_to_the_launchers_run_id(
 
 def _two_node_rank(rank: int, tmp: str) -> None:
     os.environ["ASTERIA_NODE"] = f"node{rank // 2}"  # one host plays two nodes
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=4,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init(rank, 4, tmp)
     try:
         torch.save(discover_layout(), f"{tmp}/layout{rank}.pt")
         dist.barrier()
