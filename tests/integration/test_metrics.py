@@ -77,20 +77,26 @@ class UnitDaemon(Daemon):
     metrics_url: str
 
 
-def start_like_systemd(root: Path) -> UnitDaemon:
+def start_like_systemd(
+    root: Path, confine: list[str] | None = None, user: tuple[int, int] | None = None
+) -> UnitDaemon:
+    """The unit's ExecStart under ``root``; ``confine`` is a command that execs the rest (the
+    unit's sandbox, see unit_sandbox.py), ``user`` the uid/gid that owns the RuntimeDirectory."""
     config = root / "etc" / "asteria" / "asteria.toml"
     config.parent.mkdir(parents=True)
     config.write_text((DEPLOY / "asteria.toml").read_text())
     runtime = root / "run" / "asteria"  # RuntimeDirectory=asteria, RuntimeDirectoryMode=0700
     runtime.mkdir(parents=True, mode=0o700)
     os.chmod(runtime, 0o700)
+    if user is not None:
+        os.chown(runtime, *user)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASTERIA_")}
     env["ASTERIA_TOKENS"] = ",".join(f"{t}={tok}" for t, tok in TOKENS.items())
     env["ASTERIA_WORKERS"] = "1"
     env["ASTERIA_METRICS_LISTEN"] = "127.0.0.1:0"
-    argv = exec_start_argv(root)
+    argv = (confine or []) + exec_start_argv(root)
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/"
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + START_TIMEOUT_S
