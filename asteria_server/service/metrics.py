@@ -7,6 +7,8 @@ Two sources feed one registry of the daemon's own, never ``prometheus_client``'s
   status, the sessions, the shared-memory and upload numbers — when Prometheus scrapes. Nothing on
   the submit or solve path pays for these, and they cannot drift from what ``asteria status``
   shows.
+- The peer groups of multi-node jobs (``asteria_server/sync``), read on the daemon's event loop
+  at scrape time: peers by state, push lag, bytes and results between daemons, fallbacks.
 - Counters and histograms that the engine's observer feeds as each dispatched solve ends (on the
   dispatcher thread; ``prometheus_client`` metrics are thread-safe): solves and failures by kind
   and size, solve seconds, queue wait, CPU-seconds per tenant.
@@ -24,7 +26,7 @@ import bisect
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
@@ -44,6 +46,7 @@ from asteria_server import __version__
 from asteria_server.config import TcpAddress
 from asteria_server.engine import BlockStatus, PreconditionerEngine
 from asteria_server.engine.engine import FinishedSolve
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.types import TransportStats
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,12 @@ WAIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
                   10.0, 30.0, 60.0, 120.0)  # fmt: skip
 LAG_STEPS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 LAG_SECONDS_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: Values of the ``state`` label of ``asteria_peers`` (every one is exported, 0 included, so an
+#: alert on ``state="dead"`` has a series to watch).
+PEER_STATES = ("alive", "suspect", "dead", "unknown")
+
+#: (tenant, peer group) of every multi-node job this daemon syncs, as the sync reports them.
+PeerGroups = Callable[[], Sequence[tuple[str, ppb.PeerGroup]]]
 
 
 def size_bucket(n: int) -> str:
@@ -146,9 +155,14 @@ class DaemonMetrics:
         self.queue_wait.labels(record.tenant).observe(record.wait_s)
         self.cpu_seconds.labels(record.tenant).inc(busy_s * self._blas_threads)
 
-    def bind(self, engine: PreconditionerEngine, sources: DaemonSources) -> None:
+    def bind(
+        self,
+        engine: PreconditionerEngine,
+        sources: DaemonSources,
+        peers: PeerGroups | None = None,
+    ) -> None:
         """Start reading the running daemon's numbers at scrape time."""
-        self.collector.bind(engine, sources)
+        self.collector.bind(engine, sources, peers)
 
     def serve(self, address: TcpAddress) -> str:
         """Serve ``/metrics`` over HTTP in a thread; returns its URL (with the bound port).
@@ -180,9 +194,12 @@ class _StatusCollector(Collector):
     def __init__(self) -> None:
         self._engine: PreconditionerEngine | None = None
         self._sources: DaemonSources | None = None
+        self._peers: PeerGroups | None = None
 
-    def bind(self, engine: PreconditionerEngine, sources: DaemonSources) -> None:
-        self._engine, self._sources = engine, sources
+    def bind(
+        self, engine: PreconditionerEngine, sources: DaemonSources, peers: PeerGroups | None
+    ) -> None:
+        self._engine, self._sources, self._peers = engine, sources, peers
 
     def describe(self) -> Iterable[Metric]:
         return []  # names are only known once bound; nothing to check them against
@@ -301,6 +318,90 @@ class _StatusCollector(Collector):
             seconds,
             LAG_SECONDS_BUCKETS,
         )
+        if self._peers is not None:
+            yield from _peer_families(self._peers)
+
+
+def _peer_families(read: PeerGroups) -> Iterator[Metric]:
+    """Peer groups summed per tenant (a job's groups are few, but labels stay per tenant)."""
+    try:
+        groups = read()
+    except Exception as exc:  # a scrape must not fail for the sync's part: leave it out
+        logger.warning("peer metrics left out of this scrape: %s", exc)
+        return
+    peers = GaugeMetricFamily(
+        "asteria_peers",
+        "Other daemons of this daemon's multi-node jobs, by tenant and state "
+        "(alive, suspect, dead, unknown: never heard).",
+        labels=["tenant", "state"],
+    )
+    lag_versions = GaugeMetricFamily(
+        "asteria_peer_push_lag_versions",
+        "The most versions a result still to push to a peer lags behind the newest one here.",
+        labels=["tenant"],
+    )
+    lag_seconds = GaugeMetricFamily(
+        "asteria_peer_push_lag_seconds",
+        "Seconds since the oldest result still to push to a peer was computed.",
+        labels=["tenant"],
+    )
+    bytes_total = CounterMetricFamily(
+        "asteria_peer_bytes",
+        "Result bytes pushed to (sent) and received from the other daemons of multi-node jobs.",
+        labels=["tenant", "direction"],
+    )
+    results_total = CounterMetricFamily(
+        "asteria_peer_results",
+        "Results pushed to (sent) and received from the other daemons of multi-node jobs.",
+        labels=["tenant", "direction"],
+    )
+    events = CounterMetricFamily(
+        "asteria_peer_events",
+        "Times a peer went suspect, was declared dead, or came back (rejoined).",
+        labels=["tenant", "event"],
+    )
+    waiting = GaugeMetricFamily(
+        "asteria_sync_waiting",
+        "Snapshots here waiting for their owner's push now.",
+        labels=["tenant"],
+    )
+    left = CounterMetricFamily(
+        "asteria_sync_left_to_owner",
+        "Snapshots not solved here because another daemon owns their block.",
+        labels=["tenant"],
+    )
+    fallbacks = CounterMetricFamily(
+        "asteria_sync_fallbacks",
+        "Snapshots solved here although another daemon owns them (owner down, push late, "
+        "daemons not agreed on the blocks): each is a duplicate solve in the cluster.",
+        labels=["tenant"],
+    )
+    late = CounterMetricFamily(
+        "asteria_sync_late_arrivals",
+        "Pushed results that arrived after their staleness budget's deadline step.",
+        labels=["tenant"],
+    )
+    by_tenant: dict[str, list[ppb.PeerGroup]] = defaultdict(list)
+    for tenant, group in groups:
+        by_tenant[tenant].append(group)
+    for tenant, tenant_groups in sorted(by_tenant.items()):
+        others = [p for g in tenant_groups for p in g.peers if p.state != "self"]
+        for state in PEER_STATES:
+            peers.add_metric([tenant, state], sum(p.state == state for p in others))
+        lag_versions.add_metric([tenant], max((p.push_lag_versions for p in others), default=0))
+        lag_seconds.add_metric([tenant], max((p.push_lag_s for p in others), default=0.0))
+        bytes_total.add_metric([tenant, "sent"], sum(p.bytes_sent for p in others))
+        bytes_total.add_metric([tenant, "received"], sum(p.bytes_received for p in others))
+        results_total.add_metric([tenant, "sent"], sum(p.results_sent for p in others))
+        results_total.add_metric([tenant, "received"], sum(p.results_received for p in others))
+        for event in ("suspected", "died", "rejoined"):
+            events.add_metric([tenant, event], sum(getattr(p, event) for p in others))
+        waiting.add_metric([tenant], sum(g.waiting for g in tenant_groups))
+        left.add_metric([tenant], sum(g.left_to_owner for g in tenant_groups))
+        fallbacks.add_metric([tenant], sum(g.fallbacks for g in tenant_groups))
+        late.add_metric([tenant], sum(g.late_arrivals for g in tenant_groups))
+    yield from (peers, lag_versions, lag_seconds, bytes_total, results_total, events)
+    yield from (waiting, left, fallbacks, late)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
@@ -30,6 +30,7 @@ from asteria_server.config import DaemonConfig, TcpAddress, UnixAddress
 from asteria_server.engine import EngineConfig, PreconditionerEngine
 from asteria_server.engine.engine import SolveObserver
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc, peer_pb2_grpc
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.service.allocator import reclaim_periodically
 from asteria_server.service.handover import SegmentHandover
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 #: The daemon's exit status when its engine broke (a supervisor restarts it).
 EXIT_ENGINE_BROKEN = 3
+#: How long a metrics scrape waits for the event loop to read the peer groups.
+PEER_METRICS_WAIT_S = 2.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preconditioner"].full_name
 
 
@@ -374,7 +377,8 @@ async def serve(config: DaemonConfig) -> int:
         f"workers={config.workers} pid={os.getpid()}"
     )
     if metrics is not None:
-        metrics.bind(daemon.engine, daemon.servicer)
+        peers = None if daemon.sync is None else _peer_groups_on(loop, daemon.sync)
+        metrics.bind(daemon.engine, daemon.servicer, peers)
         line += f" metrics={metrics_url}"
     if config.ready_file:
         tmp = f"{config.ready_file}.tmp"
@@ -404,6 +408,20 @@ async def serve(config: DaemonConfig) -> int:
             await asyncio.to_thread(metrics.close)
         await broken  # the engine is closed now: the watcher has returned
     return EXIT_ENGINE_BROKEN if why is not None else 0
+
+
+def _peer_groups_on(
+    loop: asyncio.AbstractEventLoop, sync: SyncManager
+) -> Callable[[], list[tuple[str, ppb.PeerGroup]]]:
+    """The sync's peer groups, for the metrics thread: read on the event loop that owns them."""
+
+    async def groups() -> list[tuple[str, ppb.PeerGroup]]:
+        return sync.groups()
+
+    def read() -> list[tuple[str, ppb.PeerGroup]]:
+        return asyncio.run_coroutine_threadsafe(groups(), loop).result(PEER_METRICS_WAIT_S)
+
+    return read
 
 
 def _start_metrics(config: DaemonConfig) -> tuple[DaemonMetrics | None, str]:

@@ -958,6 +958,11 @@ class SyncManager:
             groups=[js.status(now) for (t, _), js in sorted(self.jobs.items()) if t == tenant]
         )
 
+    def groups(self) -> list[tuple[str, ppb.PeerGroup]]:
+        """Every tenant's peer groups (the metrics endpoint's view); call on the event loop."""
+        now = time.monotonic()
+        return [(tenant, js.status(now)) for (tenant, _), js in sorted(self.jobs.items())]
+
 
 def is_peer_error(exc: BaseException) -> bool:
     return isinstance(exc, AuthenticationError | LookupError | InvalidInputError)

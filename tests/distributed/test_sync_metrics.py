@@ -1,0 +1,66 @@
+"""The sync's Prometheus metrics: two real daemons on loopback TCP with --metrics-listen, a
+2-node job of real gloo ranks, and the scraped peer families against `asteria status`'s peers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tests.distributed import sync_cluster as sc
+from tests.integration.test_metrics import scrape, value
+
+PEER_FAMILIES = (
+    "asteria_peers",
+    "asteria_peer_push_lag_versions",
+    "asteria_peer_bytes",
+    "asteria_peer_results",
+    "asteria_peer_events",
+    "asteria_sync_left_to_owner",
+    "asteria_sync_fallbacks",
+)
+
+
+def _url(serving_line: str) -> str:
+    return serving_line.split(" metrics=", 1)[1].split()[0]
+
+
+def test_peer_metrics_agree_with_the_peers_status_on_both_daemons(tmp_path: Path) -> None:
+    with sc.daemons(tmp_path, 2, env={"ASTERIA_METRICS_LISTEN": "127.0.0.1:0"}) as ds:
+        urls = [_url(d.serving_line) for d in ds]
+        before = scrape(urls[0])
+        assert not any(before.get(f) for f in PEER_FAMILIES), "peer series before any job"
+
+        spec = sc.RunSpec(
+            addresses=[d.address for d in ds], node_of_rank=[0, 1], steps=12, frequency=2
+        )
+        ranks = sc.run_ranks(tmp_path, spec)
+        assert all(r["local_fallbacks"] == 0 for r in ranks)
+        last = spec.steps - 1
+        deadline = time.monotonic() + 10
+        while True:  # the last pushes may still be on their way: then the counters settle
+            groups = [sc.view(d.address).group for d in ds]
+            newest = {b["version"] for g in groups for b in g["blocks"]}
+            if newest == {last} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        scraped = [scrape(url) for url in urls]
+        groups = [sc.view(d.address).group for d in ds]  # the same numbers, after the scrapes
+
+    t = sc.TENANT
+    for metrics, group in zip(scraped, groups, strict=True):
+        (peer,) = [p for p in group["peers"] if p["state"] != "self"]
+        assert value(metrics, "asteria_peers", tenant=t, state="alive") == 1
+        assert value(metrics, "asteria_peers", tenant=t, state="dead") == 0
+        sent = value(metrics, "asteria_peer_bytes_total", tenant=t, direction="sent")
+        received = value(metrics, "asteria_peer_bytes_total", tenant=t, direction="received")
+        assert sent == peer["bytes_sent"] > 0 and received == peer["bytes_received"] > 0
+        results = value(metrics, "asteria_peer_results_total", tenant=t, direction="received")
+        assert results == peer["results_received"] > 0
+        assert value(metrics, "asteria_peer_push_lag_versions", tenant=t) == 0  # all pushed
+        assert value(metrics, "asteria_peer_events_total", tenant=t, event="died") == 0
+        left = value(metrics, "asteria_sync_left_to_owner_total", tenant=t)
+        assert left == group["left_to_owner"] > 0  # the other daemon's blocks were not solved
+        assert value(metrics, "asteria_sync_fallbacks_total", tenant=t) == group["fallbacks"] == 0
+    # What one daemon pushed is what the other received.
+    sent_0 = value(scraped[0], "asteria_peer_bytes_total", tenant=t, direction="sent")
+    assert sent_0 == value(scraped[1], "asteria_peer_bytes_total", tenant=t, direction="received")
