@@ -278,10 +278,19 @@ class FreshnessRuntime:
             if seen is not None and seen[0]() is tile and seen[1] == epoch:
                 return
             self._scanned[id(tile)] = (weakref.ref(tile), epoch)
+        in_dim_order = self.policy.budget_intervals == 0 and not self.continuous
         for dim, block in tile.preconditioned():
             result = self._take_newer(block, tile.versions[dim])
             if result is not None:
                 self._install(tile, dim, result, install)
+            elif in_dim_order and tile.submitted[dim] > tile.versions[dim]:
+                # S = 0: a tile's results go into use in dim order, whichever arrived first.
+                # Each install rotates the moments along its dim; in float32 the order of two
+                # such rotations changes the rounding, so the arrival order (a race between
+                # solver workers, or between owner daemons) would otherwise make two identical
+                # runs differ. The later dims stay in the source; sync() installs them in
+                # order once this one is in.
+                break
 
     def _take_newer(self, block: str, installed_version: int) -> PreconditionerResult | None:
         """A ready result for ``block`` newer than ``installed_version``; older ones are dropped."""
