@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -38,6 +39,15 @@ from asteria_server.errors import SolverError
 from asteria_server.types import SolveKind, SolveResult, SolveTask
 
 _PROBE_SEED = 0x5EED
+
+
+@functools.lru_cache(maxsize=16)
+def _probe(n: int) -> np.ndarray:
+    """The checks' fixed Gaussian probe vector of length n (read-only; made once per n: a new
+    generator per check cost about as much as the check itself at n = 256)."""
+    y = np.random.default_rng(_PROBE_SEED).standard_normal(n)
+    y.flags.writeable = False
+    return y
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,16 +124,23 @@ _WHOLE_MATRIX_MAX_N = 384
 
 
 def checked_symmetric(matrix: np.ndarray, *, symmetry_rtol: float = 1e-4) -> np.ndarray:
-    """Float64 ``(A + A^T) / 2`` of a finite, nearly symmetric square matrix, else InputRejected."""
+    """Float64 ``(A + A^T) / 2`` of a finite, nearly symmetric square matrix, else InputRejected.
+
+    One n x n temporary besides the result (the difference, reused for nothing else): the
+    largest magnitude is ``max(max A, -min A)``, and NaN or Inf shows in those two reductions.
+    """
     a = np.asarray(matrix, dtype=np.float64)
-    largest = float(np.abs(a).max()) if a.size else 0.0
-    if not math.isfinite(largest):  # max propagates NaN; Inf is its own maximum
+    high = float(a.max()) if a.size else 0.0
+    low = float(a.min()) if a.size else 0.0
+    if not (math.isfinite(high) and math.isfinite(low)):  # max/min propagate NaN
         raise InputRejected("factor matrix holds NaN or Inf")
-    scale = max(1.0, largest)
+    scale = max(1.0, high, -low)
     n, tile = a.shape[0], _SYMMETRY_TILE
     if n <= _WHOLE_MATRIX_MAX_N:  # in cache anyway: whole-matrix passes beat the tile loop
-        asym = float(np.abs(a - a.T).max()) if n else 0.0
-        out = a + a.T
+        diff = np.subtract(a, a.T)
+        asym = float(np.abs(diff, out=diff).max()) if n else 0.0
+        del diff
+        out = np.add(a, a.T)
         out *= 0.5
         n = 0  # skip the tiles
     else:
@@ -144,9 +161,14 @@ def checked_symmetric(matrix: np.ndarray, *, symmetry_rtol: float = 1e-4) -> np.
     return out
 
 
-def eigh_fp64(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
-    """Ascending eigenvalues and eigenvectors of symmetric float64 ``a`` (``a`` is left intact)."""
+def eigh_fp64(
+    a: np.ndarray, *, driver: str = "evd", shift: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending eigenvalues and eigenvectors of symmetric float64 ``a + shift I`` (``a`` is
+    left intact: LAPACK works in one Fortran-ordered copy, shifted there)."""
     work = np.array(a, dtype=np.float64, order="F", copy=True)
+    if shift:
+        work[np.diag_indices_from(work)] += shift
     w, v = scipy.linalg.eigh(work, driver=driver, overwrite_a=True, check_finite=False)
     return np.asarray(w), np.asarray(v)
 
@@ -158,13 +180,15 @@ def inverse_root_from_eigh(
     lam = np.maximum(w, 0.0) + epsilon
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # caught by the checks
         root = (v * np.power(lam, -exponent)) @ v.T
-    return (root + root.T) * 0.5
+    root += root.T  # NumPy buffers the overlapping transpose: exactly (root + root^T)
+    root *= 0.5
+    return root
 
 
 def sorted_eigenbasis(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Columns and eigenvalues in descending eigenvalue order (stable), signs canonicalized."""
     order = np.argsort(-w, kind="stable")
-    q = canonicalize_signs(np.array(v[:, order], copy=True))
+    q = canonicalize_signs(v[:, order])  # fancy indexing made a new array
     return q, w[order]
 
 
@@ -211,15 +235,20 @@ def _check_psd(eigenvalues: np.ndarray, psd_rtol: float) -> None:
         )
 
 
-def _check_decomposition(a: np.ndarray, w: np.ndarray, v: np.ndarray, cfg: SolverConfig) -> None:
-    """O(n^2) random-probe check that ``A V = V diag(w)`` and ``V^T V = I``."""
+def _check_decomposition(
+    a: np.ndarray, w: np.ndarray, v: np.ndarray, cfg: SolverConfig, shift: float = 0.0
+) -> None:
+    """O(n^2) random-probe check that ``(A + shift I) V = V diag(w)`` and ``V^T V = I``."""
     if not (np.isfinite(w).all() and np.isfinite(v).all()):
         raise AttemptFailed("eigendecomposition returned non-finite values")
-    y = np.random.default_rng(_PROBE_SEED).standard_normal(a.shape[0])
+    y = _probe(a.shape[0])
     y_norm = float(np.linalg.norm(y))
     vy = v @ y
     scale = max(float(np.abs(w).max()), np.finfo(np.float64).tiny)
-    residual = float(np.linalg.norm(a @ vy - v @ (w * y)))
+    avy = a @ vy
+    if shift:
+        avy += shift * vy
+    residual = float(np.linalg.norm(avy - v @ (w * y)))
     if not residual <= cfg.residual_rtol * scale * y_norm:
         raise AttemptFailed(f"eigendecomposition residual too large ({residual / y_norm:.3g})")
     drift = float(np.linalg.norm(v.T @ vy - y))
@@ -239,7 +268,7 @@ def _check_orthonormal(q32: np.ndarray, atol: float) -> None:
     err = float(np.abs(norms - 1.0).max()) if norms.size else 0.0
     if not err <= atol:
         raise AttemptFailed(f"basis is not orthonormal (max |q_j^T q_j - 1| = {err:.3g})")
-    y = np.random.default_rng(_PROBE_SEED).standard_normal(q32.shape[1])
+    y = _probe(q32.shape[1])
     q = q32.astype(np.float64, copy=False)
     drift = float(np.linalg.norm(q.T @ (q @ y) - y)) / float(np.linalg.norm(y))
     if not drift <= atol:
@@ -348,12 +377,8 @@ class EighSolver:
             root = inverse_root_from_eigh(w, v, float(task.exponent), eps)
             return _Output(matrix=_finite32(root, "inverse root"))
         if basis is None:
-            shifted = a
-            if eps:
-                shifted = a.copy()
-                shifted[np.diag_indices_from(shifted)] += eps
-            w, v = eigh_fp64(shifted, driver=driver)
-            _check_decomposition(shifted, w, v, cfg)
+            w, v = eigh_fp64(a, driver=driver, shift=eps)  # of A + eps I
+            _check_decomposition(a, w, v, cfg, shift=eps)
             w = w - eps
             _check_psd(w, cfg.psd_rtol)
             q, w_sorted = sorted_eigenbasis(w, v)

@@ -35,6 +35,7 @@ from asteria_server.engine import faults
 from asteria_server.engine.shm import receive_segment_fds
 from asteria_server.engine.solvers import EighSolver, SolverConfig
 from asteria_server.errors import SolverError
+from asteria_server.malloc import trim, tune_solver_allocator
 from asteria_server.protocol.shm import (
     ArraySpec,
     Segment,
@@ -43,6 +44,10 @@ from asteria_server.protocol.shm import (
     result_specs,
 )
 from asteria_server.types import ACCEPTED_DTYPES, SolveKind, SolveTask
+
+#: A worker idle this long hands the heap its solves kept back to the system
+#: (:mod:`asteria_server.malloc`).
+IDLE_TRIM_S = 1.0
 
 
 def _map_handed(conn: Connection, msg: dict[str, Any], cache: dict[int, Segment]) -> None:
@@ -128,13 +133,18 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment])
 def worker_main(conn: Connection, blas_threads: int, solver_config: SolverConfig) -> None:
     """Entry point of a worker process: answer solve messages until told to stop or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    tune_solver_allocator()  # a solve's arrays stay on the heap for the next one
     threadpool_limits(limits=blas_threads, user_api="blas")
     solver = EighSolver(dataclasses.replace(solver_config, blas_threads=None))
     cache: dict[int, Segment] = {}
     try:
         conn.send(("ready", os.getpid()))
+        trimmed = True
         while True:
             try:
+                if not trimmed and not conn.poll(IDLE_TRIM_S):
+                    trim()  # idle: what the last solves kept goes back to the system
+                trimmed = True
                 msg = conn.recv()
             except (EOFError, OSError):
                 break  # the parent is gone
@@ -144,6 +154,7 @@ def worker_main(conn: Connection, blas_threads: int, solver_config: SolverConfig
                 _map_handed(conn, msg, cache)
             except (EOFError, OSError):
                 break  # the parent is gone mid-handover
+            trimmed = False
             try:
                 reply = _run_job(msg, solver, cache)
             except Exception as exc:  # report, stay alive: one bad task must not kill the worker

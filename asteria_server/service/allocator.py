@@ -21,43 +21,19 @@ megabytes of garbage stayed resident for as long as the daemon stayed quiet.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import logging
 
-logger = logging.getLogger(__name__)
+from asteria_server.malloc import M_ARENA_MAX, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, mallopt, trim
 
-#: mallopt parameters (glibc's malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
+logger = logging.getLogger(__name__)
 
 MMAP_THRESHOLD_BYTES = 256 << 10
 RECLAIM_INTERVAL_S = 30.0
 TRIM_THRESHOLD_BYTES = 1 << 20
 ARENA_MAX = 2
 
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return ctypes.CDLL(name)
-    except OSError:
-        return None
-
-
-def trim() -> bool:
-    """Hand the free pages of every malloc arena back to the system (glibc ``malloc_trim``)."""
-    libc = _libc()
-    function = getattr(libc, "malloc_trim", None)
-    if function is None:
-        return False
-    function.argtypes = [ctypes.c_size_t]
-    function.restype = ctypes.c_int
-    return bool(function(0))
+__all__ = ["reclaim", "reclaim_periodically", "trim", "tune_allocator"]
 
 
 def reclaim() -> int:
@@ -76,18 +52,12 @@ async def reclaim_periodically(interval_s: float = RECLAIM_INTERVAL_S) -> None:
 
 def tune_allocator() -> bool:
     """Apply the settings above (call before threads start); False where it cannot."""
-    mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is None:
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    ok = all(
-        mallopt(param, value) == 1
-        for param, value in (
-            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
-            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-            (_M_ARENA_MAX, ARENA_MAX),
-        )
+    ok = mallopt(
+        {
+            M_MMAP_THRESHOLD: MMAP_THRESHOLD_BYTES,
+            M_TRIM_THRESHOLD: TRIM_THRESHOLD_BYTES,
+            M_ARENA_MAX: ARENA_MAX,
+        }
     )
     if not ok:
         logger.warning("could not tune the C allocator (mallopt refused a setting)")

@@ -243,11 +243,11 @@ def test_lapack_failure_is_retried_with_larger_epsilon(monkeypatch: Any) -> None
     real = solvers.eigh_fp64
     drivers: list[str] = []
 
-    def flaky(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
+    def flaky(a: np.ndarray, *, driver: str = "evd", **kw: Any) -> tuple[np.ndarray, np.ndarray]:
         drivers.append(driver)
         if len(drivers) == 1:
             raise np.linalg.LinAlgError("did not converge")
-        return real(a, driver=driver)
+        return real(a, driver=driver, **kw)
 
     monkeypatch.setattr(solvers, "eigh_fp64", flaky)
     a = spd(10, seed=4)
@@ -260,7 +260,7 @@ def test_lapack_failure_is_retried_with_larger_epsilon(monkeypatch: Any) -> None
 
 
 def test_every_attempt_failing_raises_solver_error_naming_block(monkeypatch: Any) -> None:
-    def broken(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
+    def broken(a: np.ndarray, *, driver: str = "evd", **kw: Any) -> tuple[np.ndarray, np.ndarray]:
         n = a.shape[0]
         return np.ones(n), np.full((n, n), np.nan)  # garbage "decomposition"
 
@@ -275,9 +275,9 @@ def test_blas_threads_are_capped_during_the_solve(monkeypatch: Any) -> None:
     real = solvers.eigh_fp64
     seen: list[int] = []
 
-    def spy(a: np.ndarray, *, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
+    def spy(a: np.ndarray, *, driver: str = "evd", **kw: Any) -> tuple[np.ndarray, np.ndarray]:
         seen.extend(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
-        return real(a, driver=driver)
+        return real(a, driver=driver, **kw)
 
     monkeypatch.setattr(solvers, "eigh_fp64", spy)
     EighSolver(SolverConfig(blas_threads=1)).solve(task(spd(6)))
