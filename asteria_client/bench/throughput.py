@@ -8,10 +8,12 @@ ridge, like Kronecker factors) is solved round after round on both sides:
   one session submits all B snapshots (a new version each round) and a results stream receives
   them, over shared memory as a client on the same host does by default (``--transport grpc``:
   in gRPC chunks); a round is timed from the first submit to the arrival of the last result;
-- bare: W spawned processes with 1 BLAS thread each, at the daemon workers' nice value, each
-  running on its share of the same batch exactly the LAPACK/BLAS calls the engine's solver makes
-  (``scipy.linalg.eigh`` in float64 with the ``evd`` driver; for an inverse root also the one
-  ``U diag(lam^-p) U^T`` product), without Asteria's validation, copies or IPC.
+- bare: W spawned processes with 1 BLAS thread each, at the daemon workers' nice value and
+  with their C allocator settings (``asteria_server.malloc.tune_solver_allocator``: process
+  configuration, like the thread count, not work Asteria adds), each running on its share of
+  the same batch exactly the LAPACK/BLAS calls the engine's solver makes (``scipy.linalg.eigh``
+  in float64 with the ``evd`` driver; for an inverse root also the one ``U diag(lam^-p) U^T``
+  product), without Asteria's validation, copies or IPC.
 
 Rounds of the two sides alternate (the machine is shared and noisy), after one warm-up round each.
 The figure is ratio = bare median round time / daemon median round time = daemon solves/s over
@@ -161,6 +163,9 @@ def _bare_worker(conn: Connection, index: int, num_workers: int, niceness: int) 
     _load_lapack()
     from threadpoolctl import threadpool_limits
 
+    from asteria_server.malloc import tune_solver_allocator
+
+    tune_solver_allocator()  # as the daemon's solver workers do
     threadpool_limits(limits=1, user_api="blas")
     if niceness > 0:
         os.nice(niceness)
