@@ -267,6 +267,9 @@ class PreconditionerEngine:
         self._closing = False
         self._closed = False
         self._broken: str | None = None
+        #: set once ``_closing`` or ``_broken`` is: what :meth:`wait_stopped` waits on (not
+        #: ``_cond``, whose every notify would wake the watcher thread for nothing)
+        self._stopped = threading.Event()
         self._results_epoch = 0
         #: tenant -> block -> the results epoch at which the block's newest result arrived.
         self._result_epochs: dict[str, dict[str, int]] = {}
@@ -437,6 +440,16 @@ class PreconditionerEngine:
             self._check_usable()
             self._coord.registry.on_elsewhere(task.tenant, task.block, task.version, job)
 
+    def withdraw(self, block: str, tenant: str, max_version: int) -> SolveTask | None:
+        """Another daemon solves the queued snapshot of ``block`` (the sync between node
+        daemons: a claim its owner granted, or a peer's result of that version or newer came
+        first): when the block's queued, not yet running, version is <= ``max_version`` it
+        leaves the queue and is returned, counted as submitted here (``note_elsewhere``) and
+        accepted once more should it have to be solved here after all; otherwise None."""
+        with self._cond:
+            self._check_usable()
+            return self._coord.withdraw(tenant, block, max_version)
+
     def install_result(self, result: SolveResult) -> bool:
         """Keep a result computed elsewhere (a peer daemon that owns the block) as the block's
         newest, exactly like one of its own workers': streams serve it, versions never go back.
@@ -482,9 +495,8 @@ class PreconditionerEngine:
     def wait_stopped(self) -> str | None:
         """Block until the engine breaks or closes; the reason it broke (None: it closed).
         For a watcher thread: it costs nothing while it waits."""
+        self._stopped.wait()
         with self._cond:
-            while self._broken is None and not self._closing:
-                self._cond.wait()
             return self._broken
 
     def status(self, tenant: str | None = None) -> list[BlockStatus]:
@@ -532,6 +544,7 @@ class PreconditionerEngine:
             else:
                 already = False
                 self._closing = True
+                self._stopped.set()
                 self._pool.wakeup()
                 self._cond.notify_all()
         if already:
@@ -576,6 +589,7 @@ class PreconditionerEngine:
             logger.exception("preconditioner engine dispatcher crashed")
             with self._cond:
                 self._broken = f"dispatcher crashed: {type(exc).__name__}: {exc}"
+                self._stopped.set()
                 self._fail_all_queued(self._broken)
                 self._cond.notify_all()
 
@@ -623,6 +637,7 @@ class PreconditionerEngine:
             listeners = self._listeners
             if self._pool.broken_reason is not None and self._broken is None:
                 self._broken = self._pool.broken_reason
+                self._stopped.set()
             if failed or events or self._broken:
                 self._cond.notify_all()
             if self._broken is not None:
