@@ -6,8 +6,10 @@ ridge, like Kronecker factors) is solved round after round on both sides:
 
 - daemon: a real ``asteria-server`` (``--workers W --blas-threads 1``) on a private Unix socket;
   one session submits all B snapshots (a new version each round) and a results stream receives
-  them, over shared memory as a client on the same host does by default (``--transport grpc``:
-  in gRPC chunks); a round is timed from the first submit to the arrival of the last result;
+  them, over shared memory as a client on the same host does by default (written into the
+  blocks' segments and announced in one AnnounceSnapshots call, as the daemon source sends one
+  step's snapshots; ``--transport grpc``: in gRPC chunks, one call each); a round is timed from
+  the first submit to the arrival of the last result;
 - bare: W spawned processes with 1 BLAS thread each, at the daemon workers' nice value and
   with their C allocator settings (``asteria_server.malloc.tune_solver_allocator``: process
   configuration, like the thread count, not work Asteria adds), each running on its share of
@@ -270,16 +272,27 @@ class DaemonClient:
         self._cancel = cancel
         self._cancel_set.set()
 
-    def _submit(self, task: Any) -> None:
+    def _submit(self, tasks: Sequence[Any]) -> None:
+        """Send ``tasks`` as the daemon source's sender does: over shared memory, written into
+        their blocks' segments and announced together in one call; else in chunks, one call
+        each."""
         if not self._shm.active:
-            self._conn.submit(self._session, task)
+            for task in tasks:
+                self._conn.submit(self._session, task)
             return
-        snap = self._segments.get(task.block)
-        if snap is None:  # made and handed over on the block's first snapshot
-            made = self._shm.create(task)
-            assert made is not None, "the segment set is active"
-            snap = self._segments[task.block] = made[0]
-        self._conn.submit(self._session, task, shm=snap.write_snapshot(task))
+        announced = []
+        for task in tasks:
+            snap = self._segments.get(task.block)
+            if snap is None:  # made and handed over on the block's first snapshot
+                made = self._shm.create(task)
+                assert made is not None, "the segment set is active"
+                snap = self._segments[task.block] = made[0]
+            announced.append((task, snap.write_snapshot(task)))
+        for (task, _), answer in zip(
+            announced, self._conn.announce(self._session, announced), strict=True
+        ):
+            if isinstance(answer, Exception):
+                raise RuntimeError(f"the daemon refused block {task.block}: {answer}")
 
     def _drain(self) -> None:
         reader = self._shm.read_result if self._shm.active else None
@@ -301,16 +314,19 @@ class DaemonClient:
         names = [f"{prefix}-{i}" for i in range(len(matrices))]
         pending = set(names)
         start = time.perf_counter()
-        for name, matrix in zip(names, matrices, strict=True):
-            task = SolveTask(
-                block=name,
-                version=version,
-                kind=kind,
-                matrix=matrix,
-                exponent=EXPONENT,
-                epsilon=EPSILON,
-            )
-            self._submit(task)
+        self._submit(
+            [
+                SolveTask(
+                    block=name,
+                    version=version,
+                    kind=kind,
+                    matrix=matrix,
+                    exponent=EXPONENT,
+                    epsilon=EPSILON,
+                )
+                for name, matrix in zip(names, matrices, strict=True)
+            ]
+        )
         last = start
         deadline = time.monotonic() + ROUND_SLACK_S
         while pending:
@@ -339,7 +355,7 @@ class DaemonClient:
 
         task = SolveTask(block=block, version=version, kind=kind, matrix=matrix, epsilon=EPSILON)
         start = time.perf_counter()
-        self._submit(task)
+        self._submit([task])
         deadline = time.monotonic() + ROUND_SLACK_S
         while True:
             item = self._arrivals.get(timeout=max(0.0, deadline - time.monotonic()))

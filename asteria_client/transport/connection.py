@@ -15,7 +15,7 @@ import grpc
 
 from asteria_client.config import client_env
 from asteria_client.transport.peer import check_socket_owner
-from asteria_server.errors import AsteriaError, InvalidInputError
+from asteria_server.errors import AsteriaError, DaemonBusyError, InvalidInputError
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.errors import from_status
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
@@ -25,7 +25,14 @@ from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_gr
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef
-from asteria_server.types import BlockStatus, EngineStats, SolveResult, SolveTask, TransportStats
+from asteria_server.types import (
+    BlockStatus,
+    EngineStats,
+    SolveResult,
+    SolveTask,
+    SubmitOutcome,
+    TransportStats,
+)
 
 #: Largest gRPC message this client sends or accepts (a 1 MiB chunk plus framing fits).
 MAX_MESSAGE_BYTES = 8 << 20
@@ -107,6 +114,10 @@ class DaemonClientConfig:
             )
 
 
+#: gRPC status codes by number (an AnnounceSnapshots answer carries a refusal's code as one).
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _error(exc: grpc.RpcError) -> AsteriaError:
     """The Asteria exception for a failed call (``protocol.errors``' table)."""
     code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
@@ -146,6 +157,7 @@ class DaemonConnection:
         self.address = address
         self.config = config or DaemonClientConfig()
         self._tenant, self._token, self._job, self._rank = tenant, token, job, rank
+        self._announce_supported = True  # False once the daemon answered UNIMPLEMENTED
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -229,6 +241,56 @@ class DaemonConnection:
             self._stub.SubmitSnapshot(messages, timeout=self.config.call_timeout_s)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+
+    def announce(
+        self, session: SessionInfo, snapshots: list[tuple[SolveTask, SegmentRef]]
+    ) -> list[SubmitOutcome | AsteriaError]:
+        """Announce snapshots written in the session's segments, all in one call; per snapshot
+        its outcome, or the error a :meth:`submit` of it would have raised. Raises (for all of
+        them) when the call itself fails: the session is unknown, the daemon unreachable. A
+        daemon that does not know the call gets one :meth:`submit` per snapshot instead."""
+        if not snapshots:
+            return []
+        if not self._announce_supported:
+            return self._announce_one_by_one(session, snapshots)
+        request = pb.AnnounceSnapshotsRequest(
+            session_id=session.session_id,
+            snapshots=[convert.snapshot_header(task, shm=ref) for task, ref in snapshots],
+        )
+        try:
+            reply = self._stub.AnnounceSnapshots(request, timeout=self.config.call_timeout_s)
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                self._announce_supported = False  # an older daemon: one call per snapshot
+                return self._announce_one_by_one(session, snapshots)
+            raise _error(exc) from None
+        if len(reply.snapshots) != len(snapshots):
+            raise InvalidInputError(
+                f"the daemon answered {len(reply.snapshots)} of {len(snapshots)} announced "
+                "snapshots"
+            )
+        out: list[SubmitOutcome | AsteriaError] = []
+        for answer in reply.snapshots:
+            got = convert.announced_from_proto(answer)
+            if isinstance(got, tuple):
+                code = _STATUS_CODES.get(got[0], grpc.StatusCode.UNKNOWN)
+                out.append(from_status(code, got[1]))
+            else:
+                out.append(got)
+        return out
+
+    def _announce_one_by_one(
+        self, session: SessionInfo, snapshots: list[tuple[SolveTask, SegmentRef]]
+    ) -> list[SubmitOutcome | AsteriaError]:
+        out: list[SubmitOutcome | AsteriaError] = []
+        for task, ref in snapshots:
+            try:
+                self.submit(session, task, shm=ref)
+            except (InvalidInputError, DaemonBusyError) as exc:  # this snapshot's own refusal
+                out.append(exc)
+                continue
+            out.append(SubmitOutcome.QUEUED)  # submit does not say which acceptance it was
+        return out
 
     def register_job(self, session_id: str, job: RegisteredJob) -> bool:
         """Record ``job``'s layout with the daemon (``job.node_rank``: the node it serves);

@@ -372,6 +372,8 @@ class DaemonSource(PreconditionerSource):
         except AsteriaError as exc:
             self._session.lost(session, exc)
             return
+        announced: list[tuple[_Block, SolveTask, SegmentRef]] = []
+        chunked: list[tuple[_Block, SolveTask]] = []
         for block, latest, sequence in batch:
             if latest.n > session.max_matrix_n:
                 self._reject(latest, f"n={latest.n} exceeds the daemon's max_matrix_n")
@@ -379,8 +381,15 @@ class DaemonSource(PreconditionerSource):
             task, shm = self._wire_form(block, latest, sequence)
             if task is None:
                 continue  # overwritten by a newer snapshot, which is pending itself
+            if shm is not None:
+                announced.append((block, task, shm))
+            else:
+                chunked.append((block, task))
+        if announced and not self._announce(session, announced):
+            return
+        for block, task in chunked:
             try:
-                self._submit_one(session, block, task, shm)
+                self._conn.submit(session, task)
             except InvalidInputError as exc:
                 self._reject(task, str(exc))
                 continue
@@ -391,27 +400,62 @@ class DaemonSource(PreconditionerSource):
             except AsteriaError as exc:
                 self._session.lost(session, exc)
                 return
-
-    def _submit_one(
-        self, session: SessionInfo, block: _Block, task: SolveTask, shm: SegmentRef | None
-    ) -> None:
-        """Submit one snapshot; a refused shared-memory announcement is resent in chunks once,
-        after the block's segments were handed over again (the daemon may have lost them)."""
-        try:
-            self._conn.submit(session, task, shm=shm)
-        except InvalidInputError:
-            if shm is None or block.snapshot_seg is None or block.result_seg is None:
-                raise
-            self._segments.refused((block.snapshot_seg, block.result_seg))
-            copies = block.snapshot_seg.read(snapshot_specs(task), shm.sequence)
-            if copies is None:
-                return  # overwritten meanwhile: the newer snapshot is pending itself
-            basis = copies[1] if len(copies) > 1 else None
-            self._conn.submit(session, dataclasses.replace(task, matrix=copies[0], basis=basis))
-            self._counts["shm_refused_resent"] += 1
             self._counts["chunked_snapshots"] += 1
-            return
-        self._counts["shm_snapshots" if shm else "chunked_snapshots"] += 1
+
+    def _announce(
+        self, session: SessionInfo, announced: list[tuple[_Block, SolveTask, SegmentRef]]
+    ) -> bool:
+        """Announce the snapshots written in segments, all in one call (sender thread); False
+        when the session was lost meanwhile."""
+        try:
+            answers = self._conn.announce(session, [(task, ref) for _, task, ref in announced])
+        except AsteriaError as exc:
+            self._session.lost(session, exc)
+            return False
+        for (block, task, shm), answer in zip(announced, answers, strict=True):
+            if not isinstance(answer, AsteriaError):
+                self._counts["shm_snapshots"] += 1
+                continue
+            try:
+                if isinstance(answer, InvalidInputError):
+                    self._resend_refused(session, block, task, shm, answer)
+                    continue
+                if isinstance(answer, DaemonBusyError):
+                    self._counts["submits_busy"] += 1
+                    self._unanswered(block)
+                    continue
+                raise answer
+            except InvalidInputError as exc:
+                self._reject(task, str(exc))
+            except DaemonBusyError:
+                self._counts["submits_busy"] += 1
+                self._unanswered(block)
+            except AsteriaError as exc:
+                self._session.lost(session, exc)
+                return False
+        return True
+
+    def _resend_refused(
+        self,
+        session: SessionInfo,
+        block: _Block,
+        task: SolveTask,
+        shm: SegmentRef,
+        refusal: InvalidInputError,
+    ) -> None:
+        """The daemon refused (``refusal``) a snapshot announced in ``shm``: hand the block's
+        segments over again (the daemon may have lost them) and send this one in chunks, once.
+        Raises what that submit raises."""
+        if block.snapshot_seg is None or block.result_seg is None:
+            raise refusal
+        self._segments.refused((block.snapshot_seg, block.result_seg))
+        copies = block.snapshot_seg.read(snapshot_specs(task), shm.sequence)
+        if copies is None:
+            return  # overwritten meanwhile: the newer snapshot is pending itself
+        basis = copies[1] if len(copies) > 1 else None
+        self._conn.submit(session, dataclasses.replace(task, matrix=copies[0], basis=basis))
+        self._counts["shm_refused_resent"] += 1
+        self._counts["chunked_snapshots"] += 1
 
     def _wire_form(
         self, block: _Block, task: SolveTask, sequence: int

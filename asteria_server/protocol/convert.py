@@ -211,6 +211,25 @@ def outcome_from_proto(message: pb.SubmitSnapshotResponse) -> SubmitOutcome:
     return outcome
 
 
+def announced_to_proto(outcome: SubmitOutcome) -> pb.AnnouncedSnapshot:
+    """An AnnounceSnapshots answer for a snapshot that was taken with ``outcome``."""
+    return pb.AnnouncedSnapshot(outcome=_OUTCOMES[outcome])
+
+
+def announced_from_proto(message: pb.AnnouncedSnapshot) -> SubmitOutcome | tuple[int, str]:
+    """The outcome of one announced snapshot, or ``(status code, reason)`` when it was
+    refused."""
+    if message.outcome == pb.SUBMIT_OUTCOME_UNSPECIFIED:
+        if not message.error_code:
+            raise _bad("AnnounceSnapshots response", "neither an outcome nor an error is set")
+        return int(message.error_code), message.error
+    outcome = _OUTCOMES_BACK.get(message.outcome)
+    if outcome is None:
+        value = _name(pb.SubmitOutcome.DESCRIPTOR, message.outcome)
+        raise _bad("AnnounceSnapshots response", f"unknown outcome {value}")
+    return outcome
+
+
 # ----------------------------------------------------------------------------------- results
 
 #: Per result field (``protocol.shm.RESULT_FIELDS`` order): n x n (else length n), allowed dtypes.

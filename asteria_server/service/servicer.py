@@ -37,7 +37,7 @@ from asteria_server.errors import (
     UnknownSessionError,
 )
 from asteria_server.protocol import convert, framing
-from asteria_server.protocol.errors import abort_call
+from asteria_server.protocol.errors import abort_call, to_status
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
@@ -134,6 +134,11 @@ def add_servicer_to_server(servicer: PreconditionerServicer, server: grpc.aio.Se
             servicer.SubmitSnapshot,
             request_deserializer=pb.SubmitSnapshotRequest.FromString,
             response_serializer=pb.SubmitSnapshotResponse.SerializeToString,
+        ),
+        "AnnounceSnapshots": grpc.unary_unary_rpc_method_handler(
+            servicer.AnnounceSnapshots,
+            request_deserializer=pb.AnnounceSnapshotsRequest.FromString,
+            response_serializer=pb.AnnounceSnapshotsResponse.SerializeToString,
         ),
         "StreamResults": grpc.unary_stream_rpc_method_handler(
             servicer.StreamResults,
@@ -485,6 +490,67 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             await abort_call(context, exc)
         return convert.outcome_to_proto(outcome)
 
+    async def AnnounceSnapshots(
+        self, request: pb.AnnounceSnapshotsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AnnounceSnapshotsResponse:
+        """Many snapshots announced in the session's segments, each checked and queued as its
+        own SubmitSnapshot would be (nothing is uploaded, so no upload budget is held), each
+        with its own answer: one refused snapshot does not fail the others."""
+        try:
+            session = self._session(request.session_id)
+            if len(request.snapshots) > self._limits.tenant_max_blocks:
+                raise InvalidInputError(
+                    f"AnnounceSnapshots: {len(request.snapshots)} snapshots in one call, more than "
+                    f"the tenant's block quota ({self._limits.tenant_max_blocks})"
+                )
+            for header in request.snapshots:
+                if header.session_id not in ("", request.session_id):
+                    raise InvalidInputError(
+                        "AnnounceSnapshots: every snapshot must belong to the call's session"
+                    )
+                if not header.HasField("shm"):
+                    raise InvalidInputError(
+                        f"AnnounceSnapshots: block {header.block!r} names no shared-memory "
+                        "segment; send its bytes with SubmitSnapshot"
+                    )
+        except (InvalidInputError, UnknownSessionError) as exc:
+            await abort_call(context, exc)
+        answers = []
+        for header in request.snapshots:
+            try:
+                outcome = await self._announce_one(session, header)
+            except (
+                InvalidInputError,
+                UnknownSessionError,
+                EngineUnavailableError,
+                DaemonBusyError,
+            ) as exc:
+                code, message = to_status(exc)
+                answers.append(pb.AnnouncedSnapshot(error_code=code.value[0], error=message))
+                continue
+            answers.append(convert.announced_to_proto(outcome))
+        return pb.AnnounceSnapshotsResponse(snapshots=answers)
+
+    async def _announce_one(self, session: Session, header: pb.SnapshotHeader) -> SubmitOutcome:
+        """One announced snapshot, as :meth:`SubmitSnapshot` takes one in a segment."""
+        if not header.session_id:
+            header.session_id = session.session_id
+        receiver = framing.SnapshotReceiver(
+            pb.SubmitSnapshotRequest(header=header),
+            max_chunk_bytes=self._limits.chunk_bytes,
+            max_matrix_n=self._limits.max_matrix_n,
+        )
+        self._check_name(header.block, "AnnounceSnapshots")
+        self._check_registered(session.tenant, header)
+        what = f"AnnounceSnapshots of block {header.block!r}"
+        self._check_quotas(session.tenant, header, 0, what)
+        task = await self._from_segment(receiver, session)
+        if task is None:  # the client already wrote a newer snapshot over this one
+            return SubmitOutcome.STALE_IGNORED
+        self._received[0] += 1
+        self._received[1] += sum(spec.num_bytes for spec in receiver.specs)
+        return self._engine.submit(task, job=session.job)
+
     async def _next_chunk(
         self, messages: AsyncIterator[pb.SubmitSnapshotRequest], started: float, what: str
     ) -> pb.SubmitSnapshotRequest | None:
@@ -494,7 +560,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         left = limits.upload_max_s - (self._clock() - started)
         wait = min(limits.upload_idle_s, left)
         try:
-            return await asyncio.wait_for(anext(messages, None), max(0.0, wait))
+            async with asyncio.timeout(max(0.0, wait)):  # no task per chunk, unlike wait_for
+                return await anext(messages, None)
         except TimeoutError:
             if wait < limits.upload_idle_s:
                 why = f"took longer than {limits.upload_max_s:g} s (upload_max_s)"
@@ -694,7 +761,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         """Send one frame; DaemonBusyError when the client has not read for stream_stall_s."""
         stall_s = self._limits.stream_stall_s
         try:
-            await asyncio.wait_for(context.write(frame), stall_s)
+            async with asyncio.timeout(stall_s):  # no task per frame, unlike wait_for
+                await context.write(frame)
         except TimeoutError:
             raise DaemonBusyError(
                 f"the client read nothing of its result stream for {stall_s:g} s "

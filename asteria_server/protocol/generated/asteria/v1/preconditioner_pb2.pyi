@@ -558,6 +558,87 @@ class SubmitSnapshotResponse(_message.Message):
 Global___SubmitSnapshotResponse: _TypeAlias = SubmitSnapshotResponse  # noqa: Y015
 
 @_typing.final
+class AnnounceSnapshotsRequest(_message.Message):
+    """Snapshots of one session announced in its shared-memory segments."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session that handed the segments over; every header's session_id must be it or empty."""
+    @_builtins.property
+    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SnapshotHeader]:
+        """One header per snapshot, each with shm set."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        snapshots: _abc.Iterable[Global___SnapshotHeader] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "snapshots", b"snapshots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AnnounceSnapshotsRequest: _TypeAlias = AnnounceSnapshotsRequest  # noqa: Y015
+
+@_typing.final
+class AnnouncedSnapshot(_message.Message):
+    """The daemon's answer to one announced snapshot."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    outcome: Global___SubmitOutcome.ValueType
+    """What happened to it; UNSPECIFIED when it was refused (error_code says why)."""
+    error_code: _builtins.int
+    """When refused: the gRPC status code a SubmitSnapshot of it would have failed with
+    (e.g. INVALID_ARGUMENT, RESOURCE_EXHAUSTED), and the reason.
+    """
+    error: _builtins.str
+    def __init__(
+        self,
+        *,
+        outcome: Global___SubmitOutcome.ValueType = ...,
+        error_code: _builtins.int = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_code", b"error_code", "outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AnnouncedSnapshot: _TypeAlias = AnnouncedSnapshot  # noqa: Y015
+
+@_typing.final
+class AnnounceSnapshotsResponse(_message.Message):
+    """One answer per announced snapshot, in the request's order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[Global___AnnouncedSnapshot]: ...
+    def __init__(
+        self,
+        *,
+        snapshots: _abc.Iterable[Global___AnnouncedSnapshot] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshots", b"snapshots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AnnounceSnapshotsResponse: _TypeAlias = AnnounceSnapshotsResponse  # noqa: Y015
+
+@_typing.final
 class StreamResultsRequest(_message.Message):
     """Subscribe to the session's results."""
 

@@ -55,6 +55,11 @@ class PreconditionerStub:
                 request_serializer=asteria_dot_v1_dot_preconditioner__pb2.SubmitSnapshotRequest.SerializeToString,
                 response_deserializer=asteria_dot_v1_dot_preconditioner__pb2.SubmitSnapshotResponse.FromString,
                 _registered_method=True)
+        self.AnnounceSnapshots = channel.unary_unary(
+                '/asteria.v1.Preconditioner/AnnounceSnapshots',
+                request_serializer=asteria_dot_v1_dot_preconditioner__pb2.AnnounceSnapshotsRequest.SerializeToString,
+                response_deserializer=asteria_dot_v1_dot_preconditioner__pb2.AnnounceSnapshotsResponse.FromString,
+                _registered_method=True)
         self.StreamResults = channel.unary_stream(
                 '/asteria.v1.Preconditioner/StreamResults',
                 request_serializer=asteria_dot_v1_dot_preconditioner__pb2.StreamResultsRequest.SerializeToString,
@@ -102,6 +107,17 @@ class PreconditionerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnounceSnapshots(self, request, context):
+        """Announce snapshots that lie in shared-memory segments the session handed over (every
+        header's shm set; no bytes follow): one call for the snapshots of many blocks, e.g. all of
+        one optimizer step. Each is checked and queued as a SubmitSnapshot of it would be and gets
+        its own answer; the call itself fails only when the session is unknown or the request
+        malformed. A daemon without it answers UNIMPLEMENTED (send SubmitSnapshot per snapshot).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamResults(self, request, context):
         """Deliver the session's results as they are computed: per result a ResultHeader, then the
         bytes of each array it lists, in chunks. The stream stays open until the client cancels it,
@@ -140,6 +156,11 @@ def add_PreconditionerServicer_to_server(servicer, server):
                     servicer.SubmitSnapshot,
                     request_deserializer=asteria_dot_v1_dot_preconditioner__pb2.SubmitSnapshotRequest.FromString,
                     response_serializer=asteria_dot_v1_dot_preconditioner__pb2.SubmitSnapshotResponse.SerializeToString,
+            ),
+            'AnnounceSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnounceSnapshots,
+                    request_deserializer=asteria_dot_v1_dot_preconditioner__pb2.AnnounceSnapshotsRequest.FromString,
+                    response_serializer=asteria_dot_v1_dot_preconditioner__pb2.AnnounceSnapshotsResponse.SerializeToString,
             ),
             'StreamResults': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamResults,
@@ -261,6 +282,33 @@ class Preconditioner:
             '/asteria.v1.Preconditioner/SubmitSnapshot',
             asteria_dot_v1_dot_preconditioner__pb2.SubmitSnapshotRequest.SerializeToString,
             asteria_dot_v1_dot_preconditioner__pb2.SubmitSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnounceSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asteria.v1.Preconditioner/AnnounceSnapshots',
+            asteria_dot_v1_dot_preconditioner__pb2.AnnounceSnapshotsRequest.SerializeToString,
+            asteria_dot_v1_dot_preconditioner__pb2.AnnounceSnapshotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,13 @@ class PreconditionerStub:
     """Hand over one factor snapshot: a SnapshotHeader, then the matrix's bytes in chunks, then
     (when the header says so) the basis's bytes in chunks.
     """
+    AnnounceSnapshots: _grpc.UnaryUnaryMultiCallable[_preconditioner_pb2.AnnounceSnapshotsRequest, _preconditioner_pb2.AnnounceSnapshotsResponse]
+    """Announce snapshots that lie in shared-memory segments the session handed over (every
+    header's shm set; no bytes follow): one call for the snapshots of many blocks, e.g. all of
+    one optimizer step. Each is checked and queued as a SubmitSnapshot of it would be and gets
+    its own answer; the call itself fails only when the session is unknown or the request
+    malformed. A daemon without it answers UNIMPLEMENTED (send SubmitSnapshot per snapshot).
+    """
     StreamResults: _grpc.UnaryStreamMultiCallable[_preconditioner_pb2.StreamResultsRequest, _preconditioner_pb2.StreamResultsResponse]
     """Deliver the session's results as they are computed: per result a ResultHeader, then the
     bytes of each array it lists, in chunks. The stream stays open until the client cancels it,
@@ -88,6 +95,13 @@ class PreconditionerAsyncStub(PreconditionerStub):
     SubmitSnapshot: _aio.StreamUnaryMultiCallable[_preconditioner_pb2.SubmitSnapshotRequest, _preconditioner_pb2.SubmitSnapshotResponse]  # type: ignore[assignment]
     """Hand over one factor snapshot: a SnapshotHeader, then the matrix's bytes in chunks, then
     (when the header says so) the basis's bytes in chunks.
+    """
+    AnnounceSnapshots: _aio.UnaryUnaryMultiCallable[_preconditioner_pb2.AnnounceSnapshotsRequest, _preconditioner_pb2.AnnounceSnapshotsResponse]  # type: ignore[assignment]
+    """Announce snapshots that lie in shared-memory segments the session handed over (every
+    header's shm set; no bytes follow): one call for the snapshots of many blocks, e.g. all of
+    one optimizer step. Each is checked and queued as a SubmitSnapshot of it would be and gets
+    its own answer; the call itself fails only when the session is unknown or the request
+    malformed. A daemon without it answers UNIMPLEMENTED (send SubmitSnapshot per snapshot).
     """
     StreamResults: _aio.UnaryStreamMultiCallable[_preconditioner_pb2.StreamResultsRequest, _preconditioner_pb2.StreamResultsResponse]  # type: ignore[assignment]
     """Deliver the session's results as they are computed: per result a ResultHeader, then the
@@ -136,6 +150,19 @@ class PreconditionerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_preconditioner_pb2.SubmitSnapshotResponse, _abc.Awaitable[_preconditioner_pb2.SubmitSnapshotResponse]]:
         """Hand over one factor snapshot: a SnapshotHeader, then the matrix's bytes in chunks, then
         (when the header says so) the basis's bytes in chunks.
+        """
+
+    @_abc_1.abstractmethod
+    def AnnounceSnapshots(
+        self,
+        request: _preconditioner_pb2.AnnounceSnapshotsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_preconditioner_pb2.AnnounceSnapshotsResponse, _abc.Awaitable[_preconditioner_pb2.AnnounceSnapshotsResponse]]:
+        """Announce snapshots that lie in shared-memory segments the session handed over (every
+        header's shm set; no bytes follow): one call for the snapshots of many blocks, e.g. all of
+        one optimizer step. Each is checked and queued as a SubmitSnapshot of it would be and gets
+        its own answer; the call itself fails only when the session is unknown or the request
+        malformed. A daemon without it answers UNIMPLEMENTED (send SubmitSnapshot per snapshot).
         """
 
     @_abc_1.abstractmethod
