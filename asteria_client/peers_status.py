@@ -30,6 +30,10 @@ def peers_document(reply: ppb.PeerStatusResponse | None) -> list[dict[str, Any]]
                 "left_to_owner": group.left_to_owner,
                 "fallbacks": group.fallbacks,
                 "fallback_reasons": dict(group.fallback_reasons),
+                "claims_sent": group.claims_sent,
+                "claims_granted": group.claims_granted,
+                "claims_handed_over": group.claims_handed_over,
+                "solves_withdrawn": group.solves_withdrawn,
                 "late_arrivals": group.late_arrivals,
                 "max_arrival_lag_steps": group.max_arrival_lag_steps,
                 "peers": [
@@ -67,6 +71,9 @@ def peers_document(reply: ppb.PeerStatusResponse | None) -> list[dict[str, Any]]
                         "fallbacks": b.fallbacks,
                         "solved_versions": list(b.solved_versions),
                         "superseded": b.superseded,
+                        "taken_over": b.taken_over,
+                        "handed_over": b.handed_over,
+                        "discarded_versions": list(b.discarded_versions),
                     }
                     for b in group.blocks
                 ],
@@ -91,7 +98,8 @@ def format_peers(reply: ppb.PeerStatusResponse | None) -> str:
             f"peers of job {group.job} (this daemon: node {group.node}; owners "
             f"{'agreed' if group.agreed else 'not agreed yet'}; {group.waiting} snapshots "
             f"waiting for a push, {group.left_to_owner} left to owners, {group.fallbacks} "
-            f"local fallbacks)"
+            f"local fallbacks, {group.claims_granted} of {group.claims_sent} claims granted, "
+            f"{group.claims_handed_over} handed over)"
         )
         rows = [
             [

@@ -9,7 +9,12 @@ barrier (S·f steps) a real optimizer applies. It reports, per daemon: solves, t
 of its process and workers, the estimated CPU-seconds of its solves (the calibrated cost model
 times n³), bytes pushed to and received from its peers; and overall:
 
-- duplicate solves: (block, version) pairs solved on more than one daemon (must be 0);
+- duplicate solves: (block, version) pairs solved more than once in the cluster, whether the
+  result was kept or thrown away (must be 0);
+- claims: versions a daemon solved for a block another daemon owns because the owner's push
+  would have come too late and the owner granted it (the owner then does not solve them: not
+  duplicates), and local fallbacks (a daemon solved a block whose owner was down or not yet
+  agreed: these may be duplicates, and are counted as such when they are);
 - the balance ratio: the largest daemon's estimated solve CPU-seconds over the mean, of the
   owner map (what each daemon owns, per version) and of the solves actually done (a snapshot
   replaced by a newer one before its solve is not solved: latest wins);
@@ -203,8 +208,9 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
         solves = stats.solves_done
         est = 0.0
         for b in blocks:
-            solved.setdefault(b["block"], []).extend(b["solved_versions"])
-            est += stats.seconds_per_n3 * b["n"] ** 3 * len(b["solved_versions"])
+            versions = b["solved_versions"] + b["discarded_versions"]
+            solved.setdefault(b["block"], []).extend(versions)
+            est += stats.seconds_per_n3 * b["n"] ** 3 * len(versions)
         peers = [] if group is None else [p for p in group["peers"] if p["state"] != "self"]
         per_daemon.append(
             {
@@ -217,6 +223,11 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
                 "results_pushed": sum(p["results_sent"] for p in peers),
                 "fallbacks": 0 if group is None else group["fallbacks"],
                 "fallback_reasons": {} if group is None else group["fallback_reasons"],
+                "claims_sent": 0 if group is None else group["claims_sent"],
+                "claims_granted": 0 if group is None else group["claims_granted"],
+                "claims_handed_over": 0 if group is None else group["claims_handed_over"],
+                "solves_withdrawn": 0 if group is None else group["solves_withdrawn"],
+                "results_discarded": stats.results_discarded,
             }
         )
     duplicates = sum(len(v) - len(set(v)) for v in solved.values())
@@ -233,6 +244,8 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
         "daemons": per_daemon,
         "solves": sum(p["solves"] for p in per_daemon),
         "duplicate_solves": duplicates,
+        "claims_granted": sum(p["claims_granted"] for p in per_daemon),
+        "daemon_fallbacks": sum(p["fallbacks"] for p in per_daemon),
         "balance": max(loads) / mean if mean > 0 else 1.0,
         "balance_of_owner_map": max(planned) / planned_mean if planned_mean > 0 else 1.0,
         "bytes_between_daemons": pushed,
@@ -270,6 +283,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
             "KiB pushed/daemon",
             "bytes/min",
             "max lag/budget",
+            "claims",
             "fallbacks",
         ]
     ]
@@ -287,6 +301,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
                 " ".join(f"{d['bytes_pushed'] / 1024:.0f}" for d in daemons),
                 "-" if over is None else f"{over:.3f}",
                 f"{run['max_lag_steps']}/{run['budget_steps']}",
+                str(sum(d.get("claims_granted", 0) for d in daemons)),
                 str(run["rank_fallbacks"] + sum(d["fallbacks"] for d in daemons)),
             ]
         )
@@ -322,14 +337,17 @@ def report_section(report: dict[str, Any]) -> str:
         "",
         markdown(report),
         "",
-        "Columns: solves per daemon; `dup`: (block, version) pairs solved on more than one "
-        "daemon; balance: largest over mean estimated solve CPU-seconds, of the owner map and "
-        "of the solves done (a snapshot replaced by a newer one before its solve is skipped, "
-        "latest wins, so the done balance also reflects which versions each owner skipped); "
+        "Columns: solves per daemon; `dup`: (block, version) pairs solved more than once in "
+        "the cluster (a result kept or thrown away); balance: largest over mean estimated "
+        "solve CPU-seconds, of the owner map and of the solves done (a snapshot replaced by "
+        "a newer one before its solve is skipped, latest wins, so the done balance also "
+        "reflects which versions each owner skipped); "
         "CPU-s: each daemon process with its worker, start to stop; bytes/min: bytes pushed "
         "between daemons over K-1 copies of every result solved; max lag: the largest lag "
-        "of a version in use, in steps, against the budget S·f; fallbacks: ranks and daemons "
-        "that computed a block themselves.",
+        "of a version in use, in steps, against the budget S·f; claims: versions a daemon "
+        "solved for a block another daemon owns, granted by that owner because its push would "
+        "have come too late (the owner does not solve them); fallbacks: ranks and daemons that "
+        "computed a block themselves without such a grant (its owner down or not agreed yet).",
     ]
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ tested with plain calls.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -68,6 +69,9 @@ class Coordinator:
         self.solves_done = 0
         self.solves_failed = 0
         self.results_discarded = 0
+        #: per block, the versions of its last discarded results (solved, but a newer or equal
+        #: result was in already): the sync between node daemons shows them
+        self.discarded_versions: dict[tuple[str, str], collections.deque[int]] = {}
         #: snapshot bytes held in this process by queued or running tasks: per tenant, and per
         #: (tenant, block) the running task's (a task in a client's segment holds none)
         self._held_of: dict[str, int] = {}
@@ -123,6 +127,10 @@ class Coordinator:
         accepted = self.registry.on_result(result)
         if not accepted:
             self.results_discarded += 1
+            kept = self.discarded_versions.get(task.key)
+            if kept is None:
+                kept = self.discarded_versions[task.key] = collections.deque(maxlen=64)
+            kept.append(task.version)
         return accepted
 
     def requeue(self, task: SolveTask) -> bool:
@@ -143,6 +151,18 @@ class Coordinator:
         if queued is not None:
             self._hold(tenant, -task_host_bytes(queued))
         self.registry.forget(tenant, block)
+        self.discarded_versions.pop((tenant, block), None)
+
+    def withdraw(self, tenant: str, block: str, max_version: int) -> SolveTask | None:
+        """Take the block's queued task out of the queue when its version <= ``max_version``
+        (another daemon solves it); it may be submitted again once."""
+        task = self.scheduler.pending_task(tenant, block)
+        if task is None or task.version > max_version:
+            return None
+        self.scheduler.withdraw(tenant, block)
+        self._hold(tenant, -task_host_bytes(task))
+        self.registry.on_withdrawn(tenant, block, task.version)
+        return task
 
     def discard(self, task: SolveTask) -> None:
         """A task of a forgotten block ended, whichever way: nothing of it is recorded."""

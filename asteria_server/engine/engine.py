@@ -440,6 +440,12 @@ class PreconditionerEngine:
             self._check_usable()
             self._coord.registry.on_elsewhere(task.tenant, task.block, task.version, job)
 
+    def discarded_versions(self, block: str, tenant: str = DEFAULT_TENANT) -> list[int]:
+        """Versions of ``block`` solved here whose result was not kept because a newer or
+        equal one was in already (the last 64, oldest first)."""
+        with self._cond:
+            return list(self._coord.discarded_versions.get((tenant, block), ()))
+
     def withdraw(self, block: str, tenant: str, max_version: int) -> SolveTask | None:
         """Another daemon solves the queued snapshot of ``block`` (the sync between node
         daemons: a claim its owner granted, or a peer's result of that version or newer came

@@ -175,6 +175,14 @@ class CoherenceRegistry:
             rec.submitted_version = rec.elsewhere_version = version
             rec.submitted_at = self._clock()
 
+    def on_withdrawn(self, tenant: str, block: str, version: int) -> None:
+        """The queued ``version`` left the queue: another daemon solves it (as
+        :meth:`on_elsewhere`, it may still be submitted here once)."""
+        rec = self._record(tenant, block)
+        if rec.queued_version == version:
+            rec.queued_version = -1
+        rec.elsewhere_version = version
+
     def on_dispatch(self, tenant: str, block: str, version: int) -> None:
         """The queued version of a block was handed to a worker."""
         rec = self._record(tenant, block)

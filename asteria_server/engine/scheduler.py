@@ -196,6 +196,17 @@ class Scheduler:
         self._latest.pop((tenant, block), None)
         return None if entry is None else entry.task
 
+    def withdraw(self, tenant: str, block: str) -> SolveTask | None:
+        """Remove the block's queued task (returned) and accept its version once more."""
+        queue = self._pending.get(tenant)
+        entry = None if queue is None else queue.pop(block, None)
+        if queue is not None and not queue:
+            del self._pending[tenant]
+        if entry is None:
+            return None
+        self.allow_resubmit(tenant, block, entry.task.version)
+        return entry.task
+
     def allow_resubmit(self, tenant: str, block: str, version: int) -> None:
         """Accept ``version`` of the block once more (its result was dropped), unless a newer
         one was accepted since."""

@@ -129,12 +129,19 @@ def replicated(block: str, prefix: str) -> bool:
 
 @dataclass
 class _Held:
-    """A snapshot waiting for its owner's push."""
+    """A snapshot waiting for a push: its owner's, or (``wait_for``) that of the daemon that
+    won a claim of it."""
 
     task: SolveTask
     job: str
     since: float
+    #: when to claim it from its owner (or, waiting for a claim's winner, to give up on it)
     due: float
+    #: the member whose push it waits for, when not the owner's (a claim's winner)
+    wait_for: int | None = None
+    #: a claim of it is on its way / was refused (then it waits for the push, however late)
+    claiming: bool = False
+    refused: bool = False
 
 
 @dataclass
@@ -146,6 +153,8 @@ class _BlockStats:
     version: int = -1
     origin: str = ""
     superseded: int = 0
+    taken_over: int = 0
+    handed_over: int = 0
     solved: collections.deque[int] = field(
         default_factory=lambda: collections.deque(maxlen=SOLVED_VERSIONS_KEPT)
     )
@@ -220,6 +229,16 @@ class JobSync:
         self.deadlines: dict[str, float] = {}  # block -> deadline of its newest local snapshot
         self.left_to_owner = 0
         self.fallbacks = 0
+        #: claims: sent by this member and granted to it; granted by it, as owner, to others
+        self.claims_sent = 0
+        self.claims_granted = 0
+        self.claims_handed_over = 0
+        self.solves_withdrawn = 0
+        #: block -> (member, version) this member, as owner, let another member solve
+        self.handed: dict[str, tuple[int, int]] = {}
+        #: block -> version this member won a claim of (solve here, push to every peer)
+        self.taken: dict[str, int] = {}
+        self.job_of: dict[str, str] = {}
         self.fallback_reasons: dict[str, int] = {}
         self.late_arrivals = 0
         self.max_arrival_lag = 0
@@ -381,18 +400,29 @@ class JobSync:
                 if held.task.version == task.version
                 else SubmitOutcome.STALE_IGNORED
             )
+        self.job_of[task.block] = job
         owner = self.owner_of(task.block, now)
+        wait_for = None
         if owner == self.me:
-            return self._solve_here(task, job, fallback=False)
-        if owner is not None and self.peers[owner].state != "alive":
+            handed = self.handed.get(task.block)
+            if handed is None or handed[1] < task.version or self.peers[handed[0]].state == "dead":
+                return self._solve_here(task, job, fallback=False)
+            wait_for = handed[0]  # this version was claimed by another member: its push
+        elif owner is not None and self.peers[owner].state == "dead":
             self.fallback_reasons["owner_down"] = self.fallback_reasons.get("owner_down", 0) + 1
             return self._solve_here(task, job, fallback=True)
-        budget = max(0.0, task.deadline - task.version) if math.isfinite(task.deadline) else 0.0
-        wait = max(self.manager.config.patience_s, budget * (self.step_s or 0.0))
+        config = self.manager.config
+        if wait_for is not None:
+            due = now + config.push_timeout_s
+        elif owner is not None and self.peers[owner].state == "suspect":
+            due = now  # claimed from it at once: a stopped owner does not answer
+        else:
+            budget = max(0.0, task.deadline - task.version) if math.isfinite(task.deadline) else 0
+            due = now + max(config.patience_s, budget * (self.step_s or 0.0))
         if held is not None:
             stats.superseded += 1
         self.manager.engine.note_elsewhere(task, job=job)
-        self.held[task.block] = _Held(task, job, now, now + wait)
+        self.held[task.block] = _Held(task, job, now, due, wait_for=wait_for)
         self.left_to_owner += 1
         self.manager.wake_ticker()
         return SubmitOutcome.SUPERSEDED_QUEUED if held is not None else SubmitOutcome.QUEUED
@@ -405,48 +435,175 @@ class JobSync:
         return outcome
 
     def tick(self, now: float) -> None:
-        """Look at the waiting snapshots again: solve here those whose owner is this member now,
-        whose owner is not alive, or whose wait ran out."""
+        """Look at the waiting snapshots again: solve here those whose owner is this member now
+        or is dead (or whose claim's winner is down or never pushed); claim from its owner each
+        one whose push would come too late (see :meth:`claim_answered`)."""
         self.refresh_states(now)
         for block, held in list(self.held.items()):
             if self.stats[block].version >= held.task.version:
                 del self.held[block]
                 continue
             owner = self.owner_of(block, now)
-            fallback: bool | None
+            fallback: bool | None = None
             why = reason = ""
-            if owner == self.me:
+            if held.wait_for is not None:  # a claim's winner (or the owner that refused one)
+                state = self.peers[held.wait_for].state
+                if state in ("suspect", "dead"):
+                    fallback, reason = True, "owner_down"
+                    why = f"member {held.wait_for}, whose push it waits for, is {state}"
+                elif now >= held.due:
+                    fallback, reason = True, "claim_lapsed"
+                    why = f"member {held.wait_for} won its claim but did not push it"
+            elif owner == self.me:
                 fallback = False
             elif owner is None:
                 fallback = True if now >= held.since + self.manager.config.patience_s else None
                 why = "the daemons did not agree on the job's blocks in time"
                 reason = "not_agreed"
-            elif self.peers[owner].state != "alive":
-                fallback, why = True, f"its owner (member {owner}) is {self.peers[owner].state}"
+            elif self.peers[owner].state == "dead":
+                fallback, why = True, f"its owner (member {owner}) is dead"
                 reason = "owner_down"
-            elif now >= held.due:
-                fallback = True
-                why = f"its owner's push did not come within {now - held.since:.2f} s"
-                reason = "push_late"
-            else:
-                fallback = None
+            elif not (held.claiming or held.refused) and (
+                now >= held.due or self.peers[owner].state == "suspect"
+            ):
+                self.manager.start_claim(self, held, owner)
             if fallback is None:
                 continue
-            if fallback:
-                self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
-                logger.info(
-                    "job %r: solving block %r version %d here: %s",
-                    self.job,
-                    block,
-                    held.task.version,
-                    why,
-                    extra={"tenant": self.tenant, "job": self.job},
-                )
+            self._solve_held(held, fallback=fallback, reason=reason, why=why)
+
+    def _solve_held(self, held: _Held, *, fallback: bool, reason: str = "", why: str = "") -> None:
+        block = held.task.block
+        if fallback:
+            self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+            logger.info(
+                "job %r: solving block %r version %d here: %s",
+                self.job,
+                block,
+                held.task.version,
+                why,
+                extra={"tenant": self.tenant, "job": self.job},
+            )
+        if self.held.get(block) is held:
             del self.held[block]
+        if held.wait_for is not None and self.handed.get(block, (-1, -1))[0] == held.wait_for:
+            del self.handed[block]
+        try:
+            self._solve_here(held.task, held.job, fallback=fallback)
+        except Exception:  # the engine closed or broke: the ranks compute it themselves
+            logger.warning("job %r: could not solve block %r here", self.job, block)
+
+    # ------------------------------------------------------------------ claims
+
+    def claim_answered(self, held: _Held, reply: ppb.ClaimResponse) -> None:
+        """The owner's answer to a claim of ``held`` (see the Claim RPC)."""
+        block, version = held.task.block, held.task.version
+        held.claiming = False
+        current = self.held.get(block) is held
+        if reply.granted:
+            self.claims_granted += 1
+            if not current:  # a push or a newer snapshot came meanwhile: the owner, which
+                return  # waits for this version, solves it itself after push_timeout_s
+            del self.held[block]
+            self.taken[block] = version
+            self.stats[block].taken_over += 1
+            logger.info(
+                "job %r: solving block %r version %d here: its owner's push would come too "
+                "late and the owner let this daemon take it",
+                self.job,
+                block,
+                version,
+                extra={"tenant": self.tenant, "job": self.job},
+            )
             try:
-                self._solve_here(held.task, held.job, fallback=fallback)
-            except Exception:  # the engine closed or broke: the ranks compute it themselves
+                self._solve_here(held.task, held.job, fallback=False)
+            except Exception:
                 logger.warning("job %r: could not solve block %r here", self.job, block)
+            return
+        if not current:
+            return
+        if reply.reason == "not_owner":  # the owner maps differ for a moment: ask again soon
+            held.due = time.monotonic() + self.manager.config.heartbeat_s
+            return
+        held.refused = True  # its push is on its way: wait for it (the budget's barrier
+        held.due = math.inf  # bounds what the ranks wait)
+        if 0 <= reply.by < len(self.member_of_node):
+            member = self.member_of_node[reply.by]
+            held.wait_for = member if member != self.me else None
+
+    def claim_failed(self, held: _Held, owner: int, exc: BaseException) -> None:
+        """A claim got no answer: ask again soon, or solve here when its owner is suspect (a
+        stopped owner does not answer) or cannot take claims."""
+        held.claiming = False
+        if self.held.get(held.task.block) is not held:
+            return
+        state = self.peers[owner].state
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        hopeless = code in (
+            grpc.StatusCode.UNIMPLEMENTED,
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
+        if state == "alive" and not hopeless:
+            held.due = time.monotonic() + self.manager.config.heartbeat_s
+            return
+        self._solve_held(
+            held,
+            fallback=True,
+            reason="owner_down" if not hopeless else "claim_failed",
+            why=f"its owner (member {owner}, {state}) did not answer a claim: {exc}",
+        )
+
+    def claim(self, peer: _Peer, block: str, version: int) -> ppb.ClaimResponse:
+        """``peer`` asks to solve ``version`` of ``block`` itself (this member owns it)."""
+        now = time.monotonic()
+        me = self.node_of(self.me)
+        if not replicated(block, self.prefix) or block not in self.known:
+            return ppb.ClaimResponse(granted=False, reason="not_owner", by=-1)
+        owner = self.owner_of(block, now)
+        if owner != self.me:
+            by = -1 if owner is None else self.node_of(owner)
+            return ppb.ClaimResponse(granted=False, reason="not_owner", by=by)
+        stats = self.stats[block]
+        if stats.version >= version:  # solved: its push is queued (again, if it was lost)
+            if block in peer.blocks and peer.has.get(block, -1) < stats.version:
+                self._queue(peer, block)
+            return ppb.ClaimResponse(granted=False, reason="solved", by=me)
+        handed = self.handed.get(block)
+        if handed is not None and handed[1] >= version:
+            if handed[0] == peer.member:
+                return ppb.ClaimResponse(granted=True, by=self.node_of(peer.member))
+            if self.peers[handed[0]].state != "dead":
+                return ppb.ClaimResponse(
+                    granted=False, reason="claimed", by=self.node_of(handed[0])
+                )
+        engine = self.manager.engine
+        task = engine.withdraw(block, self.tenant, version)
+        if task is None:
+            running = engine.in_flight_version(block, self.tenant)
+            if running is not None and running >= version:
+                return ppb.ClaimResponse(granted=False, reason="running", by=me)
+            # Not here yet (this member's ranks are behind): it will not be solved here.
+        else:  # taken out of the queue: it waits for the winner's push like a non-owner's
+            self.held[block] = _Held(
+                task,
+                self.job_of.get(block, ""),
+                now,
+                now + self.manager.config.push_timeout_s,
+                wait_for=peer.member,
+            )
+        self.handed[block] = (peer.member, version)
+        stats.handed_over += 1
+        self.claims_handed_over += 1
+        logger.info(
+            "job %r: member %d takes block %r version %d (%s here)",
+            self.job,
+            peer.member,
+            block,
+            version,
+            "queued" if task is not None else "not arrived",
+            extra={"tenant": self.tenant, "job": self.job},
+        )
+        return ppb.ClaimResponse(granted=True, by=self.node_of(peer.member))
 
     # ------------------------------------------------------------------ results
 
@@ -465,11 +622,18 @@ class JobSync:
         if not self.syncing:
             return
         owner = self.owners().get(block) if self._owners_key is not None else None
-        # Its owner's result, or one solved here because the owner could not (not decided,
-        # suspect or dead): the peers that wait for it get it from here.
-        if owner is None or owner == self.me or self.peers[owner].state != "alive":
+        taken = self.taken.get(block, -1) >= result.version
+        if block in self.taken and self.taken[block] <= result.version:
+            del self.taken[block]
+        if block in self.handed and self.handed[block][1] <= result.version:
+            del self.handed[block]
+        # Its owner's result, one whose claim this member won, or one solved here because the
+        # owner could not (not decided, suspect or dead): the peers that wait for it get it
+        # from here (the owner too, once it answers: its own queued solve of that version is
+        # then dropped).
+        if taken or owner is None or owner == self.me or self.peers[owner].state != "alive":
             for peer in self.peers.values():
-                if block in peer.blocks and peer.state == "alive":
+                if block in peer.blocks and peer.state != "dead":
                     self._queue(peer, block)
 
     def _queue(self, peer: _Peer, block: str) -> None:
@@ -487,6 +651,7 @@ class JobSync:
                 node == self.me
                 and stats is not None
                 and stats.version >= 0
+                and stats.origin == "local"  # one a claim's winner solved, it pushed itself
                 and block in peer.blocks
                 and peer.has.get(block, -1) < stats.version
                 and block not in peer.queued
@@ -520,6 +685,14 @@ class JobSync:
         stats.version = result.version
         stats.origin = "local" if peer is None else f"node{self.node_of(peer.member)}"
         stats.received += 1
+        # A snapshot of that version (or older) still queued here is not solved: latest wins.
+        withdrawn = self.manager.engine.withdraw(result.block, self.tenant, result.version)
+        if withdrawn is not None:
+            self.solves_withdrawn += 1
+            if withdrawn.version < result.version:
+                stats.superseded += 1
+        if result.block in self.handed and self.handed[result.block][1] <= result.version:
+            del self.handed[result.block]
         held = self.held.get(result.block)
         if held is not None and held.task.version <= result.version:
             del self.held[result.block]
@@ -612,6 +785,9 @@ class JobSync:
                 fallbacks=stats.fallbacks,
                 solved_versions=list(stats.solved),
                 superseded=stats.superseded,
+                taken_over=stats.taken_over,
+                handed_over=stats.handed_over,
+                discarded_versions=self.manager.engine.discarded_versions(block, self.tenant),
             )
             for block, stats in sorted(self.stats.items())
         ]
@@ -627,6 +803,10 @@ class JobSync:
             late_arrivals=self.late_arrivals,
             max_arrival_lag_steps=max(0, self.max_arrival_lag),
             fallback_reasons=self.fallback_reasons,
+            claims_sent=self.claims_sent,
+            claims_granted=self.claims_granted,
+            claims_handed_over=self.claims_handed_over,
+            solves_withdrawn=self.solves_withdrawn,
         )
 
 
@@ -655,6 +835,7 @@ class SyncManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._tick_wake: asyncio.Event | None = None
+        self._claims: set[asyncio.Task[None]] = set()
         self._closed = False
         engine.add_result_listener(self._on_result)
 
@@ -669,7 +850,7 @@ class SyncManager:
     async def stop(self) -> None:
         self._closed = True
         self.engine.remove_result_listener(self._on_result)
-        tasks = [t for js in self.jobs.values() for t in js._tasks]
+        tasks = [t for js in self.jobs.values() for t in js._tasks] + list(self._claims)
         if self._ticker is not None:
             tasks.append(self._ticker)
         for task in tasks:
@@ -870,6 +1051,40 @@ class SyncManager:
                 peer.bytes_sent += size
                 peer.results_sent += 1
 
+    def start_claim(self, js: JobSync, held: _Held, owner: int) -> None:
+        """Ask ``owner`` for ``held``'s version (a task on the loop; the answer goes to
+        :meth:`JobSync.claim_answered`)."""
+        if self._loop is None or self._closed:
+            return
+        held.claiming = True
+        js.claims_sent += 1
+        task = self._loop.create_task(self._claim(js, js.peers[owner], held))
+        self._claims.add(task)
+        task.add_done_callback(self._claims.discard)
+
+    async def _claim(self, js: JobSync, peer: _Peer, held: _Held) -> None:
+        config = self.config
+        # A suspect owner gets a short deadline: a stopped one must not hold up its ranks.
+        timeout = config.call_timeout_s
+        if peer.state != "alive":
+            timeout = min(timeout, config.suspect_s / 2)
+        try:
+            reply = await self._stub(peer).Claim(
+                ppb.ClaimRequest(
+                    credentials=self.credentials(js),
+                    block=held.task.block,
+                    version=held.task.version,
+                ),
+                timeout=timeout,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            js.claim_failed(held, peer.member, exc)
+        else:
+            js.claim_answered(held, reply)
+        self.wake_ticker()
+
     async def _frames(
         self, js: JobSync, results: list[SolveResult], sent: list[tuple[str, int, int]]
     ) -> AsyncIterator[ppb.PushResultsRequest]:
@@ -904,6 +1119,10 @@ class SyncManager:
         if peer is None:
             raise InvalidInputError(f"node {creds.node} is served by this daemon itself")
         return js, peer
+
+    def claim(self, request: ppb.ClaimRequest) -> ppb.ClaimResponse:
+        js, peer = self.authenticate(request.credentials)
+        return js.claim(peer, request.block, request.version)
 
     def heartbeat(self, request: ppb.HeartbeatRequest) -> ppb.HeartbeatResponse:
         js, peer = self.authenticate(request.credentials)

@@ -46,6 +46,14 @@ class PeerServicer(ppb_grpc.PeerServicer):
         except (AuthenticationError, InvalidInputError, LookupError) as exc:
             await _abort(context, exc)
 
+    async def Claim(
+        self, request: ppb.ClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> ppb.ClaimResponse:
+        try:
+            return self._manager.claim(request)
+        except (AuthenticationError, InvalidInputError, LookupError) as exc:
+            await _abort(context, exc)
+
     async def PeerStatus(
         self, request: ppb.PeerStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ppb.PeerStatusResponse:

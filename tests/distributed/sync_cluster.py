@@ -10,9 +10,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +174,54 @@ def run_ranks(tmp: Path, spec: RunSpec, timeout_s: float = 120.0) -> list[dict[s
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(spec.world)]
 
 
+def worker_pids(daemon_pid: int) -> list[int]:
+    """The daemon's solver worker processes (its children), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == daemon_pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+class Throttle(threading.Thread):
+    """A slowed daemon: its solver workers (spares included) are SIGSTOPped for ``stop_s`` of
+    every ``stop_s + run_s`` seconds, as a host too loaded to give them the CPU would, while
+    the daemon itself answers its peers and ranks at once. ``stop()`` resumes them for good."""
+
+    def __init__(self, daemon_pid: int, stop_s: float, run_s: float) -> None:
+        super().__init__(name="throttle", daemon=True)
+        self.daemon_pid, self.stop_s, self.run_s = daemon_pid, stop_s, run_s
+        self.halt = threading.Event()
+        self.stopped: set[int] = set()
+        self.cycles = 0
+
+    def _signal(self, pids: set[int], sig: signal.Signals) -> None:
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def run(self) -> None:
+        try:
+            while not self.halt.is_set():
+                self.stopped = set(worker_pids(self.daemon_pid))
+                self._signal(self.stopped, signal.SIGSTOP)
+                self.cycles += 1
+                self.halt.wait(self.stop_s)
+                self._signal(self.stopped, signal.SIGCONT)
+                self.halt.wait(self.run_s)
+        finally:
+            self._signal(self.stopped, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(10)
+        self._signal(self.stopped | set(worker_pids(self.daemon_pid)), signal.SIGCONT)
+
+
 def sync_env(**timings: float) -> dict[str, str]:
     return {f"ASTERIA_SYNC_{k.upper()}": str(v) for k, v in timings.items()}
 
@@ -207,6 +257,8 @@ def daemons(tmp: Path, k: int, env: dict[str, str] | None = None) -> Iterator[li
 class DaemonView:
     solves_done: int
     groups: list[dict[str, Any]]
+    #: solves whose result was older than the block's newest when it came (overtaken)
+    results_discarded: int = 0
     #: block -> snapshots its engine replaced in the queue by a newer one (latest wins)
     superseded: dict[str, int] = field(default_factory=dict)
 
@@ -221,6 +273,8 @@ def view(address: str) -> DaemonView:
     try:
         stats, blocks, _ = reader.read()
         superseded = {b.block: b.superseded for b in blocks}
-        return DaemonView(stats.solves_done, peers_document(reader.peers()), superseded)
+        return DaemonView(
+            stats.solves_done, peers_document(reader.peers()), stats.results_discarded, superseded
+        )
     finally:
         reader.close()

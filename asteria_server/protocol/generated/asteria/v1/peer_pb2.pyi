@@ -284,6 +284,64 @@ class PushResultsResponse(_message.Message):
 Global___PushResultsResponse: _TypeAlias = PushResultsResponse  # noqa: Y015
 
 @_typing.final
+class ClaimRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CREDENTIALS_FIELD_NUMBER: _builtins.int
+    BLOCK_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    block: _builtins.str
+    """A replicated block of the job and the snapshot version the caller holds."""
+    version: _builtins.int
+    @_builtins.property
+    def credentials(self) -> Global___PeerCredentials: ...
+    def __init__(
+        self,
+        *,
+        credentials: Global___PeerCredentials | None = ...,
+        block: _builtins.str = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["credentials", b"credentials"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "credentials", b"credentials", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimRequest: _TypeAlias = ClaimRequest  # noqa: Y015
+
+@_typing.final
+class ClaimResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANTED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BY_FIELD_NUMBER: _builtins.int
+    granted: _builtins.bool
+    """True: the caller solves this version (the owner will not). False: wait for the push."""
+    reason: _builtins.str
+    """Why not: "solved" (the owner has it, or newer: its push is on its way), "running" (the
+    owner's worker has it, or a newer one), "claimed" (another daemon won it: `by`), "not_owner"
+    (the callee's owner map differs: it does not own the block).
+    """
+    by: _builtins.int
+    """The node whose push to wait for (the owner's, or the winner's)."""
+    def __init__(
+        self,
+        *,
+        granted: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        by: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by", b"by", "granted", b"granted", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimResponse: _TypeAlias = ClaimResponse  # noqa: Y015
+
+@_typing.final
 class PeerStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -399,6 +457,9 @@ class PeerBlock(_message.Message):
     FALLBACKS_FIELD_NUMBER: _builtins.int
     SOLVED_VERSIONS_FIELD_NUMBER: _builtins.int
     SUPERSEDED_FIELD_NUMBER: _builtins.int
+    TAKEN_OVER_FIELD_NUMBER: _builtins.int
+    HANDED_OVER_FIELD_NUMBER: _builtins.int
+    DISCARDED_VERSIONS_FIELD_NUMBER: _builtins.int
     block: _builtins.str
     n: _builtins.int
     owner: _builtins.int
@@ -413,9 +474,21 @@ class PeerBlock(_message.Message):
     fallbacks: _builtins.int
     superseded: _builtins.int
     """Snapshots replaced by a newer one while they waited here (latest wins)."""
+    taken_over: _builtins.int
+    """Versions of it solved here although another daemon owns it, because its owner granted a
+    Claim (not a duplicate: the owner did not solve them), and versions this daemon, as owner,
+    granted to another.
+    """
+    handed_over: _builtins.int
     @_builtins.property
     def solved_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The versions solved here, oldest first (the last 256)."""
+
+    @_builtins.property
+    def discarded_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Versions solved here whose result was thrown away, a newer or equal one being in already
+        (a solve overtaken by a push of a later version, or one solved twice), the last 64.
+        """
 
     def __init__(
         self,
@@ -430,10 +503,13 @@ class PeerBlock(_message.Message):
         fallbacks: _builtins.int = ...,
         solved_versions: _abc.Iterable[_builtins.int] | None = ...,
         superseded: _builtins.int = ...,
+        taken_over: _builtins.int = ...,
+        handed_over: _builtins.int = ...,
+        discarded_versions: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "fallbacks", b"fallbacks", "n", b"n", "origin", b"origin", "owner", b"owner", "received", b"received", "solved_versions", b"solved_versions", "solves", b"solves", "superseded", b"superseded", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "discarded_versions", b"discarded_versions", "fallbacks", b"fallbacks", "handed_over", b"handed_over", "n", b"n", "origin", b"origin", "owner", b"owner", "received", b"received", "solved_versions", b"solved_versions", "solves", b"solves", "superseded", b"superseded", "taken_over", b"taken_over", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -474,6 +550,10 @@ class PeerGroup(_message.Message):
     LATE_ARRIVALS_FIELD_NUMBER: _builtins.int
     MAX_ARRIVAL_LAG_STEPS_FIELD_NUMBER: _builtins.int
     FALLBACK_REASONS_FIELD_NUMBER: _builtins.int
+    CLAIMS_SENT_FIELD_NUMBER: _builtins.int
+    CLAIMS_GRANTED_FIELD_NUMBER: _builtins.int
+    CLAIMS_HANDED_OVER_FIELD_NUMBER: _builtins.int
+    SOLVES_WITHDRAWN_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     node: _builtins.int
     """This daemon's node in the layout."""
@@ -489,6 +569,14 @@ class PeerGroup(_message.Message):
     came after the deadline step) and the largest lag at arrival, in steps.
     """
     max_arrival_lag_steps: _builtins.int
+    claims_sent: _builtins.int
+    """Claims this daemon sent (its owner's push would have been late) and how many were granted;
+    claims it granted to others; queued solves it dropped because a peer's result of that
+    version (or newer) came first.
+    """
+    claims_granted: _builtins.int
+    claims_handed_over: _builtins.int
+    solves_withdrawn: _builtins.int
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerInfo]: ...
     @_builtins.property
@@ -496,8 +584,8 @@ class PeerGroup(_message.Message):
     @_builtins.property
     def fallback_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Local fallbacks by reason: "not_agreed" (the daemons did not agree on the blocks within
-        patience_s), "owner_down" (its owner was suspect or dead), "push_late" (its push did not
-        come by the snapshot's deadline).
+        patience_s), "owner_down" (its owner was suspect or dead). A push that would come after
+        the snapshot's deadline is not a fallback: the snapshot is claimed from its owner (Claim).
         """
 
     def __init__(
@@ -514,10 +602,14 @@ class PeerGroup(_message.Message):
         late_arrivals: _builtins.int = ...,
         max_arrival_lag_steps: _builtins.int = ...,
         fallback_reasons: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        claims_sent: _builtins.int = ...,
+        claims_granted: _builtins.int = ...,
+        claims_handed_over: _builtins.int = ...,
+        solves_withdrawn: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agreed", b"agreed", "blocks", b"blocks", "fallback_reasons", b"fallback_reasons", "fallbacks", b"fallbacks", "job", b"job", "late_arrivals", b"late_arrivals", "left_to_owner", b"left_to_owner", "max_arrival_lag_steps", b"max_arrival_lag_steps", "node", b"node", "peers", b"peers", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agreed", b"agreed", "blocks", b"blocks", "claims_granted", b"claims_granted", "claims_handed_over", b"claims_handed_over", "claims_sent", b"claims_sent", "fallback_reasons", b"fallback_reasons", "fallbacks", b"fallbacks", "job", b"job", "late_arrivals", b"late_arrivals", "left_to_owner", b"left_to_owner", "max_arrival_lag_steps", b"max_arrival_lag_steps", "node", b"node", "peers", b"peers", "solves_withdrawn", b"solves_withdrawn", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -44,6 +44,11 @@ class PeerStub:
                 request_serializer=asteria_dot_v1_dot_peer__pb2.PushResultsRequest.SerializeToString,
                 response_deserializer=asteria_dot_v1_dot_peer__pb2.PushResultsResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/asteria.v1.Peer/Claim',
+                request_serializer=asteria_dot_v1_dot_peer__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=asteria_dot_v1_dot_peer__pb2.ClaimResponse.FromString,
+                _registered_method=True)
         self.PeerStatus = channel.unary_unary(
                 '/asteria.v1.Peer/PeerStatus',
                 request_serializer=asteria_dot_v1_dot_peer__pb2.PeerStatusRequest.SerializeToString,
@@ -70,6 +75,17 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """A daemon whose owner's push would come too late asks the owner for one snapshot version to
+        solve itself (work stealing): granted only when the owner has not started it (a queued one
+        is taken out of its queue; one not arrived yet will not be solved there), so each (block,
+        version) is still solved once in the cluster. The winner pushes its result to every peer
+        that uses the block, the owner included.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PeerStatus(self, request, context):
         """The peer groups of the session's tenant as this daemon sees them.
         """
@@ -89,6 +105,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.PushResults,
                     request_deserializer=asteria_dot_v1_dot_peer__pb2.PushResultsRequest.FromString,
                     response_serializer=asteria_dot_v1_dot_peer__pb2.PushResultsResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=asteria_dot_v1_dot_peer__pb2.ClaimRequest.FromString,
+                    response_serializer=asteria_dot_v1_dot_peer__pb2.ClaimResponse.SerializeToString,
             ),
             'PeerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.PeerStatus,
@@ -150,6 +171,33 @@ class Peer:
             '/asteria.v1.Peer/PushResults',
             asteria_dot_v1_dot_peer__pb2.PushResultsRequest.SerializeToString,
             asteria_dot_v1_dot_peer__pb2.PushResultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asteria.v1.Peer/Claim',
+            asteria_dot_v1_dot_peer__pb2.ClaimRequest.SerializeToString,
+            asteria_dot_v1_dot_peer__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

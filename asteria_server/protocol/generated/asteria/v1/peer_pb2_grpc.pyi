@@ -61,6 +61,13 @@ class PeerStub:
     """Results of blocks the caller owns, for the callee's ranks: a PushHello, then each result's
     frames (a StreamResultsResponse header, then its chunks), one result after another.
     """
+    Claim: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ClaimRequest, _peer_pb2.ClaimResponse]
+    """A daemon whose owner's push would come too late asks the owner for one snapshot version to
+    solve itself (work stealing): granted only when the owner has not started it (a queued one
+    is taken out of its queue; one not arrived yet will not be solved there), so each (block,
+    version) is still solved once in the cluster. The winner pushes its result to every peer
+    that uses the block, the owner included.
+    """
     PeerStatus: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerStatusRequest, _peer_pb2.PeerStatusResponse]
     """The peer groups of the session's tenant as this daemon sees them."""
 
@@ -74,6 +81,13 @@ class PeerAsyncStub(PeerStub):
     PushResults: _aio.StreamUnaryMultiCallable[_peer_pb2.PushResultsRequest, _peer_pb2.PushResultsResponse]  # type: ignore[assignment]
     """Results of blocks the caller owns, for the callee's ranks: a PushHello, then each result's
     frames (a StreamResultsResponse header, then its chunks), one result after another.
+    """
+    Claim: _aio.UnaryUnaryMultiCallable[_peer_pb2.ClaimRequest, _peer_pb2.ClaimResponse]  # type: ignore[assignment]
+    """A daemon whose owner's push would come too late asks the owner for one snapshot version to
+    solve itself (work stealing): granted only when the owner has not started it (a queued one
+    is taken out of its queue; one not arrived yet will not be solved there), so each (block,
+    version) is still solved once in the cluster. The winner pushes its result to every peer
+    that uses the block, the owner included.
     """
     PeerStatus: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerStatusRequest, _peer_pb2.PeerStatusResponse]  # type: ignore[assignment]
     """The peer groups of the session's tenant as this daemon sees them."""
@@ -97,6 +111,19 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_peer_pb2.PushResultsResponse, _abc.Awaitable[_peer_pb2.PushResultsResponse]]:
         """Results of blocks the caller owns, for the callee's ranks: a PushHello, then each result's
         frames (a StreamResultsResponse header, then its chunks), one result after another.
+        """
+
+    @_abc_1.abstractmethod
+    def Claim(
+        self,
+        request: _peer_pb2.ClaimRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.ClaimResponse, _abc.Awaitable[_peer_pb2.ClaimResponse]]:
+        """A daemon whose owner's push would come too late asks the owner for one snapshot version to
+        solve itself (work stealing): granted only when the owner has not started it (a queued one
+        is taken out of its queue; one not arrived yet will not be solved there), so each (block,
+        version) is still solved once in the cluster. The winner pushes its result to every peer
+        that uses the block, the owner included.
         """
 
     @_abc_1.abstractmethod
