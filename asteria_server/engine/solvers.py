@@ -193,8 +193,12 @@ def inverse_root_from_eigh(
 
 def sorted_eigenbasis(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Columns and eigenvalues in descending eigenvalue order (stable), signs canonicalized."""
-    order = np.argsort(-w, kind="stable")
-    q = canonicalize_signs(v[:, order])  # fancy indexing made a new array
+    if w.size < 2 or bool((w[1:] > w[:-1]).all()):  # no ties: the stable order is the reverse
+        order = np.arange(w.size - 1, -1, -1)
+        q = canonicalize_signs(np.ascontiguousarray(v[:, ::-1]))
+    else:
+        order = np.argsort(-w, kind="stable")
+        q = canonicalize_signs(v[:, order])  # fancy indexing made a new array
     return q, w[order]
 
 

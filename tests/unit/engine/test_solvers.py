@@ -291,3 +291,17 @@ def test_blas_threads_are_capped_during_the_solve(monkeypatch: Any) -> None:
 def test_solver_config_validation_names_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SolverConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_sorted_eigenbasis_is_the_stable_descending_order(ties: bool) -> None:
+    """The no-ties shortcut (reversed columns) and the tie path give the stable argsort order."""
+    rng = np.random.default_rng(7)
+    w = np.sort(rng.standard_normal(9))
+    if ties:
+        w[3] = w[4] = w[5]
+    v = rng.standard_normal((9, 9))
+    q, w_sorted = solvers.sorted_eigenbasis(w, v)
+    order = np.argsort(-w, kind="stable")
+    np.testing.assert_array_equal(w_sorted, w[order])
+    np.testing.assert_array_equal(q, solvers.canonicalize_signs(v[:, order].copy()))
