@@ -6,9 +6,10 @@ calls) except the engine's result listener, which hands its news to the loop.
 **Membership.** A job's layout (RegisterJob) lists its nodes and the daemon of each; nodes
 served by the same daemon are one *member*. Every member calls Heartbeat on every other one
 every ``heartbeat_s``; the answer carries the callee's state, so each call tells both sides.
-A member not heard for ``suspect_s`` is *suspect* (snapshots waiting for its push are solved
-here at once), for ``dead_s`` *dead* (its blocks move to the living by the owner rule). One
-never heard counts as pending for ``dead_s`` after the job was registered here, then as dead.
+A member not heard for ``suspect_s`` is *suspect* (snapshots waiting for its push are claimed
+from it at once, and solved here if it does not answer), for ``dead_s`` *dead* (its blocks move
+to the living by the owner rule). One never heard counts as pending for ``dead_s`` after the
+job was registered here, then as dead.
 A new incarnation (a restarted daemon) or a dead one heard again *rejoins*: the owner rule moves
 exactly its blocks back, and everything it needs is pushed to it again (versions never go back:
 a peer keeps a pushed result only when newer than its own).
@@ -19,10 +20,18 @@ when it changed), and that for ``settle_s``. Before, a snapshot waits (at most `
 
 **The gate.** A snapshot of a replicated block (a name in the job's namespace without the shard
 mark ``@``) is solved here only when this member owns it. Otherwise it waits for the owner's
-push; it is solved here after all (a *fallback*) when the owner is suspect or dead, or when the
-push has not come by the snapshot's deadline: ``max(patience_s, (deadline - version) * step_s)``
-after it arrived, ``step_s`` being the job's seconds per step as seen from its snapshots.
-A push that brings the version (or a newer one) ends the wait.
+push. When the push has not come by the snapshot's deadline, ``max(patience_s, (deadline -
+version) * step_s)`` after it arrived (``step_s`` being the job's seconds per step as seen from
+its snapshots), or at once when the owner is suspect or its ranks are behind, it is *claimed*
+(Peer.Claim): the owner grants a version it has not started (taken out of its queue, or not
+arrived there yet, in which case it will not solve it when it comes: it waits for this
+member's push instead), and refuses one it runs or has solved (its push is on its way; asked
+again after ``patience_s``). A granted version is solved here and pushed to every peer, the
+owner included, so each (block, version) is still solved once in the cluster. It is solved here
+without a grant (a *fallback*, which may duplicate the owner's work) only when the owner is dead,
+does not answer a claim while suspect, or the members do not agree on the blocks in time. A push
+that brings the version (or a newer one) ends the wait, and takes an older-or-equal snapshot of
+the block out of this member's queue (latest wins).
 
 **Pushes.** When a block this member owns gets a result, it is queued for every live member
 whose ranks use the block; a sender per peer sends the queue (the most urgent deadline first,
@@ -129,19 +138,20 @@ def replicated(block: str, prefix: str) -> bool:
 
 @dataclass
 class _Held:
-    """A snapshot waiting for a push: its owner's, or (``wait_for``) that of the daemon that
-    won a claim of it."""
+    """A snapshot waiting for a push: its owner's, or (``wait_for``, on the owner) that of the
+    daemon it let claim this version."""
 
     task: SolveTask
     job: str
     since: float
-    #: when to claim it from its owner (or, waiting for a claim's winner, to give up on it)
+    #: when to claim it from its owner (again), or, waiting for a claim's winner, to give up
     due: float
     #: the member whose push it waits for, when not the owner's (a claim's winner)
     wait_for: int | None = None
-    #: a claim of it is on its way / was refused (then it waits for the push, however late)
+    #: a claim of it is on its way
     claiming: bool = False
-    refused: bool = False
+    #: since when its owner has answered that it does not own the block (maps not agreed)
+    disowned_since: float | None = None
 
 
 @dataclass
@@ -238,6 +248,8 @@ class JobSync:
         self.handed: dict[str, tuple[int, int]] = {}
         #: block -> version this member won a claim of (solve here, push to every peer)
         self.taken: dict[str, int] = {}
+        #: owners whose last grant was of a version not arrived there (their ranks are behind)
+        self.behind: set[int] = set()
         self.job_of: dict[str, str] = {}
         self.fallback_reasons: dict[str, int] = {}
         self.late_arrivals = 0
@@ -414,8 +426,10 @@ class JobSync:
         config = self.manager.config
         if wait_for is not None:
             due = now + config.push_timeout_s
-        elif owner is not None and self.peers[owner].state == "suspect":
-            due = now  # claimed from it at once: a stopped owner does not answer
+        elif owner is not None and (self.peers[owner].state == "suspect" or owner in self.behind):
+            # Claimed from it at once: a stopped owner does not answer, and one whose ranks
+            # are behind (its last grant: not arrived there yet) would only make it wait.
+            due = now
         else:
             budget = max(0.0, task.deadline - task.version) if math.isfinite(task.deadline) else 0
             due = now + max(config.patience_s, budget * (self.step_s or 0.0))
@@ -446,7 +460,7 @@ class JobSync:
             owner = self.owner_of(block, now)
             fallback: bool | None = None
             why = reason = ""
-            if held.wait_for is not None:  # a claim's winner (or the owner that refused one)
+            if held.wait_for is not None:  # this member, as owner, let another one claim it
                 state = self.peers[held.wait_for].state
                 if state in ("suspect", "dead"):
                     fallback, reason = True, "owner_down"
@@ -463,9 +477,7 @@ class JobSync:
             elif self.peers[owner].state == "dead":
                 fallback, why = True, f"its owner (member {owner}) is dead"
                 reason = "owner_down"
-            elif not (held.claiming or held.refused) and (
-                now >= held.due or self.peers[owner].state == "suspect"
-            ):
+            elif not held.claiming and (now >= held.due or self.peers[owner].state == "suspect"):
                 self.manager.start_claim(self, held, owner)
             if fallback is None:
                 continue
@@ -494,13 +506,17 @@ class JobSync:
 
     # ------------------------------------------------------------------ claims
 
-    def claim_answered(self, held: _Held, reply: ppb.ClaimResponse) -> None:
+    def claim_answered(self, held: _Held, owner: int, reply: ppb.ClaimResponse) -> None:
         """The owner's answer to a claim of ``held`` (see the Claim RPC)."""
         block, version = held.task.block, held.task.version
         held.claiming = False
         current = self.held.get(block) is held
         if reply.granted:
             self.claims_granted += 1
+            if reply.reason == "not_arrived":
+                self.behind.add(owner)
+            else:
+                self.behind.discard(owner)
             if not current:  # a push or a newer snapshot came meanwhile: the owner, which
                 return  # waits for this version, solves it itself after push_timeout_s
             del self.held[block]
@@ -521,14 +537,26 @@ class JobSync:
             return
         if not current:
             return
+        now = time.monotonic()
+        config = self.manager.config
         if reply.reason == "not_owner":  # the owner maps differ for a moment: ask again soon
-            held.due = time.monotonic() + self.manager.config.heartbeat_s
+            if held.disowned_since is None:
+                held.disowned_since = now
+            if now - held.disowned_since < config.patience_s:
+                held.due = now + config.heartbeat_s
+                return
+            self._solve_held(
+                held,
+                fallback=True,
+                reason="not_agreed",
+                why=f"its owner (member {owner}) does not see itself as its owner",
+            )
             return
-        held.refused = True  # its push is on its way: wait for it (the budget's barrier
-        held.due = math.inf  # bounds what the ranks wait)
-        if 0 <= reply.by < len(self.member_of_node):
-            member = self.member_of_node[reply.by]
-            held.wait_for = member if member != self.me else None
+        # Solved or running there, or won by another member: its push is on its way. Asked
+        # again after patience_s should it not come (a push lost on the way, a winner gone).
+        self.behind.discard(owner)
+        held.disowned_since = None
+        held.due = now + config.patience_s
 
     def claim_failed(self, held: _Held, owner: int, exc: BaseException) -> None:
         """A claim got no answer: ask again soon, or solve here when its owner is suspect (a
@@ -538,6 +566,7 @@ class JobSync:
             return
         state = self.peers[owner].state
         code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        reason = code.name if code is not None else repr(exc)
         hopeless = code in (
             grpc.StatusCode.UNIMPLEMENTED,
             grpc.StatusCode.UNAUTHENTICATED,
@@ -550,7 +579,7 @@ class JobSync:
             held,
             fallback=True,
             reason="owner_down" if not hopeless else "claim_failed",
-            why=f"its owner (member {owner}, {state}) did not answer a claim: {exc}",
+            why=f"its owner (member {owner}, {state}) did not answer a claim: {reason}",
         )
 
     def claim(self, peer: _Peer, block: str, version: int) -> ppb.ClaimResponse:
@@ -592,6 +621,7 @@ class JobSync:
                 wait_for=peer.member,
             )
         self.handed[block] = (peer.member, version)
+        arrived = task is not None
         stats.handed_over += 1
         self.claims_handed_over += 1
         logger.info(
@@ -603,7 +633,11 @@ class JobSync:
             "queued" if task is not None else "not arrived",
             extra={"tenant": self.tenant, "job": self.job},
         )
-        return ppb.ClaimResponse(granted=True, by=self.node_of(peer.member))
+        return ppb.ClaimResponse(
+            granted=True,
+            reason="queued" if arrived else "not_arrived",
+            by=self.node_of(peer.member),
+        )
 
     # ------------------------------------------------------------------ results
 
@@ -1082,7 +1116,7 @@ class SyncManager:
         except Exception as exc:
             js.claim_failed(held, peer.member, exc)
         else:
-            js.claim_answered(held, reply)
+            js.claim_answered(held, peer.member, reply)
         self.wake_ticker()
 
     async def _frames(

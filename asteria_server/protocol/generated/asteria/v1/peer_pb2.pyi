@@ -320,7 +320,9 @@ class ClaimResponse(_message.Message):
     granted: _builtins.bool
     """True: the caller solves this version (the owner will not). False: wait for the push."""
     reason: _builtins.str
-    """Why not: "solved" (the owner has it, or newer: its push is on its way), "running" (the
+    """Granted: "queued" (taken out of the owner's queue) or "not_arrived" (the owner's ranks
+    have not sent it yet: they are behind, so the caller claims its next versions at once).
+    Refused: "solved" (the owner has it, or newer: its push is on its way), "running" (the
     owner's worker has it, or a newer one), "claimed" (another daemon won it: `by`), "not_owner"
     (the callee's owner map differs: it does not own the block).
     """
