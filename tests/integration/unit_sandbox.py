@@ -171,6 +171,8 @@ def missing_requirements() -> str | None:
     """Why this machine cannot build the confinement, or None."""
     if os.geteuid() != 0:
         return "needs root to build a mount namespace"
+    if not os.access("/run", os.W_OK | os.X_OK):
+        return "/run (the unit's %t) is not writable here"
     if shutil.which("systemd-analyze") is None:
         return "systemd-analyze is not installed (it expands @system-service)"
     if ctypes.util.find_library("seccomp") is None:
