@@ -83,8 +83,9 @@ MAX_START_FAILURES = 3
 #: segments one worker keeps mapped (besides those dropped as soon as nothing holds them). A
 #: client has two per block; with fewer than that, a model of a few hundred blocks had every
 #: task hand its segments over, map and fault them in again (about 0.3 ms per solve at n=256).
-#: A mapping of a live client segment costs the worker only page tables.
-MAX_MAPPED_PER_WORKER = 1024
+#: A mapping of a live client segment costs the worker only page tables; this many stay far
+#: below Linux's default 65530 mappings per process (vm.max_map_count).
+MAX_MAPPED_PER_WORKER = 8192
 #: a pool segment larger than this is released when its task is done (made again when needed):
 #: an input segment this size holds n=1024 fp64 snapshots; larger ones are rare and slow anyway.
 KEEP_SEGMENT_BYTES = 24 << 20
