@@ -6,8 +6,8 @@ round in one process so drifts of a shared machine fall on all cases alike:
 - ``memcpy``: ``numpy.copyto`` of the same bytes into a pre-faulted buffer, the reference;
 - ``shm write``: what ``submit`` costs the training thread over shared memory: the copy from the
   factor tensor into the block's segment through a torch view, under the seqlock;
-- ``shm submit``: that write plus the announcement (SubmitSnapshot with only a header) until the
-  daemon has copied the snapshot out of the segment and answered;
+- ``shm submit``: that write plus the announcement (an AnnounceSnapshots call with its header,
+  as the daemon source sends it) until the daemon has taken the snapshot and answered;
 - ``gRPC submit``: the whole snapshot streamed in 1 MiB chunks until the daemon answered, over
   the Unix socket and over TCP loopback;
 - ``shm fetch`` / ``gRPC fetch``: a result of the same size from a new StreamResults call until
@@ -144,7 +144,10 @@ def _measure_size(ends: _Endpoints, n: int, repeats: int, held: dict[str, int]) 
     chunks = [raw[i : i + size].tobytes() for i in range(0, raw.size, size)]  # as gRPC sends it
 
     def shm_submit() -> None:
-        ends.unix.submit(ends.s_unix, task, shm=snap.write_snapshot(task, [tensor]))
+        ref = snap.write_snapshot(task, [tensor])
+        (answer,) = ends.unix.announce(ends.s_unix, [(task, ref)])
+        if isinstance(answer, Exception):
+            raise answer
 
     def shm_read(ref: Any, want: Any) -> list[np.ndarray] | None:
         return result_seg.read(want, ref.sequence)
