@@ -466,8 +466,12 @@ class JobSync:
                     fallback, reason = True, "owner_down"
                     why = f"member {held.wait_for}, whose push it waits for, is {state}"
                 elif now >= held.due:
-                    fallback, reason = True, "claim_lapsed"
-                    why = f"member {held.wait_for} won its claim but did not push it"
+                    winner = self.peers[held.wait_for]
+                    if winner.queue_depth > 0 or winner.workers_busy > 0:
+                        held.due = now + self.manager.config.patience_s  # still at work
+                    else:
+                        fallback, reason = True, "claim_lapsed"
+                        why = f"member {held.wait_for} won its claim, is idle and did not push it"
             elif owner == self.me:
                 fallback = False
             elif owner is None:

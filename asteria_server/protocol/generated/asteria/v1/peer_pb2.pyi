@@ -323,8 +323,8 @@ class ClaimResponse(_message.Message):
     """Granted: "queued" (taken out of the owner's queue) or "not_arrived" (the owner's ranks
     have not sent it yet: they are behind, so the caller claims its next versions at once).
     Refused: "solved" (the owner has it, or newer: its push is on its way), "running" (the
-    owner's worker has it, or a newer one), "claimed" (another daemon won it: `by`), "not_owner"
-    (the callee's owner map differs: it does not own the block).
+    owner's worker has it, or a newer one), "claimed" (another daemon won it: `by`),
+    "not_owner" (the callee's owner map differs: it does not own the block).
     """
     by: _builtins.int
     """The node whose push to wait for (the owner's, or the winner's)."""
