@@ -372,9 +372,15 @@ def _peer_families(read: PeerGroups) -> Iterator[Metric]:
     )
     fallbacks = CounterMetricFamily(
         "asteria_sync_fallbacks",
-        "Snapshots solved here although another daemon owns them (owner down, push late, "
-        "daemons not agreed on the blocks): each is a duplicate solve in the cluster.",
+        "Snapshots solved here although another daemon owns them (owner dead or not answering, "
+        "daemons not agreed on the blocks): each may be a second solve of that version.",
         labels=["tenant"],
+    )
+    claims = CounterMetricFamily(
+        "asteria_sync_claims",
+        "Late versions claimed from their owner instead of solved twice: claims sent, granted "
+        "to this daemon, and granted by it to others (handed_over).",
+        labels=["tenant", "outcome"],
     )
     late = CounterMetricFamily(
         "asteria_sync_late_arrivals",
@@ -399,9 +405,12 @@ def _peer_families(read: PeerGroups) -> Iterator[Metric]:
         waiting.add_metric([tenant], sum(g.waiting for g in tenant_groups))
         left.add_metric([tenant], sum(g.left_to_owner for g in tenant_groups))
         fallbacks.add_metric([tenant], sum(g.fallbacks for g in tenant_groups))
+        claims.add_metric([tenant, "sent"], sum(g.claims_sent for g in tenant_groups))
+        claims.add_metric([tenant, "granted"], sum(g.claims_granted for g in tenant_groups))
+        claims.add_metric([tenant, "handed_over"], sum(g.claims_handed_over for g in tenant_groups))
         late.add_metric([tenant], sum(g.late_arrivals for g in tenant_groups))
     yield from (peers, lag_versions, lag_seconds, bytes_total, results_total, events)
-    yield from (waiting, left, fallbacks, late)
+    yield from (waiting, left, fallbacks, claims, late)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -61,6 +61,8 @@ def test_peer_metrics_agree_with_the_peers_status_on_both_daemons(tmp_path: Path
         left = value(metrics, "asteria_sync_left_to_owner_total", tenant=t)
         assert left == group["left_to_owner"] > 0  # the other daemon's blocks were not solved
         assert value(metrics, "asteria_sync_fallbacks_total", tenant=t) == group["fallbacks"] == 0
+        sent = value(metrics, "asteria_sync_claims_total", tenant=t, outcome="sent")
+        assert sent == group["claims_sent"]
     # What one daemon pushed is what the other received.
     sent_0 = value(scraped[0], "asteria_peer_bytes_total", tenant=t, direction="sent")
     assert sent_0 == value(scraped[1], "asteria_peer_bytes_total", tenant=t, direction="received")
