@@ -60,6 +60,14 @@ STATUS_PAGE_BLOCKS = 10_000
 _COPY_IN_THREAD_BYTES = 4 << 20
 #: Seconds before a stream looks again at a result that was overwritten while it copied it out.
 _RETRY_COPY_S = 0.005
+#: What refuses one snapshot (bad input, a lost session, an engine that cannot take it, a full
+#: daemon): the call, or that snapshot's answer in AnnounceSnapshots, carries it as a status.
+SNAPSHOT_REFUSALS = (
+    InvalidInputError,
+    UnknownSessionError,
+    EngineUnavailableError,
+    DaemonBusyError,
+)
 
 
 @dataclass(frozen=True)
@@ -481,12 +489,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             self._received[0] += 1
             self._received[1] += num_bytes
             outcome = self._engine.submit(task, job=session.job)
-        except (
-            InvalidInputError,
-            UnknownSessionError,
-            EngineUnavailableError,
-            DaemonBusyError,
-        ) as exc:
+        except SNAPSHOT_REFUSALS as exc:
             await abort_call(context, exc)
         return convert.outcome_to_proto(outcome)
 
@@ -519,12 +522,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         for header in request.snapshots:
             try:
                 outcome = await self._announce_one(session, header)
-            except (
-                InvalidInputError,
-                UnknownSessionError,
-                EngineUnavailableError,
-                DaemonBusyError,
-            ) as exc:
+            except SNAPSHOT_REFUSALS as exc:
                 code, message = to_status(exc)
                 answers.append(pb.AnnouncedSnapshot(error_code=code.value[0], error=message))
                 continue
