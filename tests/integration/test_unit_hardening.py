@@ -11,6 +11,7 @@ then start the unit's ExecStart inside it and train against it over shared memor
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -91,6 +92,24 @@ def test_the_sandbox_covers_every_hardening_option_of_the_unit() -> None:
     assert hardening == built | not_rebuilt
 
 
+@functools.cache
+def unit_user() -> tuple[int, int]:
+    """The uid/gid the confined daemon runs as: an unprivileged one (``User=``) where it can
+    read this checkout and interpreter (a node installs them world-readable under /usr), else
+    root without any capability, which can still read a checkout in a 0700 directory (a CI
+    clone in ``mktemp -d``): every other option of the unit is built the same either way."""
+    root = Path(tempfile.mkdtemp(prefix="asteria-unit-", dir="/run"))
+    try:
+        os.chmod(root, 0o755)
+        (root / "run" / "asteria").mkdir(parents=True)
+        os.chown(root / "run" / "asteria", *NOBODY)
+        argv = [*confinement(root, NOBODY), sys.executable, "-c", "import asteria_server"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return NOBODY if done.returncode == 0 else (0, 0)
+
+
 @pytest.fixture
 def runtime_root() -> Iterator[Path]:
     """A directory in /run (the unit's %t), traversable by the daemon's user like /run."""
@@ -100,11 +119,11 @@ def runtime_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def confinement(root: Path) -> list[str]:
+def confinement(root: Path, user: tuple[int, int]) -> list[str]:
     exposed = {sys.prefix, sys.base_prefix, str(ROOT)}
     return (
         [sys.executable, str(SANDBOX), "--runtime-dir", str(root / "run" / "asteria")]
-        + ["--user", f"{NOBODY[0]}:{NOBODY[1]}"]
+        + ["--user", f"{user[0]}:{user[1]}"]
         + [arg for path in sorted(exposed) for arg in ("--expose", path)]
         + ["--"]
     )
@@ -140,18 +159,20 @@ print('memfd', m[:4].decode())
 
 
 def test_the_confinement_refuses_what_the_unit_forbids(runtime_root: Path) -> None:
+    user = unit_user()
     runtime = runtime_root / "run" / "asteria"
     runtime.mkdir(parents=True, mode=0o700)
-    os.chown(runtime, *NOBODY)
+    os.chown(runtime, *user)
     marker = Path(tempfile.mkdtemp(prefix="asteria-visible-"))  # in the host's /tmp
     try:
-        argv = [*confinement(runtime_root), sys.executable, "-c", PROBE, str(ROOT), str(runtime)]
+        argv = [*confinement(runtime_root, user), sys.executable, "-c", PROBE, str(ROOT)]
+        argv.append(str(runtime))
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/")
     finally:
         marker.rmdir()
     assert done.returncode == 0, done.stderr
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    assert lines["uid"] == f"{NOBODY[0]} nnp 1 seccomp 2"  # User=, NoNewPrivileges, a filter
+    assert lines["uid"] == f"{user[0]} nnp 1 seccomp 2"  # User=, NoNewPrivileges, a filter
     assert int(lines["capbnd"], 16) == 0  # CapabilityBoundingSet= (empty)
     assert lines["ro_root"] == "1 ro_repo 1"  # ProtectSystem=strict
     assert lines["rw_runtime"] == "0"  # the RuntimeDirectory stays writable
@@ -169,7 +190,8 @@ def test_the_confinement_refuses_what_the_unit_forbids(runtime_root: Path) -> No
 
 @pytest.fixture
 def confined_daemon(runtime_root: Path) -> Iterator[UnitDaemon]:
-    daemon = start_like_systemd(runtime_root, confine=confinement(runtime_root), user=NOBODY)
+    user = unit_user()
+    daemon = start_like_systemd(runtime_root, confine=confinement(runtime_root, user), user=user)
     yield daemon
     if daemon.proc.poll() is None:
         stop_daemon(daemon)
@@ -183,15 +205,17 @@ def _status(pid: int) -> dict[str, str]:
 def test_the_unit_daemon_trains_a_client_over_shared_memory_inside_the_confinement(
     confined_daemon: UnitDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    user = unit_user()
     daemon_status = _status(confined_daemon.proc.pid)
-    assert daemon_status["Uid"].split()[0] == str(NOBODY[0])
+    assert daemon_status["Uid"].split()[0] == str(user[0])
+    assert int(daemon_status["CapBnd"], 16) == 0 and int(daemon_status["CapEff"], 16) == 0
     assert daemon_status["Seccomp"] == "2" and daemon_status["NoNewPrivs"] == "1"
-    assert confined_daemon.sock.stat().st_uid == NOBODY[0]
+    assert confined_daemon.sock.stat().st_uid == user[0]
 
     monkeypatch.setenv("ASTERIA_TENANT", "team-a")
     monkeypatch.setenv("ASTERIA_TOKEN", TOKENS["team-a"])
     # The client sends tokens and memory only to a daemon of a uid it expects: the unit's user.
-    monkeypatch.setenv("ASTERIA_DAEMON_UID", str(NOBODY[0]))
+    monkeypatch.setenv("ASTERIA_DAEMON_UID", str(user[0]))
     model = small_model()
     with SOAP(
         model.named_parameters(),
@@ -214,7 +238,7 @@ def test_the_unit_daemon_trains_a_client_over_shared_memory_inside_the_confineme
         assert workers, "the daemon started no worker"
         for pid in workers:
             worker = _status(pid)
-            assert worker["Seccomp"] == "2" and worker["Uid"].split()[0] == str(NOBODY[0])
+            assert worker["Seccomp"] == "2" and worker["Uid"].split()[0] == str(user[0])
     assert finite(model) and stats["local_fallbacks"] == 0 and stats["submit_errors"] == 0
     assert len(rows) == 4 and all(r["version"] >= 0 and r["connected"] for r in rows), rows
 
