@@ -23,7 +23,7 @@ TIMEOUT_S = 150.0  # two torch imports per rank on a small shared machine
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     import torch
     import torch.distributed as dist
     from asteria_client import SOAP
@@ -45,6 +45,12 @@ SCRIPT = textwrap.dedent(
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         start = saved["step"]
+        # The daemon streams what it holds for the job (4 blocks) once the session is open.
+        # Steps of this tiny model take milliseconds, so wait for that here: the check below
+        # is about the held results being used, not about connecting within two steps.
+        deadline = time.monotonic() + 60
+        while (opt.source.results_epoch() or 0) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
     g = torch.Generator().manual_seed(1 + rank)
     for step in range(start + 1, start + 13):
         x = torch.randn(32, 16, generator=g)
