@@ -70,6 +70,7 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._leases: dict[str, _Lease] = {}
         self._by_tenant: dict[str, int] = {}
+        self._by_job: dict[tuple[str, str], int] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
 
     def __contains__(self, session_id: object) -> bool:
@@ -87,6 +88,11 @@ class SessionTable:
 
     def tenant_sessions(self, tenant: str) -> int:
         return self._by_tenant.get(tenant, 0)
+
+    def job_sessions(self, tenant: str, job: str) -> int:
+        """Open sessions of ``tenant`` that named ``job`` (a multi-node job's peer group ends
+        some time after its last one here)."""
+        return self._by_job.get((tenant, job), 0)
 
     def open(self, session: Session) -> None:
         """Add ``session`` (:meth:`reap` first, so expired sessions make room). DaemonBusyError
@@ -107,6 +113,8 @@ class SessionTable:
         self._sessions[session.session_id] = session
         self._leases[session.session_id] = _Lease(self._clock())
         self._by_tenant[session.tenant] = held + 1
+        key = (session.tenant, session.job)
+        self._by_job[key] = self._by_job.get(key, 0) + 1
 
     def get(self, session_id: str) -> Session:
         """The open session (its lease renewed), or UnknownSessionError saying why not."""
@@ -158,6 +166,11 @@ class SessionTable:
             self._by_tenant[session.tenant] = left
         else:
             del self._by_tenant[session.tenant]
+        key = (session.tenant, session.job)
+        if self._by_job[key] > 1:
+            self._by_job[key] -= 1
+        else:
+            del self._by_job[key]
         self._ended[session_id] = why
         while len(self._ended) > ENDED_SESSIONS_KEPT:
             self._ended.popitem(last=False)

@@ -336,6 +336,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             if isinstance(address, TcpAddress) and port == 0:
                 raise StartupError(f"cannot listen on {address.target}: the port is not free")
             await server.start()
+            sync.job_sessions = servicer.job_sessions
             sync.start()
             if handover is not None:
                 handover.start()

@@ -269,6 +269,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._sessions.touch, session_id)
 
+    def job_sessions(self, tenant: str, job: str) -> int:
+        """Open sessions of ``tenant`` that named ``job`` (the sync ends a job's peer group
+        some time after the last one)."""
+        return self._sessions.job_sessions(tenant, job)
+
     def sessions_by_tenant(self) -> dict[str, int]:
         """Open sessions per tenant (the metrics endpoint asks, from its own thread)."""
         counts: dict[str, int] = {}

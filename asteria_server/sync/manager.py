@@ -52,7 +52,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -91,6 +91,9 @@ class SyncConfig:
     settle_s: float = 0.3
     call_timeout_s: float = 1.0
     push_timeout_s: float = 10.0
+    #: A job's peer group ends once no session of the job has been open here for this long
+    #: (long enough for its ranks to reconnect after a restart).
+    group_idle_s: float = 120.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -875,6 +878,11 @@ class SyncManager:
         self._tick_wake: asyncio.Event | None = None
         self._claims: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: How many sessions of (tenant, job) are open here; None: never ends a group (set by
+        #: the daemon to its session table's count).
+        self.job_sessions: Callable[[str, str], int] | None = None
+        self._idle_since: dict[tuple[str, str], float] = {}
+        self.groups_removed = 0
         engine.add_result_listener(self._on_result)
 
     # ------------------------------------------------------------------ life
@@ -917,6 +925,38 @@ class SyncManager:
                     js.tick(now)
                 except Exception:
                     logger.exception("job %r: the sync tick failed", js.job)
+            await self._end_idle_groups(now)
+
+    async def _end_idle_groups(self, now: float) -> None:
+        """End the peer group of every job with no session here for ``group_idle_s``: its
+        heartbeat and push tasks stop and its state goes (the peers see it gone and fail its
+        blocks over, as for a dead daemon, if their ranks still train)."""
+        if self.job_sessions is None:
+            return
+        for key, js in list(self.jobs.items()):
+            if self.job_sessions(*key) > 0:
+                self._idle_since.pop(key, None)
+                continue
+            since = self._idle_since.setdefault(key, now)
+            if now - since < self.config.group_idle_s or self.jobs.get(key) is not js:
+                continue
+            del self.jobs[key]
+            self._idle_since.pop(key, None)
+            self.groups_removed += 1
+            logger.info(
+                "job %r: peer group ended, no session of the job here for %g s",
+                js.job,
+                self.config.group_idle_s,
+                extra={"tenant": key[0], "job": js.job},
+            )
+            for task in js._tasks:
+                task.cancel()
+            for task in js._tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            for peer in js.peers.values():
+                if peer.channel is not None:
+                    await peer.channel.close(grace=None)
 
     # ------------------------------------------------------------------ jobs
 

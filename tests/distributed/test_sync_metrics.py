@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -66,3 +67,35 @@ def test_peer_metrics_agree_with_the_peers_status_on_both_daemons(tmp_path: Path
     # What one daemon pushed is what the other received.
     sent_0 = value(scraped[0], "asteria_peer_bytes_total", tenant=t, direction="sent")
     assert sent_0 == value(scraped[1], "asteria_peer_bytes_total", tenant=t, direction="received")
+
+
+def test_a_jobs_peer_group_ends_after_its_last_session_and_not_before(tmp_path: Path) -> None:
+    """Groups used to live as long as the daemon, each with heartbeat and push tasks for every
+    peer: a node daemon serving job after job would accumulate them. A group now ends once no
+    session of its job has been open on that daemon for group_idle_s (1.5 s here), and not
+    while the job trains (the ranks run longer than that, and stay within budget)."""
+    env = {**sc.sync_env(group_idle_s=1.5), "ASTERIA_METRICS_LISTEN": "127.0.0.1:0"}
+    with sc.daemons(tmp_path, 2, env=env) as ds:
+        spec = sc.RunSpec(
+            addresses=[d.address for d in ds],
+            node_of_rank=[0, 1],
+            steps=40,
+            frequency=2,
+            step_sleep_s=0.1,  # 4 s of training: well past group_idle_s
+        )
+        seen: list[int] = []
+
+        def during() -> None:
+            seen.append(sum(len(sc.view(d.address).groups) for d in ds))
+
+        ctx = sc.start_ranks(tmp_path, spec)
+        sc.join(ctx, 120.0, during)
+        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        assert all(r["local_fallbacks"] == 0 for r in ranks)
+        assert seen and max(seen) == 2 and seen[-1] == 2  # both groups lived through the run
+        deadline = time.monotonic() + 15
+        while sum(len(sc.view(d.address).groups) for d in ds) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(sc.view(d.address).groups == [] for d in ds)
+        scraped = scrape(_url(ds[0].serving_line))
+        assert not scraped.get("asteria_peers"), "peer series of an ended job"
