@@ -470,12 +470,9 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 max_matrix_n=self._limits.max_matrix_n,
             )
             session = self._session(receiver.session_id)
-            header = receiver.header
-            self._check_name(header.block, "SubmitSnapshot")
-            self._check_registered(session.tenant, header)
             num_bytes = sum(spec.num_bytes for spec in receiver.specs)
-            what = f"SubmitSnapshot of block {header.block!r}"
-            self._check_quotas(session.tenant, header, 0 if receiver.shm else num_bytes, what)
+            upload = 0 if receiver.shm else num_bytes
+            what = self._admit(session, receiver.header, "SubmitSnapshot", upload)
             started = self._clock()
             async with self._uploads.hold(
                 num_bytes, wait_s=self._upload_wait_s(context), what=what, tenant=session.tenant
@@ -489,11 +486,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     task = receiver.finish(tenant=session.tenant)
                 else:
                     task = await self._from_segment(receiver, session)
-            if task is None:  # the client already wrote a newer snapshot over this one
-                return convert.outcome_to_proto(SubmitOutcome.STALE_IGNORED)
-            self._received[0] += 1
-            self._received[1] += num_bytes
-            outcome = self._engine.submit(task, job=session.job)
+            outcome = self._queue(session, task, num_bytes)
         except SNAPSHOT_REFUSALS as exc:
             await abort_call(context, exc)
         return convert.outcome_to_proto(outcome)
@@ -543,15 +536,28 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             max_chunk_bytes=self._limits.chunk_bytes,
             max_matrix_n=self._limits.max_matrix_n,
         )
-        self._check_name(header.block, "AnnounceSnapshots")
-        self._check_registered(session.tenant, header)
-        what = f"AnnounceSnapshots of block {header.block!r}"
-        self._check_quotas(session.tenant, header, 0, what)
+        self._admit(session, header, "AnnounceSnapshots", 0)
         task = await self._from_segment(receiver, session)
-        if task is None:  # the client already wrote a newer snapshot over this one
+        return self._queue(session, task, sum(spec.num_bytes for spec in receiver.specs))
+
+    def _admit(
+        self, session: Session, header: pb.SnapshotHeader, call: str, upload_bytes: int
+    ) -> str:
+        """Check one snapshot's block name, registration and the tenant's quotas (``upload_bytes``
+        to come over the call); returns how errors name it. Raises as SubmitSnapshot does."""
+        self._check_name(header.block, call)
+        self._check_registered(session.tenant, header)
+        what = f"{call} of block {header.block!r}"
+        self._check_quotas(session.tenant, header, upload_bytes, what)
+        return what
+
+    def _queue(self, session: Session, task: SolveTask | None, num_bytes: int) -> SubmitOutcome:
+        """Count a received snapshot and hand it to the engine; None: the client already wrote a
+        newer snapshot over this one."""
+        if task is None:
             return SubmitOutcome.STALE_IGNORED
         self._received[0] += 1
-        self._received[1] += sum(spec.num_bytes for spec in receiver.specs)
+        self._received[1] += num_bytes
         return self._engine.submit(task, job=session.job)
 
     async def _next_chunk(
