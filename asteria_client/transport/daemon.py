@@ -390,17 +390,27 @@ class DaemonSource(PreconditionerSource):
         for block, task in chunked:
             try:
                 self._conn.submit(session, task)
-            except InvalidInputError as exc:
-                self._reject(task, str(exc))
-                continue
-            except DaemonBusyError:  # no room on the daemon now: the block's next one will go
-                self._counts["submits_busy"] += 1
-                self._unanswered(block)
-                continue
             except AsteriaError as exc:
-                self._session.lost(session, exc)
-                return
+                if not self._refused(session, block, task, exc):
+                    return
+                continue
             self._counts["chunked_snapshots"] += 1
+
+    def _refused(
+        self, session: SessionInfo, block: _Block, task: SolveTask, exc: AsteriaError
+    ) -> bool:
+        """What the daemon's refusal of one snapshot means: bad input is that snapshot's
+        (rejected); a full daemon drops it (the block's next one will go); anything else lost
+        the session (False: stop sending this batch)."""
+        if isinstance(exc, InvalidInputError):
+            self._reject(task, str(exc))
+        elif isinstance(exc, DaemonBusyError):
+            self._counts["submits_busy"] += 1
+            self._unanswered(block)
+        else:
+            self._session.lost(session, exc)
+            return False
+        return True
 
     def _announce(
         self, session: SessionInfo, announced: list[tuple[_Block, SolveTask, SegmentRef]]
@@ -417,22 +427,12 @@ class DaemonSource(PreconditionerSource):
                 self._counts["shm_snapshots"] += 1
                 continue
             try:
-                if isinstance(answer, InvalidInputError):
-                    self._resend_refused(session, block, task, shm, answer)
-                    continue
-                if isinstance(answer, DaemonBusyError):
-                    self._counts["submits_busy"] += 1
-                    self._unanswered(block)
-                    continue
-                raise answer
-            except InvalidInputError as exc:
-                self._reject(task, str(exc))
-            except DaemonBusyError:
-                self._counts["submits_busy"] += 1
-                self._unanswered(block)
+                if not isinstance(answer, InvalidInputError):
+                    raise answer
+                self._resend_refused(session, block, task, shm, answer)
             except AsteriaError as exc:
-                self._session.lost(session, exc)
-                return False
+                if not self._refused(session, block, task, exc):
+                    return False
         return True
 
     def _resend_refused(
