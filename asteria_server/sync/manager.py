@@ -899,15 +899,9 @@ class SyncManager:
         tasks = [t for js in self.jobs.values() for t in js._tasks] + list(self._claims)
         if self._ticker is not None:
             tasks.append(self._ticker)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await _cancel(tasks)
         for js in self.jobs.values():
-            for peer in js.peers.values():
-                if peer.channel is not None:
-                    await peer.channel.close(grace=None)
+            await _close_channels(js)
 
     def wake_ticker(self) -> None:
         if self._tick_wake is not None:
@@ -949,14 +943,8 @@ class SyncManager:
                 self.config.group_idle_s,
                 extra={"tenant": key[0], "job": js.job},
             )
-            for task in js._tasks:
-                task.cancel()
-            for task in js._tasks:
-                with contextlib.suppress(BaseException):
-                    await task
-            for peer in js.peers.values():
-                if peer.channel is not None:
-                    await peer.channel.close(grace=None)
+            await _cancel(js._tasks)
+            await _close_channels(js)
 
     # ------------------------------------------------------------------ jobs
 
@@ -1259,6 +1247,21 @@ class SyncManager:
         """Every tenant's peer groups (the metrics endpoint's view); call on the event loop."""
         now = time.monotonic()
         return [(tenant, js.status(now)) for (tenant, _), js in sorted(self.jobs.items())]
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` and wait until each has ended (whatever it ended with)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(BaseException):
+            await task
+
+
+async def _close_channels(js: JobSync) -> None:
+    for peer in js.peers.values():
+        if peer.channel is not None:
+            await peer.channel.close(grace=None)
 
 
 def is_peer_error(exc: BaseException) -> bool:
