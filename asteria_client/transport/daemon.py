@@ -252,6 +252,10 @@ class DaemonSource(PreconditionerSource):
             block = self._blocks[name] = _Block(device=device)
         elif not block.device_known:
             block.device, block.device_known = device, True
+            if block.ready is not None:
+                # A warm-start result that came before this first snapshot can be taken now:
+                # tell the scans that skip tiles while no result arrived to look again.
+                self._results_epoch += 1
         return block
 
     def expect(self, request: PreconditionerRequest) -> None:
