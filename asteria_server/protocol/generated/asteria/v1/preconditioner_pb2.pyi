@@ -668,11 +668,17 @@ class StreamResultsRequest(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     HELD_VERSIONS_FIELD_NUMBER: _builtins.int
     SHM_RESULTS_FIELD_NUMBER: _builtins.int
+    CREDIT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session whose results to deliver."""
     shm_results: _builtins.bool
     """Deliver a block's results through its result segment when the session handed one over
     (ResultHeader.shm set, no chunks); other blocks' results still come in chunks.
+    """
+    credit: _builtins.bool
+    """Also send Credit messages: how many snapshots the daemon would start promptly (a client that
+    refreshes continuously pulls no more snapshots than that). A daemon that does not know the
+    field sends none; the client then keeps one snapshot outstanding at a time.
     """
     @_builtins.property
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -691,14 +697,51 @@ class StreamResultsRequest(_message.Message):
         blocks: _abc.Iterable[_builtins.str] | None = ...,
         held_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         shm_results: _builtins.bool = ...,
+        credit: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "held_versions", b"held_versions", "session_id", b"session_id", "shm_results", b"shm_results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "credit", b"credit", "held_versions", b"held_versions", "session_id", b"session_id", "shm_results", b"shm_results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamResultsRequest: _TypeAlias = StreamResultsRequest  # noqa: Y015
+
+@_typing.final
+class Credit(_message.Message):
+    """The daemon's capacity as one session sees it, sent on a StreamResults stream that asked for it
+    when the stream opens and whenever one of these numbers changes. The session's credit is
+    workers_idle + 1 - queued - (snapshots it sent that snapshots_answered does not count yet),
+    and 0 while workers_idle is 0.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKERS_IDLE_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_ANSWERED_FIELD_NUMBER: _builtins.int
+    workers_idle: _builtins.int
+    """Solver workers waiting for work now, all tenants together."""
+    queued: _builtins.int
+    """Snapshots of the session's tenant waiting for a worker now."""
+    snapshots_answered: _builtins.int
+    """Snapshots of this session the daemon has answered so far (accepted, stale or refused), in
+    SubmitSnapshot calls and AnnounceSnapshots entries together.
+    """
+    def __init__(
+        self,
+        *,
+        workers_idle: _builtins.int = ...,
+        queued: _builtins.int = ...,
+        snapshots_answered: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queued", b"queued", "snapshots_answered", b"snapshots_answered", "workers_idle", b"workers_idle"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Credit: _TypeAlias = Credit  # noqa: Y015
 
 @_typing.final
 class ArrayHeader(_message.Message):
@@ -828,23 +871,31 @@ class StreamResultsResponse(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    CREDIT_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
     """The next 1..max_chunk_bytes raw bytes of the current result's arrays."""
     @_builtins.property
     def header(self) -> Global___ResultHeader:
         """Starts a result."""
 
+    @_builtins.property
+    def credit(self) -> Global___Credit:
+        """The daemon's capacity for this session (only when StreamResultsRequest.credit is set);
+        never sent inside a result, between its header and its last chunk.
+        """
+
     def __init__(
         self,
         *,
         header: Global___ResultHeader | None = ...,
         chunk: _builtins.bytes = ...,
+        credit: Global___Credit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "credit", b"credit", "header", b"header", "part", b"part"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "credit", b"credit", "header", b"header", "part", b"part"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk", "credit"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
