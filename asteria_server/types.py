@@ -349,6 +349,30 @@ class EngineStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Credit:
+    """A daemon's capacity as one session sees it (the proto's Credit message): what a client
+    that pulls snapshots (``refresh="continuous"``) may send.
+
+    Attributes:
+        workers_idle: solver workers waiting for work, all tenants together.
+        queued: snapshots of the session's tenant waiting for a worker.
+        snapshots_answered: the session's snapshots the daemon has answered so far.
+    """
+
+    workers_idle: int
+    queued: int
+    snapshots_answered: int
+
+    def for_client(self, unanswered: int) -> int:
+        """How many more snapshots to send, ``unanswered`` being those the client sent that
+        ``snapshots_answered`` does not count: free workers + 1, less what waits for one; 0
+        while every worker is busy (as the embedded engine's credit)."""
+        if self.workers_idle <= 0:
+            return 0
+        return max(0, self.workers_idle + 1 - self.queued - unanswered)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TransportStats:
     """Shared-memory handovers and snapshot uploads of one daemon, right now.
 

@@ -210,8 +210,9 @@ class Coordinator:
     def in_flight_version(self, tenant: str, block: str) -> int | None:
         return self.registry.in_flight_version(tenant, block)
 
-    def queue_depth(self) -> int:
-        return len(self.scheduler)
+    def queue_depth(self, tenant: str | None = None) -> int:
+        """Snapshots waiting for a worker: all tenants', or ``tenant``'s."""
+        return len(self.scheduler) if tenant is None else self.scheduler.queued_of(tenant)
 
     def status(
         self,

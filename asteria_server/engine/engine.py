@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 #: Told ``(tenant, block)`` when a block gets a newer result; see ``add_result_listener``.
 ResultListener = Callable[[str, str], None]
+#: Called (no arguments) when workers may have started or finished; see
+#: ``add_capacity_listener``.
+CapacityListener = Callable[[], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,6 +277,7 @@ class PreconditionerEngine:
         #: tenant -> block -> the results epoch at which the block's newest result arrived.
         self._result_epochs: dict[str, dict[str, int]] = {}
         self._listeners: list[ResultListener] = []
+        self._capacity_listeners: list[CapacityListener] = []
         #: clients' result segments whose client let go of them (see release_shared)
         self._released: weakref.WeakSet[SharedSegment] = weakref.WeakSet()
         self._pool = WorkerPool(self.config.pool_config())
@@ -353,6 +357,26 @@ class PreconditionerEngine:
     def remove_result_listener(self, listener: ResultListener) -> None:
         with self._cond:
             self._listeners = [f for f in self._listeners if f is not listener]
+
+    def add_capacity_listener(self, listener: CapacityListener) -> None:
+        """Call ``listener()`` after the dispatcher started or finished solves (what
+        :meth:`capacity` answers may have changed). Same rules as a result listener: it runs on
+        the dispatcher thread, must be quick and must not block."""
+        with self._cond:
+            self._capacity_listeners = [*self._capacity_listeners, listener]
+
+    def remove_capacity_listener(self, listener: CapacityListener) -> None:
+        with self._cond:
+            self._capacity_listeners = [f for f in self._capacity_listeners if f is not listener]
+
+    def capacity(self, tenant: str = DEFAULT_TENANT) -> tuple[int, int]:
+        """``(idle workers, snapshots of tenant waiting for a worker)`` now: what a client
+        that pulls snapshots (the continuous schedule) needs to know. Cheap: two counts."""
+        with self._cond:
+            if self._closed or self._broken is not None:
+                return 0, self._coord.queue_depth(tenant)
+            busy = self._coord.scheduler.num_running()
+            return max(0, self._pool.num_workers - busy), self._coord.queue_depth(tenant)
 
     def release_shared(self, segments: Iterable[SharedSegment]) -> None:
         """The daemon no longer serves these client segments (the client detached them or went
@@ -625,6 +649,8 @@ class PreconditionerEngine:
                 self._pool.submit(job_id, task, expected_s=cost_s, runs_spent=runs)
             except EngineUnavailableError as exc:
                 failed.append((job_id, task, str(exc)))
+        if batch:
+            self._tell_capacity()  # fewer idle workers now
         del batch
         events = self._pool.poll(None)  # until a worker speaks, a deadline or a wakeup
         fresh: list[tuple[str, str]] = []
@@ -650,7 +676,16 @@ class PreconditionerEngine:
                 self._fail_all_queued(self._broken)
                 return False
         self._tell(listeners, fresh)
+        if events or failed:
+            self._tell_capacity()  # workers finished
         return True
+
+    def _tell_capacity(self) -> None:
+        for listener in self._capacity_listeners:  # replaced whole, never mutated: no lock
+            try:
+                listener()
+            except Exception:  # a listener's bug must not stop the dispatcher
+                logger.exception("a capacity listener failed")
 
     def _record(self, event: PoolEvent) -> bool:
         """Book a finished task; True when its block got a newer result."""

@@ -225,6 +225,10 @@ class Scheduler:
     def __len__(self) -> int:
         return sum(len(q) for q in self._pending.values())
 
+    def queued_of(self, tenant: str) -> int:
+        """Snapshots of ``tenant`` waiting for a worker."""
+        return len(self._pending.get(tenant, ()))
+
     def __iter__(self) -> Iterator[ScheduledTask]:
         for queue in self._pending.values():
             yield from queue.values()

@@ -30,6 +30,7 @@ from asteria_server.protocol.shm import RESULT_FIELDS, ArraySpec, SegmentRef
 from asteria_server.types import (
     BlockState,
     BlockStatus,
+    Credit,
     EngineStats,
     SolveKind,
     SolveResult,
@@ -228,6 +229,29 @@ def announced_from_proto(message: pb.AnnouncedSnapshot) -> SubmitOutcome | tuple
         value = _name(pb.SubmitOutcome.DESCRIPTOR, message.outcome)
         raise _bad("AnnounceSnapshots response", f"unknown outcome {value}")
     return outcome
+
+
+def credit_to_proto(credit: Credit) -> pb.StreamResultsResponse:
+    """The StreamResults message that tells a session ``credit``."""
+    return pb.StreamResultsResponse(
+        credit=pb.Credit(
+            workers_idle=credit.workers_idle,
+            queued=credit.queued,
+            snapshots_answered=credit.snapshots_answered,
+        )
+    )
+
+
+def credit_from_proto(message: pb.Credit) -> Credit:
+    """The daemon's Credit message as a value; counts must not be negative."""
+    credit = Credit(
+        workers_idle=message.workers_idle,
+        queued=message.queued,
+        snapshots_answered=message.snapshots_answered,
+    )
+    if min(credit.workers_idle, credit.queued, credit.snapshots_answered) < 0:
+        raise _bad("StreamResults credit", f"counts must not be negative, got {credit}")
+    return credit
 
 
 # ----------------------------------------------------------------------------------- results

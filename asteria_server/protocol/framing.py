@@ -25,7 +25,7 @@ from asteria_server.protocol import convert
 from asteria_server.protocol.convert import AnnouncedArray
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.shm import RESULT_FIELDS, ArraySpec, SegmentRef
-from asteria_server.types import SolveResult, SolveTask
+from asteria_server.types import Credit, SolveResult, SolveTask
 
 #: Copies announced arrays out of a shared-memory segment: ``reader(ref, specs)`` returns them,
 #: or None when a newer write replaced them (the announcement is then skipped).
@@ -240,10 +240,12 @@ class ResultReceiver:
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_matrix_n: int = DEFAULT_MAX_MATRIX_N,
         reader: SegmentReader | None = None,
+        on_credit: Callable[[Credit], None] | None = None,
     ) -> None:
         self._max_chunk_bytes = check_limit("max_chunk_bytes", max_chunk_bytes)
         self._max_matrix_n = check_limit("max_matrix_n", max_matrix_n)
         self._reader = reader
+        self._on_credit = on_credit
         self._header: pb.ResultHeader | None = None
         self._what = ""
         self._arrays: list[AnnouncedArray] = []
@@ -272,6 +274,12 @@ class ResultReceiver:
             if self._assembler is None:
                 raise _bad("StreamResults stream", "a chunk arrived before any result header")
             self._assembler.add(message.chunk)
+        elif part == "credit":
+            if self._header is not None:
+                raise _bad(self._what, "a credit message arrived inside this result")
+            if self._on_credit is not None:  # else not asked for: ignored
+                self._on_credit(convert.credit_from_proto(message.credit))
+            return None
         else:
             raise _bad(self._what or "StreamResults stream", "an empty message arrived")
         assert self._assembler is not None

@@ -10,6 +10,10 @@ StreamResults is woken, never polled: the engine tells the servicer (from its di
 through ``loop.call_soon_threadsafe``) which tenant's block got a newer result, and the servicer
 sets the asyncio.Event of each of that tenant's streams. A woken stream sends each subscribed
 block's newest result once, holding at most one result at a time; an idle stream costs nothing.
+A stream that asked for credit (a client refreshing continuously, which pulls snapshots instead
+of pushing them) is also woken when workers start or finish, and sends a Credit message when
+the daemon's free workers, its tenant's queued snapshots or its session's answered snapshots
+changed.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.limits import AuthThrottle, Session, SessionTable, peer_host
-from asteria_server.types import SharedArrays, SubmitOutcome, TransportStats
+from asteria_server.types import Credit, SharedArrays, SubmitOutcome, TransportStats
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,12 @@ class _Stream:
 
     session_id: str
     wake: asyncio.Event
+    #: it asked for Credit messages (StreamResultsRequest.credit)
+    credit: bool = False
+
+
+def _reports_credit(stream: _Stream) -> bool:
+    return stream.credit
 
 
 class _Frames:
@@ -240,8 +250,12 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._received = [0, 0]  # snapshots handed to the engine, and their bytes
         #: tenant -> its open StreamResults calls (touched on the event loop only)
         self._streams: dict[str, set[_Stream]] = {}
+        self._credit_streams = 0  # of them, those that asked for Credit messages
+        #: session -> its snapshots answered so far (Credit.snapshots_answered)
+        self._answered: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         engine.add_result_listener(self._on_result)
+        engine.add_capacity_listener(self._on_capacity)
         self._handover = handover
         share = max(1, int(limits.max_upload_bytes * limits.tenant_upload_share))
         self._uploads = UploadBudget(limits.max_upload_bytes, share)
@@ -285,6 +299,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         """End every StreamResults stream now (daemon shutdown; on the event loop)."""
         self._stopping = True
         self._engine.remove_result_listener(self._on_result)
+        self._engine.remove_capacity_listener(self._on_capacity)
         self._wake(lambda stream: True)
 
     def _on_result(self, tenant: str, block: str) -> None:
@@ -294,6 +309,14 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         if loop is not None and tenant in self._streams:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
                 loop.call_soon_threadsafe(self._wake_tenant, tenant)
+
+    def _on_capacity(self) -> None:
+        """Workers started or finished (the dispatcher thread): streams that report credit
+        look again; nothing is scheduled while none does."""
+        loop = self._loop
+        if loop is not None and self._credit_streams:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+                loop.call_soon_threadsafe(self._wake, _reports_credit)
 
     def _wake_tenant(self, tenant: str) -> None:
         for stream in self._streams.get(tenant, ()):
@@ -321,6 +344,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
 
     def _ended(self, session_id: str) -> None:
         """A session ended (closed, expired): its streams end, its handover is closed."""
+        self._answered.pop(session_id, None)
         self._wake_session(session_id)
         if self._handover is not None:
             self._handover.drop_session(session_id)
@@ -460,6 +484,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         request_iterator: AsyncIterator[pb.SubmitSnapshotRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.SubmitSnapshotResponse:
+        answering = ""  # the session, once known: its answers are counted for its credit
         try:
             first = await anext(request_iterator, None)
             if first is None:
@@ -470,6 +495,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 max_matrix_n=self._limits.max_matrix_n,
             )
             session = self._session(receiver.session_id)
+            answering = session.session_id
             num_bytes = sum(spec.num_bytes for spec in receiver.specs)
             upload = 0 if receiver.shm else num_bytes
             what = self._admit(session, receiver.header, "SubmitSnapshot", upload)
@@ -488,7 +514,9 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     task = await self._from_segment(receiver, session)
             outcome = self._queue(session, task, num_bytes)
         except SNAPSHOT_REFUSALS as exc:
+            self._count_answer(answering)
             await abort_call(context, exc)
+        self._count_answer(answering)
         return convert.outcome_to_proto(outcome)
 
     async def AnnounceSnapshots(
@@ -524,6 +552,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 code, message = to_status(exc)
                 answers.append(pb.AnnouncedSnapshot(error_code=code.value[0], error=message))
                 continue
+            finally:
+                self._count_answer(session.session_id)
             answers.append(convert.announced_to_proto(outcome))
         return pb.AnnounceSnapshotsResponse(snapshots=answers)
 
@@ -550,6 +580,12 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         what = f"{call} of block {header.block!r}"
         self._check_quotas(session.tenant, header, upload_bytes, what)
         return what
+
+    def _count_answer(self, session_id: str) -> None:
+        """One more snapshot of the session answered. Counted right after the engine took it,
+        with no await between, so a Credit message sees both or neither."""
+        if session_id and session_id in self._sessions:
+            self._answered[session_id] = self._answered.get(session_id, 0) + 1
 
     def _queue(self, session: Session, task: SolveTask | None, num_bytes: int) -> SubmitOutcome:
         """Count a received snapshot and hand it to the engine; None: the client already wrote a
@@ -711,9 +747,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         epoch = -1
         retry: set[str] = set()  # blocks whose copy-out found the result overwritten
         loop = self._loop = asyncio.get_running_loop()
-        stream = _Stream(session.session_id, asyncio.Event())
+        stream = _Stream(session.session_id, asyncio.Event(), credit=request.credit)
         self._streams.setdefault(tenant, set()).add(stream)
+        self._credit_streams += stream.credit
         self._sessions.stream_started(session.session_id)
+        last_credit: Credit | None = None
         ended: BaseException | None = None
         try:
             while not self._stopping and session.session_id in self._sessions:
@@ -747,6 +785,13 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                             await self._write(context, frame)
                         del frames
                     continue  # results may have come while this stream was sending
+                if stream.credit:
+                    credit = self._credit_of(session.session_id, tenant)
+                    if credit != last_credit:
+                        frame = convert.credit_to_proto(credit).SerializeToString()
+                        await self._write(context, frame)
+                        last_credit = credit
+                        continue  # news may have come while this stream was sending
                 await stream.wake.wait()
             if not self._stopping and session.session_id not in self._sessions:
                 try:
@@ -756,6 +801,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         except DaemonBusyError as exc:
             ended = exc
         finally:
+            self._credit_streams -= stream.credit
             streams = self._streams.get(tenant)
             if streams is not None:
                 streams.discard(stream)
@@ -765,6 +811,12 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             self._arm_reaper()
         if ended is not None:
             await abort_call(context, ended)
+
+    def _credit_of(self, session_id: str, tenant: str) -> Credit:
+        """What a Credit message tells the session now."""
+        idle, queued = self._engine.capacity(tenant)
+        answered = self._answered.get(session_id, 0)
+        return Credit(workers_idle=idle, queued=queued, snapshots_answered=answered)
 
     async def _write(self, context: grpc.aio.ServicerContext[Any, Any], frame: bytes) -> None:
         """Send one frame; DaemonBusyError when the client has not read for stream_stall_s."""
