@@ -15,12 +15,12 @@ staleness observed (max lag, barrier waits, local fallbacks).
 
 With ``--schedules`` it compares refresh schedules of SOAP instead (the report is then a
 ``schedules`` benchmark): native at f = 1 (a synchronous refresh every step) and f = 10, the
-embedded engine at f = 10 (S = 1 interval), and the embedded engine refreshing continuously at
-S = 1, 2, 4 steps. Besides the columns above it reports refreshes per block per 100 steps, the
-drift of the bases at install, steps to target against native f = 1, and the median step time
-against the median of native f = 10's steps that refresh nothing (the step time continuous
-refresh aims at). There is no daemon row: the daemon does not report its free workers to a
-client, so continuous refresh runs on the embedded engine only.
+embedded engine at f = 10 (S = 1 interval), the embedded engine refreshing continuously at
+S = 1, 2, 4 steps, and a daemon refreshing continuously at S = 1 (the client pulls by the
+daemon's Credit messages). Besides the columns above it reports refreshes per block per 100
+steps, the drift of the bases at install, steps to target against native f = 1, and the median
+step time against the median of native f = 10's steps that refresh nothing (the step time
+continuous refresh aims at).
 
 Each run is its own `asteria train` process, one at a time, with the same torch thread count;
 the engine (embedded, or a fresh daemon per run) gets --engine-workers solver processes. Every
@@ -125,6 +125,9 @@ def _schedule_configs() -> dict[str, RunConfig]:
         RunConfig(f"soap-continuous-s{s}", "soap", "embedded", s, refresh="continuous")
         for s in (1, 2, 4)
     ]
+    configs.append(
+        RunConfig("soap-daemon-continuous-s1", "soap", "daemon", 1, refresh="continuous")
+    )
     return {c.name: c for c in configs}
 
 

@@ -143,12 +143,6 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__} refreshes every precondition_frequency steps "
                 "(refresh='amortized')"
             )
-        if policy.continuous and mode is Mode.DAEMON and source is None:
-            raise InvalidInputError(
-                "refresh='continuous' runs on the embedded engine (mode='embedded') or natively; "
-                "the daemon does not report its free workers to a client yet, so it cannot pull "
-                "snapshots — use refresh='amortized' with a daemon"
-            )
         if policy.continuous and mode is not Mode.NATIVE and distributed_job():
             raise InvalidInputError(
                 "refresh='continuous' is not supported in a torch.distributed job yet: each rank "
@@ -172,7 +166,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             # Continuous refresh pulls by each rank's own credit, so replicas would snapshot
             # different blocks: they compute their own (sharing is for the amortized schedule).
             share = share_blocks and not policy.continuous
-            source = self._make_source(mode, engine_config, address, process_group, share)
+            source = self._make_source(
+                mode, engine_config, address, process_group, share, pulls=policy.continuous
+            )
         self.runtime = FreshnessRuntime(
             source,
             policy,
@@ -189,15 +185,18 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         address: str | None,
         process_group: Any,
         share_blocks: bool,
+        *,
+        pulls: bool = False,
     ) -> PreconditionerSource:
         """The source of ``mode``; in a ``torch.distributed`` job (and unless ``share_blocks``
         is False) one whose blocks the job's data-parallel replicas share: each is uploaded and
         solved once (per node with a daemon, per job embedded), see
-        :mod:`asteria_client.distributed.replicas`. Collective then: every rank constructs."""
+        :mod:`asteria_client.distributed.replicas`. Collective then: every rank constructs.
+        ``pulls``: the continuous schedule pulls from it (see ``make_source``)."""
         #: This rank's place in its job (None: a single process, or sharing turned off).
         self.layout: JobLayout | None = None
         if mode is Mode.NATIVE or not share_blocks or not distributed_job():
-            return make_source(mode, engine_config, address=address)
+            return make_source(mode, engine_config, address=address, pulls=pulls)
         source, self.layout = job_source(mode, engine_config, address=address, group=process_group)
         return source
 

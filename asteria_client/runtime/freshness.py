@@ -79,9 +79,15 @@ def resolve_mode(mode: Mode | str | None, address: str | None = None) -> Mode:
 
 
 def make_source(
-    mode: Mode, engine_config: EngineConfig | None = None, *, address: str | None = None
+    mode: Mode,
+    engine_config: EngineConfig | None = None,
+    *,
+    address: str | None = None,
+    pulls: bool = False,
 ) -> PreconditionerSource:
     """The source of ``mode``; the daemon's ``address`` defaults to ``ASTERIA_ADDRESS``.
+    ``pulls``: the continuous schedule will pull snapshots by the source's credit (a daemon
+    source then asks for the daemon's Credit messages).
 
     The embedded and daemon sources are imported here, on demand: ``import asteria_client``
     loads neither the engine (SciPy) nor gRPC.
@@ -95,7 +101,7 @@ def make_source(
     from asteria_client.config import resolve_address
     from asteria_client.transport.daemon import DaemonSource
 
-    return DaemonSource(address=resolve_address(address))
+    return DaemonSource(address=resolve_address(address), pulls=pulls)
 
 
 @dataclass(kw_only=True)

@@ -27,6 +27,7 @@ from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc
 from asteria_server.protocol.shm import SegmentRef
 from asteria_server.types import (
     BlockStatus,
+    Credit,
     EngineStats,
     SolveResult,
     SolveTask,
@@ -391,14 +392,17 @@ class DaemonConnection:
         on_call: Callable[[Callable[[], object]], None],
         *,
         reader: framing.SegmentReader | None = None,
+        on_credit: Callable[[Credit], None] | None = None,
     ) -> Iterator[SolveResult]:
         """The session's results as they arrive; ``on_call(cancel)`` receives a function that
         ends the stream from another thread. Raises an Asteria error when the stream fails.
-        With ``reader``, blocks with a result segment get their results through it."""
+        With ``reader``, blocks with a result segment get their results through it; with
+        ``on_credit``, the daemon's Credit messages are asked for and handed to it."""
         request = pb.StreamResultsRequest(
             session_id=session.session_id,
             held_versions=held_versions,
             shm_results=reader is not None,
+            credit=on_credit is not None,
         )
         call = self._stub.StreamResults(request)
         on_call(call.cancel)
@@ -406,6 +410,7 @@ class DaemonConnection:
             max_chunk_bytes=session.max_chunk_bytes,
             max_matrix_n=session.max_matrix_n,
             reader=reader,
+            on_credit=on_credit,
         )
         try:
             for message in call:

@@ -70,7 +70,14 @@ from asteria_server.protocol.shm import (
     SharedMemoryUnavailableError,
     snapshot_specs,
 )
-from asteria_server.types import BlockStatus, EngineStats, SolveKind, SolveResult, SolveTask
+from asteria_server.types import (
+    BlockStatus,
+    Credit,
+    EngineStats,
+    SolveKind,
+    SolveResult,
+    SolveTask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +93,7 @@ _COUNTERS = (
     "shm_refused_resent",
     "snapshots_expected",
     "results_invalid",
+    "credit_messages",
 )
 #: Submit times kept per block for latency measurement (versions awaiting a result).
 _SUBMIT_TIMES_KEPT = 16
@@ -179,6 +187,7 @@ class DaemonSource(PreconditionerSource):
         job: str | None = None,
         rank: int = 0,
         config: DaemonClientConfig | None = None,
+        pulls: bool = False,
     ) -> None:
         env = client_env()
         self.address = resolve_address(address)
@@ -211,6 +220,13 @@ class DaemonSource(PreconditionerSource):
             and self.address.startswith("unix:")
         )
         self._counts = collections.Counter[str]()
+        #: ``refresh="continuous"`` pulls snapshots by :meth:`credit`: the result stream then
+        #: carries the daemon's Credit messages (the newest in ``_credit``, None before the
+        #: first of a session), and ``_sent`` counts this session's snapshots sent, of which
+        #: the daemon's ``snapshots_answered`` tells how many it has taken.
+        self._pulls = pulls
+        self._credit: Credit | None = None
+        self._sent = 0
         self._transfer = DeviceTransfer()  # results to the device on the side stream
         self._session = DaemonSession(self._conn, self.config, self._lock, self)
         self._sender = threading.Thread(
@@ -389,10 +405,13 @@ class DaemonSource(PreconditionerSource):
                 announced.append((block, task, shm))
             else:
                 chunked.append((block, task))
-        if announced and not self._announce(session, announced):
-            return
+        if announced:
+            self._sent += len(announced)  # (the sender thread is the only writer)
+            if not self._announce(session, announced):
+                return
         for block, task in chunked:
             try:
+                self._sent += 1
                 self._conn.submit(session, task)
             except AsteriaError as exc:
                 if not self._refused(session, block, task, exc):
@@ -457,6 +476,7 @@ class DaemonSource(PreconditionerSource):
         if copies is None:
             return  # overwritten meanwhile: the newer snapshot is pending itself
         basis = copies[1] if len(copies) > 1 else None
+        self._sent += 1
         self._conn.submit(session, dataclasses.replace(task, matrix=copies[0], basis=basis))
         self._counts["shm_refused_resent"] += 1
         self._counts["chunked_snapshots"] += 1
@@ -546,6 +566,7 @@ class DaemonSource(PreconditionerSource):
     def session_opened(self, session: SessionInfo, restarted: bool) -> None:
         """A new session (lock held): resubmit every block's newest unanswered snapshot."""
         self._registered = set()
+        self._credit, self._sent = None, 0
         for block in self._blocks.values():
             block.sent_version = -1
             latest = block.latest
@@ -613,6 +634,31 @@ class DaemonSource(PreconditionerSource):
             for version in [v for v in block.submitted_at if v < result.version]:
                 del block.submitted_at[version]  # superseded: they will never be answered
             self._lock.notify_all()
+
+    def credit_wanted(self) -> bool:
+        return self._pulls
+
+    def credit_received(self, credit: Credit) -> None:
+        with self._lock:
+            self._credit = credit
+            self._counts["credit_messages"] += 1
+
+    def credit(self) -> int | None:
+        """What the daemon's newest Credit message allows (see ``Credit.for_client``), less
+        the snapshots sent or waiting for the sender that it does not count yet. Without a
+        session: 0 (the staleness budget computes locally). Before the session's first Credit
+        message (or from a daemon that sends none): one snapshot outstanding at a time."""
+        with self._lock:
+            if self._session.current is None:
+                return 0
+            pending = sum(1 for b in self._blocks.values() if b.pending)
+            credit = self._credit
+            if credit is None:
+                unanswered = sum(
+                    1 for b in self._blocks.values() if b.sent_version > b.received_version
+                )
+                return max(0, 1 - pending - unanswered)
+            return credit.for_client(pending + max(0, self._sent - credit.snapshots_answered))
 
     # ------------------------------------------------------------------ results out
     def _to_torch(self, result: SolveResult, device: torch.device) -> PreconditionerResult:

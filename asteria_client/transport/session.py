@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
 from asteria_server.errors import AsteriaError, UnknownSessionError
-from asteria_server.types import SolveResult
+from asteria_server.types import Credit, SolveResult
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,12 @@ class SessionListener(Protocol):
 
     def result(self, result: SolveResult) -> None:
         """One result from the stream."""
+
+    def credit_wanted(self) -> bool:
+        """Whether the stream should ask the daemon for Credit messages."""
+
+    def credit_received(self, credit: Credit) -> None:
+        """The daemon's capacity, from the stream (only when :meth:`credit_wanted`)."""
 
     def session_lost(self, session: SessionInfo) -> None:
         """The session ended (called with the shared lock held: quick, no I/O)."""
@@ -163,7 +169,13 @@ class DaemonSession:
         """Hold the result stream until it ends; returns why it ended."""
         try:
             results = self.connection.results(
-                session, self._listener.held_versions(), self._set_cancel, reader=reader
+                session,
+                self._listener.held_versions(),
+                self._set_cancel,
+                reader=reader,
+                on_credit=self._listener.credit_received
+                if self._listener.credit_wanted()
+                else None,
             )
             for result in results:
                 self._listener.result(result)

@@ -58,6 +58,9 @@ def test_schedule_commands_set_frequency_and_refresh() -> None:
     soap = SOAP([("w", torch.nn.Parameter(torch.zeros(2, 2)))], mode="native")
     assert CONFIGS["soap-native"].amortized_frequency == soap.defaults["precondition_frequency"]
     assert SCHEDULES["soap-embedded-f10-s1"].label == "soap embedded f=10 S=1"
+    daemon = _train_command(cfg, SCHEDULES["soap-daemon-continuous-s1"], 0, None)
+    assert daemon[daemon.index("--mode") + 1] == "daemon"
+    assert daemon[daemon.index("--refresh") + 1] == "continuous"
 
 
 def test_quiet_steps_are_the_ones_that_refresh_nothing() -> None:

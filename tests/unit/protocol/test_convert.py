@@ -24,7 +24,7 @@ from asteria_server.errors import InvalidInputError
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
-from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
+from asteria_server.types import Credit, SolveKind, SolveResult, SolveTask, SubmitOutcome
 from tests.protocol_readers import read_results, read_snapshot
 
 MiB = 1 << 20
@@ -386,6 +386,38 @@ def test_result_stream_order_is_enforced() -> None:
         list(read_results([*messages, messages[-1]]))
     with pytest.raises(InvalidInputError, match="an empty message"):
         list(read_results([pb.StreamResultsResponse()]))
+
+
+def test_credit_messages_go_to_their_listener_between_results_only() -> None:
+    """Credit messages may come between results (handed to ``on_credit``, ignored without
+    one), never inside one; negative counts are refused."""
+    credit = Credit(workers_idle=2, queued=1, snapshots_answered=7)
+    message = convert.credit_to_proto(credit)
+    stream = _result_stream()
+    seen: list[Credit] = []
+    receiver = framing.ResultReceiver(on_credit=seen.append)
+    results = [receiver.feed(m) for m in [message, *stream, message]]
+    assert seen == [credit, credit]
+    assert [r is not None for r in results] == [False] * len(stream) + [True, False]
+    assert framing.ResultReceiver().feed(message) is None  # not asked for: ignored
+    inside = framing.ResultReceiver(on_credit=seen.append)
+    inside.feed(stream[0])
+    with pytest.raises(InvalidInputError, match="a credit message arrived inside this result"):
+        inside.feed(message)
+    message.credit.queued = -1
+    with pytest.raises(InvalidInputError, match="counts must not be negative"):
+        framing.ResultReceiver(on_credit=seen.append).feed(message)
+
+
+@pytest.mark.parametrize(
+    ("idle", "queued", "unanswered", "expected"),
+    [(1, 0, 0, 2), (2, 0, 1, 2), (1, 1, 0, 1), (1, 0, 5, 0), (0, 0, 0, 0), (0, 3, 0, 0)],
+)
+def test_credit_is_free_workers_plus_one_less_what_waits(
+    idle: int, queued: int, unanswered: int, expected: int
+) -> None:
+    credit = Credit(workers_idle=idle, queued=queued, snapshots_answered=0)
+    assert credit.for_client(unanswered) == expected
 
 
 @pytest.mark.parametrize(
