@@ -1,0 +1,187 @@
+"""Continuous refresh against a real daemon: the daemon's Credit messages decide what is pulled.
+
+A one-worker daemon process, real gRPC and shared memory. Blocks of job ``t`` named
+``x<fault>...`` misbehave (the daemon's test-only fault prefix ``t:x``): ``xhang-once`` holds the
+only worker until the solve timeout kills it, which is how these tests keep every worker busy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asteria_client import SOAP, KLShampoo
+from asteria_client.runtime.source import PreconditionerRequest
+from asteria_client.transport import DaemonClientConfig, DaemonSource
+from asteria_server.types import SolveKind
+from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
+
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    config = tmp_path / "faults.toml"
+    # test-only: blocks t:x<fault>... misbehave; a hung solve is killed after 3 s
+    config.write_text(
+        'test_fault_prefix = "t:x"\nsolve_timeout_s = 3.0\nsolve_timeout_floor_s = 3.0\n'
+    )
+    d = start_daemon(tmp_path, "--config", str(config))
+    yield d
+    stop_daemon(d)
+
+
+def _until(check: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+def _spd(n: int, seed: int) -> torch.Tensor:
+    g = torch.randn(n, n, generator=torch.Generator().manual_seed(seed))
+    return g @ g.T / n + torch.eye(n)
+
+
+def _request(block: str, version: int) -> PreconditionerRequest:
+    return PreconditionerRequest(
+        block=block, version=version, kind=SolveKind.EIGENBASIS, matrix=_spd(8, version)
+    )
+
+
+def _sent(source: DaemonSource) -> int:
+    stats = source.stats()
+    return int(stats["shm_snapshots"] + stats["chunked_snapshots"])
+
+
+def test_credit_follows_the_daemons_free_workers(daemon: Daemon) -> None:
+    """A pulling source learns the daemon's capacity from its result stream: 1 idle worker + 1
+    at first; 0 while a hung solve holds the worker (and a snapshot waits behind it); back
+    once the worker is replaced and the queue drained. A source that does not pull gets no
+    credit messages."""
+    config = DaemonClientConfig(connect_timeout_s=WAIT_S)
+    puller = DaemonSource(daemon.target, job="t", config=config, pulls=True)
+    pusher = DaemonSource(daemon.target, job="t2", config=config)
+    try:
+        _until(lambda: puller.stats()["credit_messages"] > 0, "the first credit message")
+        assert puller.credit() == 2
+        puller.submit(_request("xhang-once:h", 1))
+        assert puller.credit() == 1  # pending or sent, the daemon's count not yet seen: 2 - 1
+        _until(lambda: puller.credit() == 0, "the worker took the hung solve")
+        puller.submit(_request("b", 1))  # queued behind the hung solve
+        time.sleep(1.0)  # the worker is still hung (3 s timeout)
+        assert puller.credit() == 0
+        answer = puller.status()
+        assert answer is not None and answer[0].workers_busy == 1 and answer[0].queue_depth == 1
+        assert puller.wait("b", 1, WAIT_S) is not None  # after the hung one was killed
+        assert puller.wait("xhang-once:h", 1, WAIT_S) is not None  # its retry succeeded
+        _until(lambda: puller.credit() == 2, "the worker was free again")
+        assert pusher.stats()["credit_messages"] == 0
+    finally:
+        puller.close()
+        pusher.close()
+
+
+def test_no_snapshot_is_sent_while_every_worker_is_busy(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SOAP in daemon mode, continuous: while the daemon's only worker is held by a hung solve,
+    the steps send no snapshot (the embedded test's twin, counted at the client's transport).
+    Once the worker is back, pulls resume and every block gets its basis."""
+    monkeypatch.setenv("ASTERIA_JOB", "t")
+    gen = torch.Generator().manual_seed(0)
+    params = {  # "xhang-once:w" sorts first, so it is the first block pulled
+        "xhang-once:w": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
+        "y": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
+        "z": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
+    }
+    opt = SOAP(
+        list(params.items()),
+        mode="daemon",
+        address=daemon.target,
+        refresh="continuous",
+        staleness_budget=1000,  # no barrier: this test is about what is sent
+    )
+    source = opt.source
+    assert isinstance(source, DaemonSource)
+
+    def step() -> None:
+        for p in params.values():
+            p.grad = torch.randn(6, 6, generator=gen)
+        opt.step()
+
+    def busy() -> bool:
+        answer = source.status()
+        return answer is not None and answer[0].workers_busy >= answer[0].num_workers
+
+    try:
+        _until(lambda: source.stats()["credit_messages"] > 0, "the first credit message")
+        step()  # pulls the hanging block and one more: credit = 1 idle worker + 1
+        _until(lambda: _sent(source) == 2, "the first two snapshots were sent")
+        busy_steps = 0
+        for _ in range(60):
+            before, busy_before = _sent(source), busy()
+            step()
+            time.sleep(0.02)  # what the sender would send, it has sent by now
+            if busy_before and busy():
+                busy_steps += 1
+                assert _sent(source) == before, "a snapshot was sent while the worker was busy"
+        assert busy_steps >= 10, f"only {busy_steps} steps saw the worker busy"
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            step()
+            if all(r["version"] >= 0 for r in opt.preconditioner_status()):
+                break
+            time.sleep(0.05)
+        rows = opt.preconditioner_status()
+    finally:
+        opt.close()
+    assert all(r["version"] >= 0 for r in rows), rows
+    assert _sent(source) > 2
+
+
+@pytest.mark.parametrize("optimizer", [SOAP, KLShampoo])
+def test_daemon_continuous_trains_within_its_budget(daemon: Daemon, optimizer: type) -> None:
+    """SOAP and KL-Shampoo, continuous at S=1 on the daemon: every block is refreshed more
+    than once, no block is used with a snapshot in flight for more than 1 step, versions only
+    grow, the loss falls."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    opt = optimizer(
+        model.named_parameters(),
+        mode="daemon",
+        address=daemon.target,
+        refresh="continuous",
+        staleness_budget=1,
+        lr=1e-2,
+    )
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 8, generator=gen)
+    versions: dict[str, list[int]] = {}
+    losses = []
+    try:
+        assert opt.source.wait_connected(WAIT_S)
+        for _ in range(40):
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            for row in opt.preconditioner_status():
+                versions.setdefault(row["block"], []).append(row["version"])
+        stats = opt.runtime_stats()
+        sent = opt.source.stats()
+    finally:
+        opt.close()
+    assert stats["refresh"] == "continuous"
+    assert stats["max_lag_steps"] <= 1
+    assert sent["credit_messages"] > 0
+    for block, seen in versions.items():
+        assert seen == sorted(seen), f"{block}: version went back: {seen}"
+        assert seen[-1] > 1, f"{block} never refreshed after its first basis: {seen}"
+    assert all(r["installs"] >= 2 for r in stats["refreshes"]["blocks"].values())
+    assert losses[-1] < 0.9 * losses[0], (optimizer.__name__, losses[0], losses[-1])
