@@ -39,6 +39,7 @@ and :meth:`WorkerPool.states` (a racy but consistent-per-worker read) may be cal
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import multiprocessing.connection as mpc
@@ -89,6 +90,11 @@ MAX_MAPPED_PER_WORKER = 8192
 #: a pool segment larger than this is released when its task is done (made again when needed):
 #: an input segment this size holds n=1024 fp64 snapshots; larger ones are rare and slow anyway.
 KEEP_SEGMENT_BYTES = 24 << 20
+
+
+def _note_death(died: set[int], token: int, _: object) -> None:
+    """A handed segment's weak-reference callback: its token joins its slot's ``died`` set."""
+    died.add(token)
 
 
 def _process_stopped(pid: int) -> bool:
@@ -265,6 +271,10 @@ class _Slot:
     #: segments the current worker process maps, by token (oldest first), as weak references:
     #: one that died (its client let go of it) is unmapped at the worker's next task
     handed: OrderedDict[int, weakref.ref[Any]] = field(default_factory=OrderedDict)
+    #: tokens of handed segments that died since (added by their weak references' callbacks,
+    #: in whichever thread dropped the last reference): the next task's release list, without
+    #: a look at every mapped segment per task (8192 of them may be mapped)
+    died: set[int] = field(default_factory=set)
 
 
 class WorkerPool:
@@ -328,6 +338,7 @@ class WorkerPool:
         )
         slot.process, slot.conn, slot.ready = process, parent_conn, False
         slot.handed = OrderedDict()  # a new process: it maps no segment yet
+        slot.died = set()
         slot.started_at, slot.sent_at = time.monotonic(), None
 
     def _kill(self, slot: _Slot) -> int | None:
@@ -516,16 +527,23 @@ class WorkerPool:
     ) -> tuple[list[int], list[SharedSegment]]:
         """Which segments the worker should unmap (tokens) and which it must be handed (their
         descriptors follow the message), to use the segments ``using`` now."""
-        handed = slot.handed
+        handed, died = slot.handed, slot.died
         hand = []
         for seg in using:
             if seg.token in handed:
                 handed.move_to_end(seg.token)
             elif seg not in hand:
                 hand.append(seg)
-                handed[seg.token] = weakref.ref(seg)
+                handed[seg.token] = weakref.ref(
+                    seg, functools.partial(_note_death, died, seg.token)
+                )
         in_use = {seg.token for seg in using}
-        release = [t for t, ref in handed.items() if ref() is None and t not in in_use]
+        release = []
+        while died:
+            token = died.pop()
+            ref = handed.get(token)
+            if ref is not None and ref() is None and token not in in_use:
+                release.append(token)
         for token in handed:
             if len(handed) - len(release) <= MAX_MAPPED_PER_WORKER:
                 break

@@ -10,6 +10,7 @@ and the pool keeps serving.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -132,3 +133,42 @@ def test_a_bad_snapshot_is_that_tasks_error_and_the_pool_keeps_serving(pool: Wor
     assert event.result is None and event.error is not None and "mapped" in event.error
     good = run(pool, 5, shm_task(SolveKind.INVERSE_ROOT, snap, res, 6))
     assert good.result is not None and pool.restarts == restarts
+
+
+def _worker_maps(pool: WorkerPool, name: str) -> int:
+    """How many mappings of memfds named ``name`` the pool's one worker holds."""
+    (pid,) = pool.worker_pids()
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if f"/memfd:{name} " in line)
+
+
+def test_segments_a_client_let_go_of_are_unmapped_at_the_workers_next_task(
+    pool: WorkerPool,
+) -> None:
+    """The worker maps a client's segments once and keeps them; once the last reference to
+    them goes (the client's handover closed), its next task tells it to unmap them."""
+
+    def named(name: str) -> tuple[Segment, Segment]:
+        out = []
+        for specs in (
+            snapshot_layout(N, SolveKind.INVERSE_ROOT, 4),
+            result_layout(N, SolveKind.INVERSE_ROOT),
+        ):
+            fd, own = create_segment(segment_bytes(specs), name=name)
+            out.append(map_segment(fd, own.size_bytes, keep_fd=True))
+            own.close()
+            os.close(fd)
+        return out[0], out[1]
+
+    snap, res = named("asteria-test-gone")
+    event = run(pool, 10, shm_task(SolveKind.INVERSE_ROOT, snap, res, 1))
+    assert event.result is not None
+    assert _worker_maps(pool, "asteria-test-gone") == 2
+    kept_snap, kept_res = named("asteria-test-kept")
+    assert run(pool, 11, shm_task(SolveKind.INVERSE_ROOT, kept_snap, kept_res, 1)).result
+    assert _worker_maps(pool, "asteria-test-gone") == 2  # still held here: kept mapped
+    del event, snap, res
+    gc.collect()
+    assert run(pool, 12, shm_task(SolveKind.INVERSE_ROOT, kept_snap, kept_res, 2)).result
+    assert _worker_maps(pool, "asteria-test-gone") == 0
+    assert _worker_maps(pool, "asteria-test-kept") == 2
