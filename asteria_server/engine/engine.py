@@ -274,7 +274,8 @@ class PreconditionerEngine:
         #: ``_cond``, whose every notify would wake the watcher thread for nothing)
         self._stopped = threading.Event()
         self._results_epoch = 0
-        #: tenant -> block -> the results epoch at which the block's newest result arrived.
+        #: tenant -> block -> the results epoch at which the block's newest result arrived, in
+        #: epoch order (see _note_result)
         self._result_epochs: dict[str, dict[str, int]] = {}
         self._listeners: list[ResultListener] = []
         self._capacity_listeners: list[CapacityListener] = []
@@ -343,7 +344,12 @@ class PreconditionerEngine:
         stream can ask after every result."""
         with self._cond:
             epochs = self._result_epochs.get(tenant, {})
-            return [block for block, at in epochs.items() if at > epoch]
+            newer = []
+            for block in reversed(epochs):  # in epoch order (see _note_result): newest last
+                if epochs[block] <= epoch:
+                    break
+                newer.append(block)
+            return newer
 
     def add_result_listener(self, listener: ResultListener) -> None:
         """Call ``listener(tenant, block)`` whenever a block gets a newer result.
@@ -491,8 +497,7 @@ class PreconditionerEngine:
                 return False
             if not registry.on_result(result):
                 return False
-            self._results_epoch += 1
-            self._result_epochs.setdefault(result.tenant, {})[result.block] = self._results_epoch
+            self._note_result(result.tenant, result.block)
             self._tiers.held(result.key, result)
             self._enforce_cache()
             self._cond.notify_all()
@@ -714,9 +719,7 @@ class PreconditionerEngine:
                 return False
         if result is not None:
             if self._coord.complete(task, result):
-                self._results_epoch += 1
-                tenant_epochs = self._result_epochs.setdefault(task.tenant, {})
-                tenant_epochs[task.block] = self._results_epoch
+                self._note_result(task.tenant, task.block)
                 fresh = True
                 self._tiers.held(task.key, self._coord.registry.latest_result(*task.key))
                 self._enforce_cache()
@@ -726,6 +729,15 @@ class PreconditionerEngine:
         ok = self._coord.solves_failed == failed_before
         self._observe(event.job_id, task, result if ok else None)
         return fresh
+
+    def _note_result(self, tenant: str, block: str) -> None:
+        """The block got a newer result (lock held): a new epoch, and the block moves to the end
+        of its tenant's epochs, which so stay in epoch order for blocks_with_results_since (a
+        stream woken per result then reads the blocks newer than it saw, not every block)."""
+        self._results_epoch += 1
+        epochs = self._result_epochs.setdefault(tenant, {})
+        epochs.pop(block, None)
+        epochs[block] = self._results_epoch
 
     def _bring_back(self, tenant: str, block: str) -> None:
         """Use the block's result (lock held): a spilled one is brought back into memory

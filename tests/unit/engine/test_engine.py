@@ -142,6 +142,34 @@ def test_latest_wins_and_versions_only_go_forward(engine: PreconditionerEngine) 
     assert status.staleness_steps == 0 and engine.in_flight_version("lw") is None
 
 
+def test_blocks_with_results_since_names_exactly_the_newer_blocks(
+    engine: PreconditionerEngine,
+) -> None:
+    """A stream asks which blocks got a newer result since the epoch it saw: exactly those, in
+    any order, also after a block's second result (it moves past the others) and a forget."""
+    solver, tenant = EighSolver(), "epochs-tenant"
+
+    def install(block: str, version: int) -> int:
+        task = root_task(block, version, tenant=tenant)
+        engine.note_elsewhere(task, job="j")
+        assert engine.install_result(solver.solve(task))
+        return engine.results_epoch
+
+    assert engine.blocks_with_results_since(-1, tenant) == []
+    first = install("e-a", 1)
+    install("e-b", 1)
+    after_b = install("e-c", 1)
+    assert sorted(engine.blocks_with_results_since(-1, tenant)) == ["e-a", "e-b", "e-c"]
+    assert sorted(engine.blocks_with_results_since(first, tenant)) == ["e-b", "e-c"]
+    install("e-a", 2)  # e-a is newer than e-b and e-c now
+    assert sorted(engine.blocks_with_results_since(first, tenant)) == ["e-a", "e-b", "e-c"]
+    assert engine.blocks_with_results_since(after_b, tenant) == ["e-a"]
+    assert engine.blocks_with_results_since(engine.results_epoch, tenant) == []
+    assert engine.blocks_with_results_since(-1, "another-tenant") == []
+    engine.forget(tenant, "j")
+    assert engine.blocks_with_results_since(-1, tenant) == []
+
+
 def test_wait_result_returns_none_when_waiting_cannot_help(engine: PreconditionerEngine) -> None:
     assert engine.wait_result("never-submitted", 0, WAIT_S) is None
     engine.submit(root_task("w", 4))
