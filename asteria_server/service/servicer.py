@@ -109,10 +109,6 @@ class _Stream:
     credit: bool = False
 
 
-def _reports_credit(stream: _Stream) -> bool:
-    return stream.credit
-
-
 class _Frames:
     """One result's StreamResults messages, serialized once and shared, read-only, by every
     stream that sends it (a weak reference in the servicer's cache: gone once none sends it)."""
@@ -250,7 +246,9 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._received = [0, 0]  # snapshots handed to the engine, and their bytes
         #: tenant -> its open StreamResults calls (touched on the event loop only)
         self._streams: dict[str, set[_Stream]] = {}
-        self._credit_streams = 0  # of them, those that asked for Credit messages
+        #: of them, those that asked for Credit messages: at most one per session
+        self._credit_streams: dict[str, _Stream] = {}
+        self._credit_wake_due = False  # a wake of the credit streams is scheduled on the loop
         #: session -> its snapshots answered so far (Credit.snapshots_answered)
         self._answered: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -314,9 +312,17 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         """Workers started or finished (the dispatcher thread): streams that report credit
         look again; nothing is scheduled while none does."""
         loop = self._loop
-        if loop is not None and self._credit_streams:
+        if loop is not None and self._credit_streams and not self._credit_wake_due:
+            # One wake pass however many solves started or ended before it runs (a benign
+            # race on the flag costs at most one extra pass).
+            self._credit_wake_due = True
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-                loop.call_soon_threadsafe(self._wake, _reports_credit)
+                loop.call_soon_threadsafe(self._wake_credit_streams)
+
+    def _wake_credit_streams(self) -> None:
+        self._credit_wake_due = False
+        for stream in self._credit_streams.values():
+            stream.wake.set()
 
     def _wake_tenant(self, tenant: str) -> None:
         for stream in self._streams.get(tenant, ()):
@@ -740,6 +746,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     f"(tenant_max_streams = {self._limits.tenant_max_streams}); a session needs "
                     "one: cancel the streams it no longer reads"
                 )
+            if request.credit and session.session_id in self._credit_streams:
+                raise DaemonBusyError(
+                    "this session already receives credit on another result stream; a session "
+                    "gets Credit messages on one stream at a time"
+                )
         except (UnknownSessionError, DaemonBusyError) as exc:
             await abort_call(context, exc)
         wanted = set(request.blocks)
@@ -749,7 +760,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         loop = self._loop = asyncio.get_running_loop()
         stream = _Stream(session.session_id, asyncio.Event(), credit=request.credit)
         self._streams.setdefault(tenant, set()).add(stream)
-        self._credit_streams += stream.credit
+        if stream.credit:
+            self._credit_streams[session.session_id] = stream
         self._sessions.stream_started(session.session_id)
         last_credit: Credit | None = None
         ended: BaseException | None = None
@@ -801,7 +813,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         except DaemonBusyError as exc:
             ended = exc
         finally:
-            self._credit_streams -= stream.credit
+            if stream.credit:
+                del self._credit_streams[session.session_id]
             streams = self._streams.get(tenant)
             if streams is not None:
                 streams.discard(stream)

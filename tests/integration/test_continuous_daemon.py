@@ -7,6 +7,8 @@ only worker until the solve timeout kills it, which is how these tests keep ever
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +19,9 @@ import torch
 from asteria_client import SOAP, KLShampoo
 from asteria_client.runtime.source import PreconditionerRequest
 from asteria_client.transport import DaemonClientConfig, DaemonSource
-from asteria_server.types import SolveKind
+from asteria_client.transport.connection import DaemonConnection
+from asteria_server.errors import AsteriaError, DaemonBusyError
+from asteria_server.types import Credit, SolveKind
 from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
 
 WAIT_S = 30.0
@@ -70,7 +74,9 @@ def test_credit_follows_the_daemons_free_workers(daemon: Daemon) -> None:
         _until(lambda: puller.stats()["credit_messages"] > 0, "the first credit message")
         assert puller.credit() == 2
         puller.submit(_request("xhang-once:h", 1))
-        assert puller.credit() == 1  # pending or sent, the daemon's count not yet seen: 2 - 1
+        # Pending, being sent or sent: 1 until the daemon's count of it is seen, then 0 once its
+        # worker took it; never 2 (it counted from the moment the sender took it).
+        assert puller.credit() <= 1
         _until(lambda: puller.credit() == 0, "the worker took the hung solve")
         puller.submit(_request("b", 1))  # queued behind the hung solve
         time.sleep(1.0)  # the worker is still hung (3 s timeout)
@@ -185,3 +191,37 @@ def test_daemon_continuous_trains_within_its_budget(daemon: Daemon, optimizer: t
         assert seen[-1] > 1, f"{block} never refreshed after its first basis: {seen}"
     assert all(r["installs"] >= 2 for r in stats["refreshes"]["blocks"].values())
     assert losses[-1] < 0.9 * losses[0], (optimizer.__name__, losses[0], losses[-1])
+
+
+def test_a_session_gets_credit_on_one_stream_only(daemon: Daemon) -> None:
+    """Every solve wakes the streams that receive credit, so a tenant must not multiply them:
+    a second credit stream of the same session is refused with a clear error, while a
+    stream without credit and another session's credit stream are not."""
+    conn = DaemonConnection(daemon.target)
+    session, other = conn.open_session(), conn.open_session()
+    credits: list[Credit] = []
+    cancels: list[Callable[[], object]] = []
+
+    def drain(stream: Iterator[object]) -> None:
+        with contextlib.suppress(AsteriaError):
+            for _ in stream:
+                pass
+
+    try:
+        first = conn.results(session, {}, cancels.append, on_credit=credits.append)
+        threading.Thread(target=drain, args=(first,), daemon=True).start()
+        _until(lambda: len(credits) == 1, "the first stream's credit message")
+        assert credits[0].workers_idle == 1 and credits[0].snapshots_answered == 0
+        second = conn.results(session, {}, cancels.append, on_credit=credits.append)
+        with pytest.raises(DaemonBusyError, match="already receives credit on another"):
+            next(second)
+        for extra in (
+            conn.results(session, {}, cancels.append),
+            conn.results(other, {}, cancels.append, on_credit=credits.append),
+        ):
+            threading.Thread(target=drain, args=(extra,), daemon=True).start()
+        _until(lambda: len(credits) == 2, "the other session's credit message")
+    finally:
+        for cancel in cancels:
+            cancel()
+        conn.close()
