@@ -369,6 +369,7 @@ class DaemonSource(PreconditionerSource):
                         # In flight from now on, so ``wait`` waits for it.
                         block.sent_version = max(block.sent_version, block.latest.version)
                     block.pending = False
+                self._sent += len(batch)  # counted from now, so credit() never misses them
                 new = [t for _, t, _ in batch if t.block not in self._registered]
             try:
                 self._send(session, new, batch)
@@ -405,19 +406,25 @@ class DaemonSource(PreconditionerSource):
                 announced.append((block, task, shm))
             else:
                 chunked.append((block, task))
-        if announced:
-            self._sent += len(announced)  # (the sender thread is the only writer)
-            if not self._announce(session, announced):
-                return
+        self._count_sent(session, len(announced) + len(chunked) - len(batch))  # not sent
+        if announced and not self._announce(session, announced):
+            return
         for block, task in chunked:
             try:
-                self._sent += 1
                 self._conn.submit(session, task)
             except AsteriaError as exc:
                 if not self._refused(session, block, task, exc):
                     return
                 continue
             self._counts["chunked_snapshots"] += 1
+
+    def _count_sent(self, session: SessionInfo, delta: int) -> None:
+        """Correct this session's count of snapshots sent (see ``_sent``); a count of a
+        session that ended meanwhile is gone with it."""
+        if delta:
+            with self._lock:
+                if self._session.current is session:
+                    self._sent += delta
 
     def _refused(
         self, session: SessionInfo, block: _Block, task: SolveTask, exc: AsteriaError
@@ -476,7 +483,7 @@ class DaemonSource(PreconditionerSource):
         if copies is None:
             return  # overwritten meanwhile: the newer snapshot is pending itself
         basis = copies[1] if len(copies) > 1 else None
-        self._sent += 1
+        self._count_sent(session, 1)  # a second snapshot for the daemon to answer
         self._conn.submit(session, dataclasses.replace(task, matrix=copies[0], basis=basis))
         self._counts["shm_refused_resent"] += 1
         self._counts["chunked_snapshots"] += 1
