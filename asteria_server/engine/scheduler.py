@@ -26,6 +26,7 @@ The cost model is ``seconds ~ c * n^3``; ``c`` comes from timing one small eigh 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 import time
 from collections.abc import Iterator
@@ -117,6 +118,10 @@ class Scheduler:
     def __init__(self, cost_model: CostModel | None = None) -> None:
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self._pending: dict[str, dict[str, ScheduledTask]] = {}
+        #: per tenant, its queued entries by priority (a heap): an entry no longer in
+        #: ``_pending`` (popped, replaced, forgotten) is dropped when it comes to the top, so
+        #: pop reads a tenant's next task without a look at all of its queue
+        self._heaps: dict[str, list[tuple[tuple[float, float, int], ScheduledTask]]] = {}
         self._latest: dict[Key, int] = {}
         self._running: dict[Key, float] = {}
         self._consumed: dict[str, float] = {}
@@ -137,9 +142,44 @@ class Scheduler:
             self._reactivate(task.tenant)
         replaced = task.block in queue
         self._seq += 1
-        queue[task.block] = ScheduledTask(task, self.cost_model.task_cost_s(task), self._seq)
+        self._enqueue(queue, ScheduledTask(task, self.cost_model.task_cost_s(task), self._seq))
         self._latest[task.key] = task.version
         return SubmitOutcome.SUPERSEDED_QUEUED if replaced else SubmitOutcome.QUEUED
+
+    def _enqueue(self, queue: dict[str, ScheduledTask], entry: ScheduledTask) -> None:
+        """Put ``entry`` in its tenant's ``queue`` (replacing the block's queued one) and heap."""
+        tenant = entry.task.tenant
+        queue[entry.task.block] = entry
+        heap = self._heaps.setdefault(tenant, [])
+        heapq.heappush(heap, (entry.priority, entry))
+        if len(heap) > 2 * len(queue) + 64:  # mostly replaced entries: rebuild it
+            heap[:] = [(e.priority, e) for e in queue.values()]
+            heapq.heapify(heap)
+
+    def _head(self, tenant: str, queue: dict[str, ScheduledTask]) -> ScheduledTask | None:
+        """The tenant's queued entry of the smallest priority whose block is not running."""
+        heap = self._heaps.get(tenant)
+        if heap is None:
+            return None
+        waiting = []  # queued behind their block's running solve: back on the heap after
+        head = None
+        while heap:
+            entry = heap[0][1]
+            if queue.get(entry.task.block) is not entry:  # popped, replaced or forgotten
+                heapq.heappop(heap)
+            elif (tenant, entry.task.block) in self._running:
+                waiting.append(heapq.heappop(heap))
+            else:
+                head = entry
+                break
+        for item in waiting:
+            heapq.heappush(heap, item)
+        return head
+
+    def _drop_queue(self, tenant: str) -> None:
+        """The tenant has nothing queued any more."""
+        del self._pending[tenant]
+        self._heaps.pop(tenant, None)
 
     def _reactivate(self, tenant: str) -> None:
         others = [self._consumed.get(t, 0.0) for t in self._pending if t != tenant]
@@ -153,10 +193,9 @@ class Scheduler:
         best: ScheduledTask | None = None
         best_rank: tuple[float, int] | None = None
         for tenant, queue in self._pending.items():
-            eligible = [e for b, e in queue.items() if (tenant, b) not in self._running]
-            if not eligible:
+            head = self._head(tenant, queue)
+            if head is None:
                 continue
-            head = min(eligible, key=lambda e: e.priority)
             rank = (self._consumed.get(tenant, 0.0), head.seq)
             if best_rank is None or rank < best_rank:
                 best, best_rank = head, rank
@@ -166,7 +205,7 @@ class Scheduler:
         queue = self._pending[tenant]
         del queue[block]
         if not queue:
-            del self._pending[tenant]
+            self._drop_queue(tenant)
         self._consumed[tenant] = self._consumed.get(tenant, 0.0) + best.cost_s
         self._running[best.task.key] = best.cost_s
         return best
@@ -183,7 +222,7 @@ class Scheduler:
         if queue is None:
             queue = self._pending[task.tenant] = {}
         self._seq += 1
-        queue[task.block] = ScheduledTask(task, self.cost_model.task_cost_s(task), self._seq)
+        self._enqueue(queue, ScheduledTask(task, self.cost_model.task_cost_s(task), self._seq))
         return True
 
     def forget(self, tenant: str, block: str) -> SolveTask | None:
@@ -192,7 +231,7 @@ class Scheduler:
         queue = self._pending.get(tenant)
         entry = None if queue is None else queue.pop(block, None)
         if queue is not None and not queue:
-            del self._pending[tenant]
+            self._drop_queue(tenant)
         self._latest.pop((tenant, block), None)
         return None if entry is None else entry.task
 
@@ -201,7 +240,7 @@ class Scheduler:
         queue = self._pending.get(tenant)
         entry = None if queue is None else queue.pop(block, None)
         if queue is not None and not queue:
-            del self._pending[tenant]
+            self._drop_queue(tenant)
         if entry is None:
             return None
         self.allow_resubmit(tenant, block, entry.task.version)

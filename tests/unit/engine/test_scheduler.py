@@ -198,3 +198,67 @@ def test_order_predicts_pops_and_backlogged_tenants_stay_within_one_task(
             assert max(counters) - min(counters) <= max_cost + 1e-12
     assert popped == predicted
     assert len(popped) == len(set(popped))  # one task per block: latest wins
+
+
+def _reference_pop(s: Scheduler) -> tuple[str, str] | None:
+    """The rule the heaps implement, read off the queues the slow way: per tenant the
+    smallest priority among blocks not running, the tenant by (consumed, candidate's seq)."""
+    best: tuple[tuple[float, int], tuple[str, str]] | None = None
+    tenants = {entry.task.tenant for entry in s}
+    for tenant in tenants:
+        eligible = [
+            e for e in s if e.task.tenant == tenant and not s.is_running(tenant, e.task.block)
+        ]
+        if eligible:
+            head = min(eligible, key=lambda e: e.priority)
+            rank = (s.consumed_s(tenant), head.seq)
+            if best is None or rank < best[0]:
+                best = (rank, head.task.key)
+    return None if best is None else best[1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["push", "push", "push", "pop", "pop", "finish", "forget", "requeue"]),
+            st.sampled_from(["t1", "t2"]),
+            st.sampled_from(["a", "b", "c", "d", "e"]),
+            st.sampled_from([0.0, 1.0, 2.0, math.inf]),
+            st.sampled_from([4, 8]),
+        ),
+        max_size=120,
+    )
+)
+def test_pop_follows_the_rules_through_replacements_forgets_and_requeues(
+    ops: list[tuple[str, str, str, float, int]],
+) -> None:
+    """Every pop is the task the rules name (checked against a scan of all queued tasks), while
+    blocks are replaced, forgotten, popped, finished and queued again in any order."""
+    s = Scheduler(COST)
+    versions: dict[tuple[str, str], int] = {}
+    running: list[SolveTask] = []
+    for op, tenant, block, deadline, n in ops:
+        key = (tenant, block)
+        if op == "push":
+            versions[key] = versions.get(key, 0) + 1
+            s.push(make(block, versions[key], n=n, deadline=deadline, tenant=tenant))
+        elif op == "pop":
+            expected = _reference_pop(s)
+            entry = s.pop()
+            assert (None if entry is None else entry.task.key) == expected
+            if entry is not None:
+                running.append(entry.task)
+        elif op == "finish" and running:
+            task = running.pop(0)
+            s.finish(task.tenant, task.block, 0.5)
+        elif op == "forget":
+            s.forget(tenant, block)
+        elif op == "requeue" and running:
+            task = running.pop()
+            s.requeue(task)
+    while (expected := _reference_pop(s)) is not None:
+        entry = s.pop()
+        assert entry is not None and entry.task.key == expected
+        s.finish(entry.task.tenant, entry.task.block)
+    assert s.pop() is None
