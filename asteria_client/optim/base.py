@@ -177,6 +177,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         )
         self.skipped_steps = 0
         self._warn_costly_blocks()
+        self._warn_replicas_may_drift(mode, policy, process_group)
 
     def _make_source(
         self,
@@ -259,6 +260,28 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             )
             self._plans[name] = plan
         return plan
+
+    def _warn_replicas_may_drift(
+        self, mode: Mode, policy: StalenessPolicy, process_group: Any
+    ) -> None:
+        """Warn once, at construction, when data-parallel replicas may install results at
+        different steps (see the message; README "Known problems")."""
+        if mode is Mode.NATIVE or policy.budget_intervals == 0 or not distributed_job():
+            return
+        if torch.distributed.get_world_size(process_group) < 2:
+            return
+        if all(is_dtensor(p) for _, p, _ in self.named_params()):
+            return  # FSDP2 shards: each rank preconditions its own blocks
+        warnings.warn(
+            f"{type(self).__name__} with staleness_budget={policy.budget_intervals} in a "
+            "torch.distributed job: each rank installs a result in the step it arrives there, "
+            "which can differ by a step between ranks, so the replicas of a replicated (DDP) "
+            "parameter drift apart slightly (the averaged gradients keep them close, but they "
+            "are no longer equal). staleness_budget=0 keeps replicas identical (each refresh "
+            "then waits for its solves).",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _warn_costly_blocks(self) -> None:
         """Warn once, at construction, when a block's solve is estimated to take long."""
