@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -101,7 +102,7 @@ def test_a_jobs_peer_group_ends_after_its_last_session_and_not_before(tmp_path: 
         up = counts.index(2)
         ended = next((i for i in range(up, len(counts)) if counts[i] < 2), len(counts))
         after = counts[ended - 1 :]
-        assert all(a >= b for a, b in zip(after, after[1:])), f"a group came back: {counts}"
+        assert all(a >= b for a, b in itertools.pairwise(after)), f"a group came back: {counts}"
         lived_s = seen[ended - 1][0] - seen[up][0]
         assert lived_s > 3.0, f"the groups lived {lived_s:.1f} s of a 4 s run: {counts}"
         deadline = time.monotonic() + 15
