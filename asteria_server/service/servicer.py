@@ -249,6 +249,9 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         #: of them, those that asked for Credit messages: at most one per session
         self._credit_streams: dict[str, _Stream] = {}
         self._credit_wake_due = False  # a wake of the credit streams is scheduled on the loop
+        #: tenants whose streams' wake is scheduled on the loop (news of more results meanwhile
+        #: needs no second one)
+        self._result_wake_due: set[str] = set()
         #: session -> its snapshots answered so far (Credit.snapshots_answered)
         self._answered: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -304,9 +307,14 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         """The engine's news of a newer result (its dispatcher thread): wake the tenant's
         streams on the event loop."""
         loop = self._loop
-        if loop is not None and tenant in self._streams:
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+        if loop is not None and tenant in self._streams and tenant not in self._result_wake_due:
+            # The wake runs after this check, which follows the result's booking: a result
+            # that finds a wake due is seen by it (the wake first clears the tenant here).
+            self._result_wake_due.add(tenant)
+            try:
                 loop.call_soon_threadsafe(self._wake_tenant, tenant)
+            except RuntimeError:  # the loop closed: nobody is listening
+                self._result_wake_due.discard(tenant)
 
     def _on_capacity(self) -> None:
         """Workers started or finished (the dispatcher thread): streams that report credit
@@ -325,6 +333,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             stream.wake.set()
 
     def _wake_tenant(self, tenant: str) -> None:
+        self._result_wake_due.discard(tenant)
         for stream in self._streams.get(tenant, ()):
             stream.wake.set()
 
