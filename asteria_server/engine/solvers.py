@@ -227,25 +227,28 @@ def sorted_basis32(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray
     converting its float64 basis, in fewer passes over memory.
 
     ``v``'s columns are rows of ``v.T``, contiguous when LAPACK returned ``v`` in Fortran order:
-    the signs and the conversion work on those rows, and the one transposition is the striped
-    :func:`copy_transposed` into the float32 result (instead of a transposing float64 copy, a
-    sign pass and a conversion). AttemptFailed when the basis is not finite."""
+    the signs and the conversion work on those rows (a sign flip commutes with rounding to
+    float32), and the one transposition, in descending order, is the striped
+    :func:`copy_transposed` into the result (instead of a transposing float64 copy, a sign pass
+    and a conversion). AttemptFailed when the basis is not finite."""
     n = w.size
     if n < 2 or bool((w[1:] > w[:-1]).all()):  # no ties: the stable order is the reverse
-        order = np.arange(n - 1, -1, -1)
-        rows = v.T[::-1]  # a view
+        order, ascending = np.arange(n - 1, -1, -1), True
+        rows = v.T  # reversed by the transposition below
     else:
-        order = np.argsort(-w, kind="stable")
-        rows = v.T[order]  # fancy indexing made a new array
+        order, ascending = np.argsort(-w, kind="stable"), False
+        rows = v.T[order]  # fancy indexing made a new array, in order
     # canonicalize_signs on the rows: each one's largest-|.| entry (the first on ties) positive
     at = np.argmax(np.abs(rows), axis=1)
-    signs = np.sign(rows[np.arange(n), at])
+    signs = np.sign(rows[np.arange(n), at]).astype(np.float32)
     signs[signs == 0] = 1.0
-    q_t = np.empty((n, n), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # float64 -> float32, as astype rounds
-        np.multiply(rows, signs[:, None], out=q_t)
+        q_t = rows.astype(np.float32)
+    q_t *= signs[:, None]
     if not np.isfinite(q_t).all():
         raise AttemptFailed("basis is not finite in float32")
+    if ascending:
+        q_t = q_t[::-1]
     return copy_transposed(np.empty((n, n), np.float32), q_t), w[order]
 
 
