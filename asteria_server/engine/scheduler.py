@@ -118,10 +118,12 @@ class Scheduler:
     def __init__(self, cost_model: CostModel | None = None) -> None:
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self._pending: dict[str, dict[str, ScheduledTask]] = {}
-        #: per tenant, its queued entries by priority (a heap): an entry no longer in
-        #: ``_pending`` (popped, replaced, forgotten) is dropped when it comes to the top, so
-        #: pop reads a tenant's next task without a look at all of its queue
-        self._heaps: dict[str, list[tuple[tuple[float, float, int], ScheduledTask]]] = {}
+        #: per tenant, ``(priority, block)`` of its queued entries (a heap; the priority ends
+        #: with the entry's unique seq): one whose entry left ``_pending`` (popped, replaced,
+        #: forgotten) is dropped when it comes to the top, so pop reads a tenant's next task
+        #: without a look at all of its queue. It names blocks, never holds a task: a replaced
+        #: snapshot's arrays are not kept alive by it.
+        self._heaps: dict[str, list[tuple[tuple[float, float, int], str]]] = {}
         self._latest: dict[Key, int] = {}
         self._running: dict[Key, float] = {}
         self._consumed: dict[str, float] = {}
@@ -151,9 +153,9 @@ class Scheduler:
         tenant = entry.task.tenant
         queue[entry.task.block] = entry
         heap = self._heaps.setdefault(tenant, [])
-        heapq.heappush(heap, (entry.priority, entry))
+        heapq.heappush(heap, (entry.priority, entry.task.block))
         if len(heap) > 2 * len(queue) + 64:  # mostly replaced entries: rebuild it
-            heap[:] = [(e.priority, e) for e in queue.values()]
+            heap[:] = [(e.priority, block) for block, e in queue.items()]
             heapq.heapify(heap)
 
     def _head(self, tenant: str, queue: dict[str, ScheduledTask]) -> ScheduledTask | None:
@@ -164,10 +166,11 @@ class Scheduler:
         waiting = []  # queued behind their block's running solve: back on the heap after
         head = None
         while heap:
-            entry = heap[0][1]
-            if queue.get(entry.task.block) is not entry:  # popped, replaced or forgotten
+            priority, block = heap[0]
+            entry = queue.get(block)
+            if entry is None or entry.seq != priority[2]:  # popped, replaced or forgotten
                 heapq.heappop(heap)
-            elif (tenant, entry.task.block) in self._running:
+            elif (tenant, block) in self._running:
                 waiting.append(heapq.heappop(heap))
             else:
                 head = entry

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -262,3 +264,24 @@ def test_pop_follows_the_rules_through_replacements_forgets_and_requeues(
         assert entry is not None and entry.task.key == expected
         s.finish(entry.task.tenant, entry.task.block)
     assert s.pop() is None
+
+
+def test_a_replaced_or_forgotten_snapshot_is_not_kept_alive() -> None:
+    """The daemon counts a replaced snapshot's bytes as freed: nothing of the scheduler (its
+    priority heaps included) may still hold the arrays."""
+    s = Scheduler(COST)
+    s.push(make("other", 1, deadline=0.0))  # keeps the tenant's queue (and heap) alive
+    gone = []
+    for version in (1, 2):
+        matrix = np.eye(64, dtype=np.float32)
+        gone.append(weakref.ref(matrix))
+        task = SolveTask(block="big", version=version, kind=SolveKind.INVERSE_ROOT, matrix=matrix)
+        s.push(task)
+        del matrix, task
+    gc.collect()
+    assert gone[0]() is None  # replaced by version 2
+    assert gone[1]() is not None  # queued
+    s.forget("local", "big")
+    gc.collect()
+    assert gone[1]() is None
+    assert [key for *key, _ in drain(s)] == [["local", "other"]]
