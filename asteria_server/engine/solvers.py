@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,9 +222,12 @@ def sorted_eigenbasis(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndar
     return q, w[order]
 
 
-def sorted_basis32(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def sorted_basis32(
+    w: np.ndarray, v: np.ndarray, out: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``sorted_eigenbasis(w, v)`` with the basis in float32 (C order), bitwise equal to
-    converting its float64 basis, in fewer passes over memory.
+    converting its float64 basis, in fewer passes over memory; the basis is written into
+    ``out`` when given (an n x n float32 C-ordered array, e.g. a view of a result segment).
 
     ``v``'s columns are rows of ``v.T``, contiguous when LAPACK returned ``v`` in Fortran order:
     the signs and the conversion work on those rows (a sign flip commutes with rounding to
@@ -249,7 +252,8 @@ def sorted_basis32(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray
         raise AttemptFailed("basis is not finite in float32")
     if ascending:
         q_t = q_t[::-1]
-    return copy_transposed(np.empty((n, n), np.float32), q_t), w[order]
+    target = np.empty((n, n), np.float32) if out is None else out
+    return copy_transposed(target, q_t), w[order]
 
 
 def qr_refresh(
@@ -335,17 +339,24 @@ def _check_orthonormal(q32: np.ndarray, atol: float) -> None:
         raise AttemptFailed(f"basis is not orthonormal (probe error |Q^T Q y - y| = {drift:.3g})")
 
 
-def _finite32(array: np.ndarray, what: str) -> np.ndarray:
+def _finite32(array: np.ndarray, what: str, out: np.ndarray | None = None) -> np.ndarray:
     """``array`` in float32, C-ordered (a Fortran-ordered matrix, e.g. LAPACK's Q, is
-    converted in its own order and then transposed by stripes), else AttemptFailed."""
+    converted in its own order and then transposed by stripes), else AttemptFailed. With
+    ``out`` (a float32 C-ordered array of the same shape, e.g. a view of a result segment) the
+    result is written there, converting straight into it when no transposition is needed."""
     fortran = array.ndim == 2 and array.flags.f_contiguous and not array.flags.c_contiguous
     with np.errstate(over="ignore", invalid="ignore"):
-        out = array.astype(np.float32, order="K")
-    if not np.isfinite(out).all():
+        if out is not None and not fortran:
+            np.copyto(out, array, casting="same_kind")
+            converted = out
+        else:
+            converted = array.astype(np.float32, order="K")
+    if not np.isfinite(converted).all():
         raise AttemptFailed(f"{what} is not finite in float32")
     if fortran:
-        out = copy_transposed(np.empty(out.shape, np.float32), out.T)
-    return out
+        target = np.empty(converted.shape, np.float32) if out is None else out
+        return copy_transposed(target, converted.T)
+    return converted
 
 
 # --------------------------------------------------------------------------- the solver
@@ -357,6 +368,12 @@ class _Output:
     eigenvalues: np.ndarray | None = None
     permutation: np.ndarray | None = None
     rotation: np.ndarray | None = None
+
+
+#: Where a solve writes its float32 n x n outputs, by result field (``"matrix"``,
+#: ``"rotation"``): a solver worker passes views of the client's result segment, so the last
+#: pass of the solve (the conversion to float32) is the write into shared memory.
+OutputArrays = Callable[[str], np.ndarray]
 
 
 class EighSolver:
@@ -380,8 +397,10 @@ class EighSolver:
         with self._controller.limit(limits=self.config.blas_threads, user_api="blas"):
             yield
 
-    def solve(self, task: SolveTask) -> SolveResult:
-        """Compute ``task``; raise :class:`SolverError` naming the block if every attempt fails."""
+    def solve(self, task: SolveTask, outputs: OutputArrays | None = None) -> SolveResult:
+        """Compute ``task``; raise :class:`SolverError` naming the block if every attempt fails.
+        With ``outputs`` the n x n results are written into the arrays it gives (a failed
+        attempt may leave anything there), else into new ones."""
         start = time.perf_counter()
         what = f"block {task.block!r} (tenant {task.tenant!r}) version {task.version}"
         cfg = self.config
@@ -402,7 +421,7 @@ class EighSolver:
             problems: list[str] = []
             for attempt, eps in enumerate(epsilons, start=1):
                 try:
-                    out = self._attempt(task, a, basis, eps, driver)
+                    out = self._attempt(task, a, basis, eps, driver, outputs)
                 except InputRejected as exc:
                     raise SolverError(f"{what}: {exc}; the last good result stays in use") from exc
                 except np.linalg.LinAlgError as exc:
@@ -432,26 +451,36 @@ class EighSolver:
         )
 
     def _attempt(
-        self, task: SolveTask, a: np.ndarray, basis: np.ndarray | None, eps: float, driver: str
+        self,
+        task: SolveTask,
+        a: np.ndarray,
+        basis: np.ndarray | None,
+        eps: float,
+        driver: str,
+        outputs: OutputArrays | None,
     ) -> _Output:
         cfg = self.config
+
+        def target(name: str) -> np.ndarray | None:
+            return None if outputs is None else outputs(name)
+
         if task.kind is SolveKind.INVERSE_ROOT:
             w, v = eigh_fp64(a, driver=driver)
             _check_decomposition(a, w, v, cfg)
             _check_psd(w, cfg.psd_rtol)
             root = inverse_root_from_eigh(w, v, float(task.exponent), eps)
-            return _Output(matrix=_finite32(root, "inverse root"))
+            return _Output(matrix=_finite32(root, "inverse root", target("matrix")))
         if basis is None:
             w, v = eigh_fp64(a, driver=driver, shift=eps)  # of A + eps I
             _check_decomposition(a, w, v, cfg, shift=eps)
             w = w - eps
             _check_psd(w, cfg.psd_rtol)
-            q32, w_sorted = sorted_basis32(w, v)
+            q32, w_sorted = sorted_basis32(w, v, target("matrix"))
             _check_orthonormal(q32, cfg.orthogonality_atol)
             return _Output(matrix=q32, eigenvalues=_finite32(w_sorted, "eigenvalues"))
         q_new, estimates, permutation = qr_refresh(a, basis, eps)
         _check_psd(estimates, cfg.psd_rtol)
-        q32 = _finite32(q_new, "basis")
+        q32 = _finite32(q_new, "basis", target("matrix"))
         _check_orthonormal(q32, cfg.orthogonality_atol)
         # The change of basis, so a client moves its moments with one n^2 m product instead of
         # computing this n^3 one on its training path.
@@ -460,7 +489,7 @@ class EighSolver:
             matrix=q32,
             eigenvalues=_finite32(estimates, "eigenvalue estimates"),
             permutation=permutation,
-            rotation=_finite32(rotation, "rotation"),
+            rotation=_finite32(rotation, "rotation", target("rotation")),
         )
 
 

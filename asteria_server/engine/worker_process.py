@@ -34,16 +34,17 @@ from threadpoolctl import threadpool_limits
 from asteria_server.engine import faults
 from asteria_server.engine.shm import receive_segment_fds
 from asteria_server.engine.solvers import EighSolver, SolverConfig
-from asteria_server.errors import SolverError
+from asteria_server.errors import InvalidInputError, SolverError
 from asteria_server.malloc import trim, tune_solver_allocator
 from asteria_server.protocol.shm import (
+    RESULT_FIELDS,
     ArraySpec,
     Segment,
     map_segment,
     result_arrays,
-    result_specs,
+    result_field_spec,
 )
-from asteria_server.types import ACCEPTED_DTYPES, SolveKind, SolveTask
+from asteria_server.types import ACCEPTED_DTYPES, SolveKind, SolveResult, SolveTask
 
 #: A worker idle this long hands the heap its solves kept back to the system
 #: (:mod:`asteria_server.malloc`): as long as the daemon's own reclaim interval, so a worker
@@ -86,6 +87,59 @@ def _snapshot_specs(msg: dict[str, Any]) -> list[ArraySpec]:
     return specs
 
 
+class _ResultTarget:
+    """The client's result segment as the solver's output: the solver converts its n x n
+    float32 results straight into the segment's views (no separate copy into shared memory),
+    under the segment's seqlock, begun at the first such write.
+
+    Readers never see a partial or failed result: while the write is open the sequence is odd,
+    and a write that does not finish (the solve failed) is closed under a sequence nobody
+    announces, so a reader holding the old one rejects what it would copy (the block's
+    previous result there is gone; its client copied it out when it was announced)."""
+
+    def __init__(self, segment: Segment, task: SolveTask) -> None:
+        self._segment = segment
+        names = [RESULT_FIELDS[0]]
+        if task.kind is SolveKind.EIGENBASIS:
+            names = list(RESULT_FIELDS) if task.basis is not None else list(RESULT_FIELDS[:2])
+        self._names = names
+        self._specs = [result_field_spec(name, task.n) for name in names]
+        try:
+            self._views = dict(zip(names, segment.views(self._specs), strict=True))
+        except InvalidInputError as exc:
+            raise SolverError(str(exc)) from None
+        self._open = False
+
+    def array(self, name: str) -> np.ndarray:
+        """The view of result field ``name``, the write begun."""
+        if not self._open:
+            self._segment.begin_write()
+            self._open = True
+        return self._views[name]
+
+    def finish(self, result: SolveResult) -> int:
+        """Copy the fields the solver did not write in place (the small ones) and end the
+        write; returns the sequence that announces it."""
+        present = [name for name in RESULT_FIELDS if getattr(result, name) is not None]
+        if present != self._names:
+            raise SolverError(f"the solver returned {present}, expected {self._names}")
+        for name, spec in zip(self._names, self._specs, strict=True):
+            array = getattr(result, name)
+            view = self.array(name)
+            if array is not view:
+                if array.dtype != spec.dtype or array.shape != spec.shape:
+                    raise SolverError(f"result field {name} is {array.dtype}{array.shape}")
+                np.copyto(view, array, casting="no")
+        self._open = False
+        return self._segment.end_write()
+
+    def abandon(self) -> None:
+        """End a write that did not finish (see the class docstring)."""
+        if self._open:
+            self._open = False
+            self._segment.end_write()
+
+
 def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment]) -> tuple[Any, ...]:
     fault = faults.Fault(msg["fault"]) if msg["fault"] else None
     faults.inject_before_solve(fault)
@@ -109,13 +163,17 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment])
             base_version=msg["base_version"],
             tenant=msg["tenant"],
         )
-        result = solver.solve(task)
-        out = result_arrays(result)
-        faults.corrupt_output(fault, *[a for a in out if a.dtype.kind == "f"])
-        if not all(bool(np.isfinite(a).all()) for a in out):
-            raise SolverError("result holds NaN or Inf")
-        faults.poison_output(fault, *[a for a in out if a.dtype.kind == "f"])
-        written = _segment(cache, msg["result"]).write(result_specs(result), out)
+        target = _ResultTarget(_segment(cache, msg["result"]), task)
+        try:
+            result = solver.solve(task, outputs=target.array)
+            out = result_arrays(result)
+            faults.corrupt_output(fault, *[a for a in out if a.dtype.kind == "f"])
+            if not all(bool(np.isfinite(a).all()) for a in out):
+                raise SolverError("result holds NaN or Inf")
+            faults.poison_output(fault, *[a for a in out if a.dtype.kind == "f"])
+            written = target.finish(result)
+        finally:
+            target.abandon()
     except SolverError as exc:
         return ("error", job, str(exc))
     meta = {

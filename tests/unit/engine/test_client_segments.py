@@ -24,6 +24,7 @@ from asteria_server.protocol.shm import (
     Segment,
     create_segment,
     map_segment,
+    private_result,
     result_layout,
     segment_bytes,
     snapshot_layout,
@@ -172,3 +173,34 @@ def test_segments_a_client_let_go_of_are_unmapped_at_the_workers_next_task(
     assert run(pool, 12, shm_task(SolveKind.INVERSE_ROOT, kept_snap, kept_res, 2)).result
     assert _worker_maps(pool, "asteria-test-gone") == 0
     assert _worker_maps(pool, "asteria-test-kept") == 2
+
+
+def test_a_solve_that_fails_after_writing_leaves_no_readable_result() -> None:
+    """The worker converts a solve's results straight into the client's result segment, under
+    its seqlock (no separate copy into shared memory). A solve that fails after that (here an
+    output corrupted before the final check) ends the write under a sequence nobody announces:
+    the segment is not left mid-write, the result announced in it before is no longer
+    accepted (never a mix of the two), and the next solve writes and announces normally."""
+    faulty = WorkerPool(PoolConfig(num_workers=1, solve_timeout_s=30.0, test_fault_prefix="x"))
+    kind = SolveKind.EIGENBASIS
+    snap, res = client_segments(kind)
+    try:
+        good = run(faulty, 1, shm_task(kind, snap, res, 1))
+        assert good.result is not None and good.result.shm is not None
+        assert good.result.shm.segment is res
+        assert private_result(good.result) is not None
+        bad = run(faulty, 2, dataclasses.replace(shm_task(kind, snap, res, 2), block="xnan:b"))
+        assert bad.result is None and "NaN or Inf" in (bad.error or "")
+        assert res.sequence % 2 == 0  # the write was ended, not left open
+        assert res.sequence != good.result.shm.sequence
+        assert private_result(good.result) is None  # rejected, never read half-overwritten
+        again = run(faulty, 3, shm_task(kind, snap, res, 3))
+        assert again.result is not None
+        copied = private_result(again.result)
+        assert copied is not None
+        reference = solve(dataclasses.replace(again.task, matrix=spd(N, 3), shm_source=None))
+        np.testing.assert_array_equal(copied.matrix, reference.matrix)
+    finally:
+        faulty.close()
+        snap.close()
+        res.close()

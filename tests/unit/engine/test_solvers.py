@@ -375,3 +375,40 @@ def test_solver_outputs_are_c_ordered(kind: str) -> None:
         ref = ref_inverse_root(a, 0.25, 1e-6)
         np.testing.assert_allclose(result.matrix, ref, rtol=1e-4, atol=1e-5)
         np.testing.assert_array_equal(result.matrix, result.matrix.T)
+
+
+@pytest.mark.parametrize("kind", ["inverse_root", "eigenbasis", "refresh"])
+def test_a_solve_writes_its_n_by_n_results_into_the_arrays_it_is_given(kind: str) -> None:
+    """A solver worker hands the solver views of the client's result segment: the n x n
+    results (the matrix; a refresh's rotation too) are converted straight into them, bitwise
+    what a solve into new arrays gives; the small ones (eigenvalues, permutation) are new."""
+    n = 24
+    rng = np.random.default_rng(12)
+    g = rng.standard_normal((n, n + 2))
+    a = (g @ g.T / n).astype(np.float32)
+    basis = np.linalg.qr(rng.standard_normal((n, n)))[0].astype(np.float32)
+    task = SolveTask(
+        block="b",
+        version=1,
+        kind=SolveKind.INVERSE_ROOT if kind == "inverse_root" else SolveKind.EIGENBASIS,
+        matrix=a,
+        basis=basis if kind == "refresh" else None,
+        epsilon=1e-6,
+    )
+    given = {name: np.full((n, n), np.nan, np.float32) for name in ("matrix", "rotation")}
+    asked: list[str] = []
+
+    def outputs(name: str) -> np.ndarray:
+        asked.append(name)
+        return given[name]
+
+    into = EighSolver().solve(task, outputs=outputs)
+    fresh = EighSolver().solve(task)
+    assert into.matrix is given["matrix"]
+    assert (into.rotation is given["rotation"]) == (kind == "refresh")
+    assert set(asked) == ({"matrix", "rotation"} if kind == "refresh" else {"matrix"})
+    for name in ("matrix", "eigenvalues", "permutation", "rotation"):
+        got, ref = getattr(into, name), getattr(fresh, name)
+        assert (got is None) == (ref is None), name
+        if got is not None:
+            np.testing.assert_array_equal(got, ref)
