@@ -64,6 +64,10 @@ STATUS_PAGE_BLOCKS = 10_000
 _COPY_IN_THREAD_BYTES = 4 << 20
 #: Seconds before a stream looks again at a result that was overwritten while it copied it out.
 _RETRY_COPY_S = 0.005
+#: Looks at one overwritten result before a stream waits for news of the block instead (a
+#: result whose segment holds something else for good: a solve that failed after writing, or
+#: a result discarded as older; the next result of the block wakes the stream as usual).
+_MAX_COPY_RETRIES = 40
 #: What refuses one snapshot (bad input, a lost session, an engine that cannot take it, a full
 #: daemon): the call, or that snapshot's answer in AnnounceSnapshots, carries it as a status.
 SNAPSHOT_REFUSALS = (
@@ -766,6 +770,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         sent: dict[str, int] = dict(request.held_versions)
         epoch = -1
         retry: set[str] = set()  # blocks whose copy-out found the result overwritten
+        #: block -> (version, its copies rejected so far)
+        failed_copies: dict[str, tuple[int, int]] = {}
         loop = self._loop = asyncio.get_running_loop()
         stream = _Stream(session.session_id, asyncio.Event(), credit=request.credit)
         self._streams.setdefault(tenant, set()).add(stream)
@@ -795,10 +801,16 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                         )
                         if sending is None:
                             # Overwritten while copied out (another replica's segment): look
-                            # again shortly, whether or not a newer result is announced.
-                            retry.add(block)
-                            loop.call_later(_RETRY_COPY_S, stream.wake.set)
+                            # again shortly, whether or not a newer result is announced, a
+                            # bounded number of times.
+                            version, count = failed_copies.get(block, (result.version, 0))
+                            count = count + 1 if version == result.version else 1
+                            failed_copies[block] = (result.version, count)
+                            if count <= _MAX_COPY_RETRIES:
+                                retry.add(block)
+                                loop.call_later(_RETRY_COPY_S, stream.wake.set)
                             continue
+                        failed_copies.pop(block, None)
                         sent[block] = result.version
                         frames = await self._frames_of(sending[0], sending[1])
                         result = sending = None  # hold no client's segment while idle
