@@ -9,8 +9,11 @@ them under ``"map"``; ``"release"`` names segments to unmap.
 The worker does not trust a segment. ``map_segment`` maps only a sealed memfd of the announced
 size with a segment header; views never reach past the mapping; the snapshot is read under the
 seqlock, converted to float64 on the way (the solver's working copy is that read); the solver
-rejects a non-finite, asymmetric or indefinite factor; the result is checked finite before it is
-written under the result segment's seqlock. Whatever goes wrong is a per-task ``error`` reply.
+rejects a non-finite, asymmetric or indefinite factor; its last pass, the conversion of the
+n x n results to float32, writes them straight into the result segment under its seqlock
+(:class:`_ResultTarget`), and they are checked finite before the write is announced; a write
+that does not finish is closed under a sequence nobody announces. Whatever goes wrong is a
+per-task ``error`` reply.
 
 Replies: ``("ready", pid)`` once at start, then per task ``("done", job, meta)`` (``meta`` holds
 the result's fields and the sequence its write ended with), ``("overwritten", job)`` (a newer
