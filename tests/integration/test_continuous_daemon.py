@@ -22,6 +22,7 @@ from asteria_client.transport import DaemonClientConfig, DaemonSource
 from asteria_client.transport.connection import DaemonConnection
 from asteria_server.errors import AsteriaError, DaemonBusyError
 from asteria_server.types import Credit, SolveKind
+from tests.integration.test_continuous_embedded import check_continuous_trains_within_its_budget
 from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
 
 WAIT_S = 30.0
@@ -152,45 +153,12 @@ def test_no_snapshot_is_sent_while_every_worker_is_busy(
 
 @pytest.mark.parametrize("optimizer", [SOAP, KLShampoo])
 def test_daemon_continuous_trains_within_its_budget(daemon: Daemon, optimizer: type) -> None:
-    """SOAP and KL-Shampoo, continuous at S=1 on the daemon: every block is refreshed more
-    than once, no block is used with a snapshot in flight for more than 1 step, versions only
-    grow, the loss falls."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
-    opt = optimizer(
-        model.named_parameters(),
-        mode="daemon",
-        address=daemon.target,
-        refresh="continuous",
-        staleness_budget=1,
-        lr=1e-2,
+    """SOAP and KL-Shampoo, continuous at S=1 on the daemon, pulling by its Credit messages
+    (see the embedded test's check)."""
+    stats = check_continuous_trains_within_its_budget(
+        optimizer, mode="daemon", address=daemon.target
     )
-    gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 8, generator=gen)
-    versions: dict[str, list[int]] = {}
-    losses = []
-    try:
-        assert opt.source.wait_connected(WAIT_S)
-        for _ in range(40):
-            opt.zero_grad()
-            loss = (model(x) - y).square().mean()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            for row in opt.preconditioner_status():
-                versions.setdefault(row["block"], []).append(row["version"])
-        stats = opt.runtime_stats()
-        sent = opt.source.stats()
-    finally:
-        opt.close()
-    assert stats["refresh"] == "continuous"
-    assert stats["max_lag_steps"] <= 1
-    assert sent["credit_messages"] > 0
-    for block, seen in versions.items():
-        assert seen == sorted(seen), f"{block}: version went back: {seen}"
-        assert seen[-1] > 1, f"{block} never refreshed after its first basis: {seen}"
-    assert all(r["installs"] >= 2 for r in stats["refreshes"]["blocks"].values())
-    assert losses[-1] < 0.9 * losses[0], (optimizer.__name__, losses[0], losses[-1])
+    assert stats["credit_messages"] > 0
 
 
 def test_a_session_gets_credit_on_one_stream_only(daemon: Daemon) -> None:

@@ -349,23 +349,27 @@ def test_copy_transposed_equals_the_plain_transpose(dtype: type, shape: tuple[in
     np.testing.assert_array_equal(copied, fortran)
 
 
+def _kind_task(kind: str, *, seed: int, n: int = 24) -> SolveTask:
+    """A float32 task of ``kind``: "inverse_root", "eigenbasis" or "refresh" (with a basis)."""
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal((n, n + 2))
+    basis = np.linalg.qr(rng.standard_normal((n, n)))[0].astype(np.float32)
+    return SolveTask(
+        block="b",
+        version=1,
+        kind=SolveKind.INVERSE_ROOT if kind == "inverse_root" else SolveKind.EIGENBASIS,
+        matrix=(g @ g.T / n).astype(np.float32),
+        basis=basis if kind == "refresh" else None,
+        epsilon=1e-6,
+    )
+
+
 @pytest.mark.parametrize("kind", ["inverse_root", "eigenbasis", "refresh"])
 def test_solver_outputs_are_c_ordered(kind: str) -> None:
     """Results are C-ordered (they are copied into result segments as such), LAPACK's Fortran
     Q of a QR refresh included, and equal to the reference."""
-    n = 24
-    rng = np.random.default_rng(11)
-    g = rng.standard_normal((n, n + 2))
-    a = (g @ g.T / n).astype(np.float32)
-    basis = np.linalg.qr(rng.standard_normal((n, n)))[0].astype(np.float32)
-    task = SolveTask(
-        block="b",
-        version=1,
-        kind=SolveKind.INVERSE_ROOT if kind == "inverse_root" else SolveKind.EIGENBASIS,
-        matrix=a,
-        basis=basis if kind == "refresh" else None,
-        epsilon=1e-6,
-    )
+    task = _kind_task(kind, seed=11)
+    a = task.matrix
     result = solve(task)
     for name in ("matrix", "eigenvalues", "rotation"):
         array = getattr(result, name)
@@ -383,18 +387,7 @@ def test_a_solve_writes_its_n_by_n_results_into_the_arrays_it_is_given(kind: str
     results (the matrix; a refresh's rotation too) are converted straight into them, bitwise
     what a solve into new arrays gives; the small ones (eigenvalues, permutation) are new."""
     n = 24
-    rng = np.random.default_rng(12)
-    g = rng.standard_normal((n, n + 2))
-    a = (g @ g.T / n).astype(np.float32)
-    basis = np.linalg.qr(rng.standard_normal((n, n)))[0].astype(np.float32)
-    task = SolveTask(
-        block="b",
-        version=1,
-        kind=SolveKind.INVERSE_ROOT if kind == "inverse_root" else SolveKind.EIGENBASIS,
-        matrix=a,
-        basis=basis if kind == "refresh" else None,
-        epsilon=1e-6,
-    )
+    task = _kind_task(kind, seed=12, n=n)
     given = {name: np.full((n, n), np.nan, np.float32) for name in ("matrix", "rotation")}
     asked: list[str] = []
 
