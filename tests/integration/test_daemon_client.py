@@ -222,11 +222,15 @@ def test_status_command_reports_a_training_client(
         train(model, opt, 4)
         source = opt.source
         assert isinstance(source, DaemonSource)
-        # Steps never wait for the first bases (S >= 1): let the sender declare every block.
+        # Steps never wait for the first bases (S >= 1): let the sender declare every block and
+        # the daemon's one worker solve each once (under load the 4 steps outrun it).
         _wait_for(
-            lambda: all(r.extra["state"] != "unknown" for r in source.records().values()),
-            20.0,
-            "the daemon to know all four blocks",
+            lambda: all(
+                r.extra["state"] != "unknown" and r.computed_version >= 0
+                for r in source.records().values()
+            ),
+            30.0,
+            "the daemon to know and solve all four blocks",
         )
         capsys.readouterr()
         assert main(["status", "--address", daemon.target, "--json"]) == 0
