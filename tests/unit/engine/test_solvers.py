@@ -206,10 +206,12 @@ def test_nonfinite_input_fails_at_once(kind: SolveKind, bad: float, monkeypatch:
     assert calls == []  # never reached the solve, never retried
 
 
-def test_asymmetric_input_is_rejected_not_symmetrized() -> None:
+@pytest.mark.parametrize("where", [(0, 7), (7, 0)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_asymmetric_input_is_rejected_not_symmetrized(where: tuple[int, int], sign: float) -> None:
     a = spd(8)
-    a[0, 7] += 1e-2
-    with pytest.raises(SolverError, match="not symmetric"):
+    a[where] += sign * 1e-2
+    with pytest.raises(SolverError, match=r"not symmetric \(max \|A - A\^T\| = 0\.01,"):
         solve(task(a))
 
 
