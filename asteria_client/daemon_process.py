@@ -11,6 +11,8 @@ variable of this process leaking into it. :class:`DaemonProcess` is that one lau
   of the worker processes it reaped, which is what "CPU-seconds including the engine's workers"
   means for a daemon run. It is known only when the launcher itself reaps the daemon.
 - **Output** goes to files, not pipes: a pipe nobody reads fills and blocks the daemon.
+- **It never outlives its launcher**: the daemon runs with ``--stop-with-pid`` of this process
+  and stops, as on SIGTERM, when this process exits without stopping it (killed, crashed).
 - **CPU affinity**: Linux keeps a mask per thread and a child copies the mask of the thread that
   forked it, so the launching thread is confined to the CPUs just for the fork; the daemon's
   workers inherit the mask in turn.
@@ -152,6 +154,9 @@ class DaemonProcess:
     def command(self, listen: str, ready_file: Path) -> list[str]:
         cmd = [sys.executable, "-m", "asteria_server", "--listen", listen]
         cmd += ["--workers", str(self.workers), "--ready-file", str(ready_file)]
+        # It stops when this process exits, however that happens: a test run or benchmark
+        # killed with SIGKILL leaves no daemon behind.
+        cmd += ["--stop-with-pid", str(os.getpid())]
         if self.blas_threads is not None:
             cmd += ["--blas-threads", str(self.blas_threads)]
         return cmd + list(self.extra_args)

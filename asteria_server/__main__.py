@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", type=str.upper, choices=LOG_LEVELS, help="log level (default INFO)")
     add("--ready-file", metavar="PATH", help="write the serving line here once ready")
     add(
+        "--stop-with-pid",
+        type=int,
+        metavar="PID",
+        help=(
+            "stop, as on SIGTERM, when process PID exits (for a launcher whose daemon must not "
+            "outlive it, even one killed with SIGKILL; Linux >= 5.3)"
+        ),
+    )
+    add(
         "--shared-memory",
         action=argparse.BooleanOptionalAction,
         default=None,

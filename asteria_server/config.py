@@ -142,6 +142,9 @@ class DaemonConfig:
         tls_key: PEM private key of ``tls_cert``.
         log_level: one of ``LOG_LEVELS``.
         ready_file: written (address, incarnation, workers) once serving; removed at exit.
+        stop_with_pid: stop (as on SIGTERM) when the process of this PID exits: for a launcher
+            (a test suite, a benchmark) whose daemon must not outlive it, even when it is killed
+            with SIGKILL. Watched through a pidfd on the event loop (Linux >= 5.3), not polled.
         shared_memory: offer same-host clients the shared-memory transport (Unix socket only):
             a segment-handover socket ``<socket>.shm`` next to the gRPC socket.
         max_shm_segments: shared-memory segments one client connection may hand over.
@@ -210,6 +213,7 @@ class DaemonConfig:
     tls_key: str | None = None
     log_level: str = "INFO"
     ready_file: str | None = None
+    stop_with_pid: int | None = None
     shared_memory: bool = True
     max_shm_segments: int = 4096
     max_upload_bytes: int = 2 << 30
@@ -278,6 +282,8 @@ class DaemonConfig:
         _check_int("max_matrix_n", self.max_matrix_n, 1)
         _check_int("max_sessions", self.max_sessions, 1)
         _check_int("max_shm_segments", self.max_shm_segments, 1)
+        if self.stop_with_pid is not None:
+            _check_int("stop_with_pid", self.stop_with_pid, 1)
         if not isinstance(self.shared_memory, bool):
             raise ValueError(
                 f"DaemonConfig.shared_memory must be true or false, got {self.shared_memory!r}"
@@ -511,6 +517,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "tls_key": str,
     "log_level": str.upper,
     "ready_file": str,
+    "stop_with_pid": int,
     "shared_memory": _as_bool,
     "max_shm_segments": int,
     "max_upload_bytes": int,

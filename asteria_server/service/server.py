@@ -366,12 +366,14 @@ async def serve(config: DaemonConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watch = None if config.stop_with_pid is None else _stop_with(loop, config.stop_with_pid, stop)
     metrics, metrics_url = _start_metrics(config)
     try:
         daemon = await start(config, observer=None if metrics is None else metrics.observe)
     except BaseException:
         if metrics is not None:
             metrics.close()
+        _unwatch(loop, watch)
         raise
     line = (
         f"asteria-server serving on {daemon.target} incarnation={daemon.engine.incarnation_id} "
@@ -404,11 +406,44 @@ async def serve(config: DaemonConfig) -> int:
     finally:
         stopping.cancel()
         reclaiming.cancel()
+        _unwatch(loop, watch)
         await daemon.stop()
         if metrics is not None:
             await asyncio.to_thread(metrics.close)
         await broken  # the engine is closed now: the watcher has returned
     return EXIT_ENGINE_BROKEN if why is not None else 0
+
+
+def _stop_with(loop: asyncio.AbstractEventLoop, pid: int, stop: asyncio.Event) -> int | None:
+    """Set ``stop`` when process ``pid`` exits (``--stop-with-pid``): its pidfd becomes readable
+    then, so the event loop watches it like a socket, with no polling. Returns the pidfd (None:
+    the process is gone already, and ``stop`` is set)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        logger.warning("process %d (--stop-with-pid) has exited already; stopping", pid)
+        stop.set()
+        return None
+    except (AttributeError, OSError) as exc:  # no pidfd_open: Linux < 5.3, or a seccomp filter
+        raise StartupError(
+            f"--stop-with-pid {pid}: cannot watch the process ({exc}); it needs pidfd_open "
+            "(Linux >= 5.3)"
+        ) from exc
+
+    def exited() -> None:
+        logger.warning("process %d (--stop-with-pid) exited; stopping", pid)
+        loop.remove_reader(fd)
+        stop.set()
+
+    loop.add_reader(fd, exited)
+    return fd
+
+
+def _unwatch(loop: asyncio.AbstractEventLoop, fd: int | None) -> None:
+    """Stop watching (and close) a pidfd of :func:`_stop_with`."""
+    if fd is not None:
+        loop.remove_reader(fd)
+        os.close(fd)
 
 
 def _peer_groups_on(

@@ -382,3 +382,58 @@ def test_the_launcher_reports_a_tcp_port_its_pid_and_cpu_time() -> None:
 def test_the_launcher_reports_why_a_daemon_did_not_start() -> None:
     with pytest.raises(DaemonStartError, match=r"(?s)exited with 2.*no tenant tokens"):
         DaemonProcess(listen="127.0.0.1:0").start()
+
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from asteria_client.daemon_process import DaemonProcess
+daemon = DaemonProcess(workers=1, socket_dir=Path(sys.argv[1])).start()
+print(daemon.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie nobody reaped yet counts as exited)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat_line.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
+
+
+def test_a_launched_daemon_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    """A benchmark or test run killed with SIGKILL leaves no daemon (nor workers) behind: the
+    launcher's daemon watches it (--stop-with-pid) and stops as on SIGTERM."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "d")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_clean_env(),
+    )
+    try:
+        assert launcher.stdout is not None
+        pid = int(launcher.stdout.readline())
+        workers = _children(pid)
+        assert workers and (tmp_path / "d" / "asteria.sock").exists()
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in (pid, *workers) if not _gone(p)]
+    finally:
+        launcher.kill()
+        launcher.wait()
+    if alive:
+        for p in alive:
+            os.kill(p, signal.SIGKILL)
+        pytest.fail(f"processes {alive} outlived the launcher that was killed")
+    # It stopped as on SIGTERM: the socket was removed on the way out.
+    assert not (tmp_path / "d" / "asteria.sock").exists()

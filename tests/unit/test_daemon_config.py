@@ -50,6 +50,7 @@ def test_tokens_and_addresses_parse() -> None:
         ({"listen": "0.0.0.0:0", "tokens": {"a": "b"}}, "needs TLS"),
         ({"tokens": {"a": ""}}, "empty token"),
         ({"log_level": "LOUD"}, "log_level"),
+        ({"stop_with_pid": 0}, "stop_with_pid must be an int >= 1, got 0"),
     ],
 )
 def test_invalid_values_are_named(kwargs: dict[str, object], match: str) -> None:
