@@ -22,7 +22,10 @@ from asteria_client.transport import DaemonClientConfig, DaemonSource
 from asteria_client.transport.connection import DaemonConnection
 from asteria_server.errors import AsteriaError, DaemonBusyError
 from asteria_server.types import Credit, SolveKind
-from tests.integration.test_continuous_embedded import check_continuous_trains_within_its_budget
+from tests.integration.test_continuous_embedded import (
+    check_continuous_trains_within_its_budget,
+    step_until_every_block_has_a_result,
+)
 from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
 
 WAIT_S = 30.0
@@ -138,13 +141,7 @@ def test_no_snapshot_is_sent_while_every_worker_is_busy(
                 busy_steps += 1
                 assert _sent(source) == before, "a snapshot was sent while the worker was busy"
         assert busy_steps >= 10, f"only {busy_steps} steps saw the worker busy"
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            step()
-            if all(r["version"] >= 0 for r in opt.preconditioner_status()):
-                break
-            time.sleep(0.05)
-        rows = opt.preconditioner_status()
+        rows = step_until_every_block_has_a_result(opt, step, WAIT_S)
     finally:
         opt.close()
     assert all(r["version"] >= 0 for r in rows), rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,17 +64,26 @@ def test_no_snapshot_is_copied_while_every_worker_is_busy() -> None:
                 assert _copies(opt) == before, "a snapshot was copied while the worker was busy"
             time.sleep(0.02)
         assert busy_steps >= 10, f"only {busy_steps} steps saw the worker busy"
-        deadline = time.monotonic() + 60.0
-        while time.monotonic() < deadline:
-            step()
-            if all(r["version"] >= 0 for r in opt.preconditioner_status()):
-                break
-            time.sleep(0.05)
-        rows = opt.preconditioner_status()
+        rows = step_until_every_block_has_a_result(opt, step, 60.0)
     finally:
         opt.close()
     assert all(r["version"] >= 0 for r in rows), rows
     assert _copies(opt) > 2
+
+
+def step_until_every_block_has_a_result(
+    opt: Any, step: Callable[[], None], timeout_s: float
+) -> list[dict[str, Any]]:
+    """Train with ``step`` until every block has a result (or ``timeout_s`` passes); returns
+    the optimizer's status rows."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        step()
+        if all(r["version"] >= 0 for r in opt.preconditioner_status()):
+            break
+        time.sleep(0.05)
+    rows: list[dict[str, Any]] = opt.preconditioner_status()
+    return rows
 
 
 def check_continuous_trains_within_its_budget(optimizer: type, **mode: Any) -> dict[str, Any]:
