@@ -211,22 +211,13 @@ def inverse_root_from_eigh(
     return out
 
 
-def sorted_eigenbasis(w: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Columns and eigenvalues in descending eigenvalue order (stable), signs canonicalized."""
-    if w.size < 2 or bool((w[1:] > w[:-1]).all()):  # no ties: the stable order is the reverse
-        order = np.arange(w.size - 1, -1, -1)
-        q = canonicalize_signs(np.ascontiguousarray(v[:, ::-1]))
-    else:
-        order = np.argsort(-w, kind="stable")
-        q = canonicalize_signs(v[:, order])  # fancy indexing made a new array
-    return q, w[order]
-
-
 def sorted_basis32(
     w: np.ndarray, v: np.ndarray, out: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``sorted_eigenbasis(w, v)`` with the basis in float32 (C order), bitwise equal to
-    converting its float64 basis, in fewer passes over memory; the basis is written into
+    """Columns of ``v`` and eigenvalues ``w`` in descending eigenvalue order (stable), each
+    column's largest-|.| entry made positive (:func:`canonicalize_signs`), the basis in float32
+    (C order), bitwise equal to converting that float64 basis but in fewer passes over memory
+    (the float64 form is the tests' reference); the basis is written into
     ``out`` when given (an n x n float32 C-ordered array, e.g. a view of a result segment).
 
     ``v``'s columns are rows of ``v.T``, contiguous when LAPACK returned ``v`` in Fortran order:
