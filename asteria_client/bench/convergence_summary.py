@@ -321,7 +321,8 @@ def _schedule_notes() -> list[str]:
         "steps vs f=1: steps to target over native f=1's; vs f=10 quiet: median step time over "
         "the median of native f=10's steps that refresh nothing; refreshes/100: installs per "
         "block per 100 steps (mean over blocks); drift@install: the replaced basis's "
-        "off-diagonal energy of QᵀLQ over ‖L‖², mean; waits (s): barrier waits per run "
+        "off-diagonal energy of QᵀLQ over ‖L‖², mean over installs sampled at most one per "
+        "block every 4 steps; waits (s): barrier waits per run "
         "(seconds).",
     ]
 

@@ -57,7 +57,7 @@ def _device(text: str) -> str:
 
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     from asteria_client.optim.base import Mode
-    from asteria_client.runtime.staleness import Refresh
+    from asteria_client.runtime.staleness import DEFAULT_REFRESH_OVERHEAD, Refresh
     from asteria_client.train.config import Schedule, TrainConfig
     from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind
 
@@ -97,6 +97,14 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         help="amortized: every --precondition-frequency steps, every block; continuous: "
         "whenever a solver worker is free, the blocks whose basis drifted most (SOAP and "
         "KL-Shampoo, embedded or native; S then counts steps) (default: amortized)",
+    )
+    opt.add_argument(
+        "--refresh-overhead",
+        type=positive_float,
+        metavar="SHARE",
+        help="continuous refresh: the share of the step time the training thread may spend "
+        "taking snapshots and installing bases; beyond it a step pulls no more (default: "
+        f"{DEFAULT_REFRESH_OVERHEAD})",
     )
     opt.add_argument(
         "--engine-workers",
@@ -251,6 +259,7 @@ TRAIN_FIELDS = (
     "precondition_frequency",
     "staleness_budget",
     "refresh",
+    "refresh_overhead",
     "engine_workers",
     "schedule",
     "warmup_steps",

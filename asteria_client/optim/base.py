@@ -39,6 +39,7 @@ from asteria_client.optim.sharding import (
     shard_geometry,
 )
 from asteria_client.runtime import (
+    DEFAULT_REFRESH_OVERHEAD,
     FreshnessRuntime,
     Mode,
     PreconditionerRequest,
@@ -121,6 +122,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         staleness_budget: int = 1,
         barrier_timeout_s: float = 30.0,
         refresh: Refresh | str = Refresh.AMORTIZED,
+        refresh_overhead: float = DEFAULT_REFRESH_OVERHEAD,
         engine_config: EngineConfig | None = None,
         source: PreconditionerSource | None = None,
         address: str | None = None,
@@ -132,11 +134,16 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._positional_warned = 0  # positional names already warned about
         self._warned: set[str] = set()
         mode = resolve_mode(mode, address if source is None else None)
-        policy = StalenessPolicy(
-            budget_intervals=staleness_budget,
-            barrier_timeout_s=barrier_timeout_s,
-            refresh=parse_enum(Refresh, refresh, "refresh"),
-        )
+        schedule: Refresh = parse_enum(Refresh, refresh, "refresh")
+        try:
+            policy = StalenessPolicy(
+                budget_intervals=staleness_budget,
+                barrier_timeout_s=barrier_timeout_s,
+                refresh=schedule,
+                refresh_overhead=refresh_overhead,
+            )
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from None
         if policy.continuous and not self.supports_continuous:
             raise InvalidInputError(
                 f"refresh='continuous' is for eigenbasis optimizers (SOAP, KLShampoo); "
@@ -374,7 +381,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             tiles = plan.split(local_tensor(p.grad).to(state_dtype(p)))
             self._step_param(key, local, tiles, state, group, plan)
         if self.runtime.continuous:
-            self.runtime.pull(self._install)  # the workers free now get the neediest blocks
+            # the workers free now get the neediest blocks; a new step's overhead budget
+            self.runtime.pull(self._install, step_end=True)
         return loss
 
     def _step_param(

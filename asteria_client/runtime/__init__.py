@@ -17,9 +17,10 @@ from asteria_client.runtime.source import (
     PreconditionerResult,
     PreconditionerSource,
 )
-from asteria_client.runtime.staleness import Refresh, StalenessPolicy
+from asteria_client.runtime.staleness import DEFAULT_REFRESH_OVERHEAD, Refresh, StalenessPolicy
 
 __all__ = [
+    "DEFAULT_REFRESH_OVERHEAD",
     "FreshnessRuntime",
     "Mode",
     "PreconditionerRequest",

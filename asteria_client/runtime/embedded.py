@@ -74,16 +74,19 @@ class EmbeddedSource(PreconditionerSource):
     def results_epoch(self) -> int | None:
         return self._engine.results_epoch
 
+    def results_since(self, epoch: int) -> list[str] | None:
+        return self._engine.blocks_with_results_since(epoch, self.tenant)
+
     def credit(self) -> int | None:
         """Idle workers + 1 - snapshots queued in the engine or still being copied; 0 while
         every worker is busy (or the engine is closed)."""
         try:
-            stats = self._engine.stats()
+            idle, queued = self._engine.capacity(self.tenant)  # two counts, no stats snapshot
         except AsteriaError:
             return 0
-        if stats.closed or stats.broken_reason is not None or stats.workers_idle <= 0:
+        if idle <= 0:
             return 0
-        return max(0, stats.workers_idle + 1 - stats.queue_depth - len(self._pending))
+        return max(0, idle + 1 - queued - len(self._pending))
 
     def pump(self) -> None:
         """Hand every snapshot whose host copy is complete to the engine."""

@@ -135,6 +135,26 @@ RequestFn = Callable[[int, int], PreconditionerRequest]
 InstallFn = Callable[[Any, int, PreconditionerResult], None]
 
 
+#: Modules of a model, besides the model itself, whose forward and backward signal the runtime.
+MAX_SIGNAL_MODULES = 64
+
+
+def signal_modules(
+    model: torch.nn.Module, limit: int = MAX_SIGNAL_MODULES
+) -> list[torch.nn.Module]:
+    """The modules of ``model`` that hold parameters themselves (``nn.Linear``, not a
+    container), in registration order, thinned evenly to ``limit``: where its forward and
+    backward spend their time, and a bounded cost per step for a model of thousands."""
+    owners = [
+        module
+        for module in model.modules()
+        if module is not model and next(module.parameters(recurse=False), None) is not None
+    ]
+    if len(owners) <= limit:
+        return owners
+    return [owners[(i * len(owners)) // limit] for i in range(limit)]
+
+
 class FreshnessRuntime:
     """Submits snapshots, installs results, enforces the budget; see the module docstring."""
 
@@ -164,6 +184,13 @@ class FreshnessRuntime:
         #: block -> how to snapshot it (its factor and basis in use, uncopied): drift at install
         self._requests: dict[str, tuple[RequestFn, int, weakref.ref[TileBlocks]]] = {}
         self.refresh_log = RefreshLog()
+        #: continuous schedule: training-thread seconds spent on snapshots and installs since
+        #: the step began, when it began, and the step period (a moving average)
+        self._overhead_s = 0.0
+        self._step_began: float | None = None
+        self._step_period_s: float | None = None
+        self.overhead_pauses = 0  # steps whose pulls paused for the overhead budget
+        self._paused = False
         self._continuous = (
             ContinuousScheduler(seconds_per_n3=source.seconds_per_n3())
             if policy.continuous
@@ -220,7 +247,7 @@ class FreshnessRuntime:
 
     def _submit_block(
         self, tile: TileBlocks, dim: int, block: str, version: int, request: RequestFn
-    ) -> None:
+    ) -> PreconditionerRequest:
         snapshot = request(dim, version)
         tile.submitted[dim] = version
         try:
@@ -228,6 +255,7 @@ class FreshnessRuntime:
         except AsteriaError as exc:  # a source must not take training down
             self.barrier_stats.submit_errors += 1
             self._warn_once("submit", f"could not submit snapshots ({exc}); computing locally")
+        return snapshot
 
     def offer(self, tile: TileBlocks, version: int, request: RequestFn) -> None:
         """Continuous schedule: the tile's factors now hold step ``version``; its blocks may be
@@ -238,22 +266,59 @@ class FreshnessRuntime:
             self._requests[block] = (request, dim, weakref.ref(tile))
         self._continuous.offer(tile, version, request)
 
-    def pull(self, install: InstallFn) -> int:
+    def pull(self, install: InstallFn, *, step_end: bool = False) -> int:
         """Continuous schedule: snapshot the blocks that need it most, as many as the source
-        has credit for (none while every worker is busy); returns how many were copied."""
+        has credit for (none while every worker is busy); returns how many were copied.
+
+        ``step_end``: a step just ended (the optimizer's call): a new overhead budget begins
+        and this pull is always made. Other pulls (from hooks) pause for the rest of the step
+        once the step's snapshots and installs took ``refresh_overhead`` of the step period:
+        each refresh costs the training thread a copy, a drift estimate and a rotation of
+        the moments, and a free worker alone must not decide how many of them a step pays."""
         if self._continuous is None:
             return 0
+        if step_end:
+            self._new_step()
+        elif self._over_budget():
+            return 0
+        start = time.perf_counter()
+        try:
+            return self._pull(install)
+        finally:
+            self._overhead_s += time.perf_counter() - start
+
+    def _new_step(self) -> None:
+        now = time.perf_counter()
+        if self._step_began is not None:
+            period = now - self._step_began
+            last = self._step_period_s
+            self._step_period_s = period if last is None else last + 0.2 * (period - last)
+        self._step_began, self._overhead_s, self._paused = now, 0.0, False
+
+    def _over_budget(self) -> bool:
+        period = self._step_period_s
+        if period is None or self._overhead_s < self.policy.refresh_overhead * period:
+            return False
+        if not self._paused:
+            self._paused = True
+            self.overhead_pauses += 1
+        return True
+
+    def _pull(self, install: InstallFn) -> int:
+        scheduler = self._continuous
+        assert scheduler is not None
         pulled = 0
         with torch.no_grad():
             while True:
-                chosen = self._continuous.choose(self.source.credit())
+                chosen = scheduler.choose(self.source.credit())
                 if not chosen:
                     return pulled
                 tiles = {}
                 for entry in chosen:
-                    self._submit_block(
+                    snapshot = self._submit_block(
                         entry.tile, entry.dim, entry.block, entry.version, entry.request
                     )
+                    scheduler.pulled(entry.block, snapshot)
                     self.refresh_log.record_pull(entry.block)
                     tiles[id(entry.tile)] = entry.tile
                 pulled += len(chosen)
@@ -265,14 +330,18 @@ class FreshnessRuntime:
     ) -> None:
         """Put ``result`` into use, and log the refresh with the drift of the basis it
         replaces (its factor now against the basis in use)."""
+        start = time.perf_counter()
         block = tile.blocks[dim]
         assert block is not None
         known = self._requests.get(block)
         request = None
-        if known is not None and known[2]() is tile:
+        if known is not None and known[2]() is tile and self.refresh_log.wants_drift(block):
             request = known[0](known[1], tile.versions[dim])
         self.refresh_log.record_install(block, request)
+        if self._continuous is not None:
+            self._continuous.installed(block, result)
         install(tile, dim, result)
+        self._overhead_s += time.perf_counter() - start
 
     def install_ready(self, tile: TileBlocks, install: InstallFn) -> None:
         """Install every ready result of the tile's blocks. When the source counts arriving
@@ -380,21 +449,43 @@ class FreshnessRuntime:
             epoch = self.source.results_epoch()
             if epoch is not None and epoch == self._pumped_epoch:
                 return  # nothing arrived since the last scan: hooks stay cheap
-            self._pumped_epoch = epoch
-            for tile in tiles():
+            since, self._pumped_epoch = self._pumped_epoch, epoch
+            for tile in self._tiles_with_results(since, tiles):
                 self.install_ready(tile, install)
             self.pull(install)  # a result arrived: a worker is free
+
+    def _tiles_with_results(
+        self, since: int | None, tiles: Callable[[], Iterable[TileBlocks]]
+    ) -> Iterable[TileBlocks]:
+        """The tiles of the blocks whose results arrived after epoch ``since``; every tile
+        when the source cannot tell or names a block whose tile is not known here."""
+        blocks = None if since is None else self.source.results_since(since)
+        if blocks is None:
+            return tiles()
+        found: dict[int, TileBlocks] = {}
+        for block in blocks:
+            known = self._requests.get(block)
+            tile = None if known is None else known[2]()
+            if tile is None:
+                return tiles()
+            found[id(tile)] = tile
+        return found.values()
 
     # ------------------------------------------------------------------ hooks
     def attach(self, model: torch.nn.Module, pump: Callable[[], None]) -> None:
         """Register hooks on ``model`` that call ``pump`` while it computes.
 
-        Signals: a forward hook on the model and on each of its direct children, and the start
-        of the backward pass — a gradient hook on the model's output, registered by the model's
-        forward hook: it fires where a full backward pre-hook on the model would, without that
-        hook's warning for models whose inputs need no gradient (token ids). ``pump`` is held
-        weakly when it is a bound method: a model must not keep a dropped optimizer (and its
-        worker processes) alive.
+        Signal points (:func:`signal_modules`): the model and up to :data:`MAX_SIGNAL_MODULES`
+        of the modules that hold parameters, spread evenly in registration order. Each signals
+        when its forward returns and again when the backward pass reaches its output (a
+        gradient hook on the output, registered by the forward hook: it fires where a full
+        backward hook would, without that hook's warning for inputs that need no gradient).
+        Signals spread through the whole forward *and* backward pass keep a free solver
+        worker fed: the continuous schedule pulls a snapshot at the first signal after a
+        result arrives, and a GPT's forward hooks on its top-level children alone left the
+        whole backward pass without one. A signal with nothing arrived costs a counter read.
+        ``pump`` is held weakly when it is a bound method: a model must not keep a dropped
+        optimizer (and its worker processes) alive.
         """
         self.detach()
         target: Callable[[], Callable[[], None] | None] = (
@@ -406,20 +497,18 @@ class FreshnessRuntime:
             if call is not None:
                 call()
 
-        def on_forward(_module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
+        def on_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
             signal()
-
-        def on_model_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            signal()
+            if not torch.is_grad_enabled():
+                return
             outputs = output if isinstance(output, tuple | list) else (output,)
             for tensor in outputs:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad: signal())
                     break
 
-        self._hooks.append(model.register_forward_hook(on_model_forward))
-        for child in model.children():
-            self._hooks.append(child.register_forward_hook(on_forward))
+        for module in [model, *signal_modules(model)]:
+            self._hooks.append(module.register_forward_hook(on_forward))
 
     def detach(self) -> None:
         for handle in self._hooks:
@@ -474,8 +563,14 @@ class FreshnessRuntime:
         }
 
     def refresh_stats(self) -> dict[str, Any]:
-        """Per block: installs, refreshes per 100 steps, drift at install (and their means)."""
-        return self.refresh_log.summary()
+        """Per block: installs, refreshes per 100 steps, drift at install (and their means);
+        on the continuous schedule also the overhead budget and the steps whose pulls it
+        paused."""
+        summary = self.refresh_log.summary()
+        if self._continuous is not None:
+            summary["refresh_overhead"] = self.policy.refresh_overhead
+            summary["overhead_pauses"] = self.overhead_pauses
+        return summary
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -1,19 +1,28 @@
 """Which block to refresh next, and how often each block was refreshed.
 
 The continuous schedule (``refresh="continuous"``) has no refresh interval. After each step, and
-whenever a hook pumps results, the runtime asks the source for its *credit* — how many snapshots
-it would start promptly: its free solver workers plus one for the worker that frees next, and
-none at all while every worker is busy — and copies that many factors, no more. So a factor is
-copied only when a worker will take it, and nothing queues behind a busy pool.
+whenever a hook pumps results (the model's hooks fire through the forward *and* the backward
+pass, see ``FreshnessRuntime.attach``), the runtime asks the source for its *credit* — how many
+snapshots it would start promptly: its free solver workers plus one for the worker that frees
+next, and none at all while every worker is busy — and copies that many factors, no more. So a
+factor is copied only when a worker will take it, and nothing queues behind a busy pool.
+
+Each refresh costs the training thread a snapshot copy and, when its result is installed, a
+rotation of the moments. A fast worker would otherwise let refreshes eat the step it was meant
+to spare, so the runtime keeps an *overhead budget*: once the snapshots and installs of a step
+took ``refresh_overhead`` of the step period (5% by default), the hooks pull nothing more until
+the step ends; the pull at the end of each step is always made.
 
 Which factors: the blocks whose basis fits their current factor worst, per CPU-second of solve.
-The fit is a drift estimate computed on the factor's device when a choice is to be made, once
-per new basis and then every :data:`DRIFT_INTERVAL_STEPS` steps per block: for a basis Q of a
-factor L, the off-diagonal energy of QᵀLQ relative to ‖L‖²_F. Column j of QᵀLQ off its
-diagonal has the norm of the residual ``L q_j - (q_jᵀ L q_j) q_j``; a few columns drawn at
-random (:data:`DRIFT_PROBES`) estimate the sum over all columns without bias at O(n²) per
-probe, and ‖QᵀLQ‖_F = ‖L‖_F costs O(n²) too. A block without a basis yet comes first; a block
-in flight is not pulled again.
+The fit is the off-diagonal energy of QᵀLQ relative to ‖L‖²_F, for the basis Q in use and the
+factor L. A new basis brings it along: its result's eigenvalue estimates are diag(QᵀLQ) of the
+snapshot it was computed from, and ‖QᵀLQ‖_F = ‖L‖_F, so its fit is ``‖L‖²_F - Σ diag²`` (no
+product; ``ContinuousScheduler.installed``). From then on it is estimated on the factor's device
+every :data:`DRIFT_INTERVAL_STEPS` steps, when a choice is to be made: column j of QᵀLQ off its
+diagonal has the norm of the residual ``L q_j - (q_jᵀ L q_j) q_j``; a few columns drawn at random
+(:data:`DRIFT_PROBES`) estimate the sum over all columns without bias at O(n²) per probe, and
+‖L‖_F costs O(n²) too. A block without a basis yet comes first; a block in flight is not pulled
+again.
 
     priority = (drift + AGE_WEIGHT * age_steps) / estimated solve seconds
 
@@ -23,10 +32,11 @@ in flight is not pulled again.
 block whose estimate reads zero still gets refreshed, eventually. Blocks whose factor barely moves
 are refreshed rarely, blocks that move fast often.
 
-:class:`RefreshLog` counts, in every mode, each block's installs and the drift of the basis each
-install replaced (measured against the current factor just before the install) — what
-``refresh_stats()`` and the benchmarks report as refreshes per 100 steps and drift at install.
-Drift values stay on the device until a report asks for them: no step waits on them.
+:class:`RefreshLog` counts, in every mode, each block's installs and the drift of the basis an
+install replaced (measured against the current factor just before the install, on at most one
+install per block every :data:`DRIFT_INTERVAL_STEPS` steps) — what ``refresh_stats()`` and the
+benchmarks report as refreshes per 100 steps and drift at install. Drift values stay on the
+device until a report asks for them: no step waits on them.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from typing import Any
 
 import torch
 
-from asteria_client.runtime.source import PreconditionerRequest
+from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
 from asteria_server.types import SolveKind
 
 #: Random columns of the basis each drift estimate looks at.
@@ -65,18 +75,22 @@ def estimate_drift(
     the factor's device, in [0, 1] like the exact value (a sample can overshoot: it is cut)."""
     n = factor.shape[0]
     k = min(probes, n)
-    index = torch.randperm(n, generator=generator)[:k].to(factor.device)
-    if basis is None:
-        columns = torch.zeros(n, k, device=factor.device, dtype=factor.dtype)
-        columns[index, torch.arange(k, device=factor.device)] = 1.0
+    index = torch.randperm(n, generator=generator)[:k]
+    if factor.device.type != "cpu":
+        index = index.to(factor.device)
+    if basis is None:  # the columns of the identity: L's own columns, no product
+        lq = factor.index_select(1, index)
+        rayleigh = lq[index, torch.arange(k, device=factor.device)]
+        off_diagonal = lq.square().sum() - rayleigh.square().sum()
     else:
         columns = basis.index_select(1, index).to(factor.dtype)
-    lq = factor @ columns
-    rayleigh = (columns * lq).sum(dim=0)
-    off_diagonal = (lq - columns * rayleigh).square().sum() * (n / k)
-    total = factor.square().sum()
-    ratio = (off_diagonal / total.clamp_min(1e-30)).clamp_max(1.0)
-    return torch.where(total > 0, ratio, torch.zeros_like(total))
+        lq = factor @ columns
+        rayleigh = (columns * lq).sum(dim=0)
+        off_diagonal = (lq - columns * rayleigh).square().sum()
+    # ‖L‖²_F without an n x n temporary (a new one per estimate cost page faults at n >= 512)
+    total = torch.linalg.vector_norm(factor).square()
+    # total = 0 means L = 0, whose off-diagonal energy is 0: the clamp keeps 0 / tiny = 0.
+    return (off_diagonal * (n / k) / total.clamp_min(1e-30)).clamp(0.0, 1.0)
 
 
 @dataclass
@@ -89,6 +103,7 @@ class BlockRefreshes:
     drift_count: int = 0
     last_drift: torch.Tensor | None = None
     pulls: int = 0
+    drift_step: int | None = None  # the step of the last drift sample
 
 
 class RefreshLog:
@@ -108,16 +123,32 @@ class RefreshLog:
     def record_install(self, block: str, request: PreconditionerRequest | None) -> None:
         """Count an install; ``request`` (the block's factor and the basis about to be
         replaced, uncopied) gives the drift at install, for a computed basis only (not the
-        identity a tile starts in)."""
+        identity a tile starts in), sampled: at most one install per block every
+        :data:`DRIFT_INTERVAL_STEPS` steps is measured (measuring each of the 15 installs a
+        step of continuous refresh makes cost 3% of the step), so the reported drift at
+        install is the mean over the sampled installs."""
         entry = self.blocks.setdefault(block, BlockRefreshes())
         entry.installs += 1
         if request is None or request.kind is not SolveKind.EIGENBASIS or request.basis is None:
             return
+        if not self.wants_drift(block):
+            return
+        entry.drift_step = self.step
         with torch.no_grad():
             drift = estimate_drift(request.matrix, request.basis, self.generator)
         entry.drift_sum = drift if entry.drift_sum is None else entry.drift_sum + drift
         entry.drift_count += 1
         entry.last_drift = drift
+
+    def wants_drift(self, block: str) -> bool:
+        """Whether the next install of ``block`` is one whose drift is sampled (the caller
+        need not build its request otherwise)."""
+        entry = self.blocks.get(block)
+        return (
+            entry is None
+            or entry.drift_step is None
+            or self.step - entry.drift_step >= DRIFT_INTERVAL_STEPS
+        )
 
     def record_pull(self, block: str) -> None:
         self.blocks.setdefault(block, BlockRefreshes()).pulls += 1
@@ -169,6 +200,11 @@ class Candidate:
     drift: float = math.inf  # unknown until measured
     drift_version: int = -1  # the factor's version when drift was measured
     drift_basis: int = -1  # the basis's version when drift was measured
+    #: a drift computed on the device, not read yet (the next choice reads it with the rest)
+    drift_unread: torch.Tensor | None = None
+    #: the version of the snapshot in flight and its ‖L‖²_F (a device tensor)
+    pulled_version: int = -1
+    pulled_norm2: torch.Tensor | None = None
 
     def drift_stale(self) -> bool:
         """The estimate is of another basis, or DRIFT_INTERVAL_STEPS old."""
@@ -197,6 +233,7 @@ class ContinuousScheduler:
     seconds_per_n3: float
     generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1))
     candidates: dict[str, Candidate] = field(default_factory=dict)
+    unread: list[Candidate] = field(default_factory=list)  # their drift_unread is set
 
     def offer(
         self,
@@ -221,6 +258,34 @@ class ContinuousScheduler:
             entry.request = request
             entry.version = version
 
+    def pulled(self, block: str, request: PreconditionerRequest) -> None:
+        """A snapshot of ``block`` was taken: keep its ‖L‖²_F (no host read) for
+        :meth:`installed`."""
+        entry = self.candidates.get(block)
+        if entry is None or request.kind is not SolveKind.EIGENBASIS:
+            return
+        entry.pulled_version = request.version
+        entry.pulled_norm2 = torch.linalg.vector_norm(request.matrix).square()
+
+    def installed(self, block: str, result: PreconditionerResult) -> None:
+        """``result`` goes into use: its drift against the snapshot it was computed from
+        comes with it. The result's eigenvalue estimates are ``diag(QᵀLQ)`` of that snapshot
+        (exact eigenvalues for a full eigh), and ``‖QᵀLQ‖_F = ‖L‖_F`` for an orthonormal Q,
+        so its off-diagonal energy is ``‖L‖²_F - Σ diag²`` — no probe, no product. The next
+        estimate is due :data:`DRIFT_INTERVAL_STEPS` steps later, when the factor has moved."""
+        entry = self.candidates.get(block)
+        if entry is None:
+            return
+        norm2, entry.pulled_norm2 = entry.pulled_norm2, None
+        if norm2 is None or result.version != entry.pulled_version or result.eigenvalues is None:
+            return
+        estimates = result.eigenvalues.to(norm2.device, norm2.dtype)
+        off_diagonal = norm2 - estimates.square().sum()
+        entry.drift_unread = (off_diagonal / norm2.clamp_min(1e-30)).clamp(0.0, 1.0)
+        self.unread.append(entry)
+        entry.drift_version = result.version
+        entry.drift_basis = result.version
+
     def choose(self, credit: int | None) -> list[Candidate]:
         """The blocks to pull now, best first: all pullable ones when ``credit`` is None
         (a source without limit), else at most ``credit``."""
@@ -234,8 +299,16 @@ class ContinuousScheduler:
         return ready[:credit]
 
     def _measure(self, stale: list[Candidate]) -> None:
-        """New drift estimates for ``stale``, one host read for all of them."""
+        """New drift estimates for ``stale``, read from the device at once with those that
+        came with installed results (:meth:`installed`)."""
         measured, values = [], []
+        for entry in self.unread:
+            if entry.drift_unread is not None:
+                measured.append(entry)
+                values.append(entry.drift_unread)
+                entry.drift_unread = None
+        self.unread.clear()
+        unread = len(measured)
         with torch.no_grad():
             for entry in stale:
                 if entry.tile.versions[entry.dim] < 0:
@@ -249,7 +322,9 @@ class ContinuousScheduler:
             return
         device = values[0].device
         read = torch.stack([v.to(device) for v in values]).tolist()
-        for entry, value in zip(measured, read, strict=True):
+        for entry, value in zip(measured[:unread], read[:unread], strict=True):
+            entry.drift = float(value)  # versions set when the result was installed
+        for entry, value in zip(measured[unread:], read[unread:], strict=True):
             entry.drift = float(value)
             entry.drift_version = entry.version
             entry.drift_basis = entry.tile.versions[entry.dim]

@@ -125,6 +125,12 @@ class PreconditionerSource(abc.ABC):
         Lets the optimizer's hooks skip scanning every block when nothing new arrived."""
         return None
 
+    def results_since(self, epoch: int) -> list[str] | None:
+        """The blocks whose newest result arrived after :meth:`results_epoch` read ``epoch``,
+        or None if the source cannot tell (the runtime then scans every block). Lets a hook
+        that sees one new result install that block's tile alone."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         """Source-wide counters for ``runtime_stats()`` (engine, connection, transfers)."""
         return {}

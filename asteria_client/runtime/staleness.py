@@ -26,6 +26,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+#: The continuous schedule's default ``refresh_overhead``: 5% of the step time.
+DEFAULT_REFRESH_OVERHEAD = 0.05
+
 
 class Freshness(enum.Enum):
     """A block's staleness as a value (never an exception)."""
@@ -45,11 +48,14 @@ class Refresh(enum.Enum):
 @dataclass(frozen=True, kw_only=True)
 class StalenessPolicy:
     """``budget_intervals`` = S (refresh intervals; steps on the continuous schedule);
-    ``barrier_timeout_s`` bounds each wait before local fallback."""
+    ``barrier_timeout_s`` bounds each wait before local fallback; ``refresh_overhead``
+    (continuous schedule): the share of the step time the training thread may spend taking
+    snapshots and installing results (see :mod:`.refresh`)."""
 
     budget_intervals: int = 1
     barrier_timeout_s: float = 30.0
     refresh: Refresh = Refresh.AMORTIZED
+    refresh_overhead: float = DEFAULT_REFRESH_OVERHEAD
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_intervals, int) or self.budget_intervals < 0:
@@ -61,6 +67,15 @@ class StalenessPolicy:
             raise ValueError(f"barrier_timeout_s must be > 0, got {self.barrier_timeout_s!r}")
         if not isinstance(self.refresh, Refresh):
             raise ValueError(f"refresh must be a Refresh, got {self.refresh!r}")
+        if (
+            isinstance(self.refresh_overhead, bool)
+            or not isinstance(self.refresh_overhead, int | float)
+            or not 0.0 < self.refresh_overhead <= 1.0
+        ):
+            raise ValueError(
+                f"refresh_overhead must be a share of the step time in (0, 1], "
+                f"got {self.refresh_overhead!r}"
+            )
 
     @property
     def continuous(self) -> bool:

@@ -77,6 +77,7 @@ class TrainConfig:
     precondition_frequency: int | None = None
     staleness_budget: int | None = None
     refresh: Refresh | None = None
+    refresh_overhead: float | None = None
     engine_workers: int | None = None
     engine_cpu_affinity: tuple[int, ...] | None = None
     flush_denormal: bool = True
@@ -124,6 +125,18 @@ class TrainConfig:
             _require_int("staleness_budget", self.staleness_budget, minimum=0)
         if self.engine_workers is not None:
             _require_int("engine_workers", self.engine_workers, minimum=1)
+        if self.refresh_overhead is not None:
+            if self.refresh is not Refresh.CONTINUOUS:
+                _fail(
+                    "refresh_overhead",
+                    self.refresh_overhead,
+                    "applies only to refresh='continuous' (--refresh continuous)",
+                )
+            overhead = self.refresh_overhead
+            if isinstance(overhead, bool) or not isinstance(overhead, int | float):
+                _fail("refresh_overhead", overhead, "must be a number in (0, 1]")
+            if not 0 < overhead <= 1:
+                _fail("refresh_overhead", overhead, "must be a share of the step time in (0, 1]")
         if self.lr is not None:
             _require_positive_float("lr", self.lr)
         if not isinstance(self.flush_denormal, bool):
@@ -151,7 +164,13 @@ class TrainConfig:
                     "applies only to Asteria's second-order optimizers; adamw has no "
                     "preconditioner (leave --mode out or pick shampoo, soap or kl-shampoo)",
                 )
-            for name in ("staleness_budget", "refresh", "engine_workers", "engine_cpu_affinity"):
+            for name in (
+                "staleness_budget",
+                "refresh",
+                "refresh_overhead",
+                "engine_workers",
+                "engine_cpu_affinity",
+            ):
                 if getattr(self, name) is not None:
                     _fail(name, getattr(self, name), "applies only to second-order optimizers")
             if self.precondition_frequency is not None:

@@ -290,7 +290,14 @@ class Trainer:
             staleness_budget=cfg.staleness_budget,
             engine_workers=cfg.engine_workers,
             engine_cpu_affinity=cfg.engine_cpu_affinity,
-            options=() if cfg.refresh is None else (("refresh", cfg.refresh.value),),
+            options=(
+                (() if cfg.refresh is None else (("refresh", cfg.refresh.value),))
+                + (
+                    ()
+                    if cfg.refresh_overhead is None
+                    else (("refresh_overhead", cfg.refresh_overhead),)
+                )
+            ),
         )
         if optimizer_factory is not None:
             self.optimizer = optimizer_factory(self.model)

@@ -211,6 +211,8 @@ class DaemonSource(PreconditionerSource):
         self._registered: set[str] = set()  # blocks declared to the current session
         self._job: RegisteredJob | None = None  # registered again on every new session
         self._results_epoch = 0  # results received so far: lets the runtime skip idle scans
+        #: block -> the epoch its result became ready at, in epoch order (newest last)
+        self._ready_epochs: dict[str, int] = {}
         #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         #: Shared memory: wanted for a ``unix://`` daemon unless turned off.
@@ -271,7 +273,7 @@ class DaemonSource(PreconditionerSource):
             if block.ready is not None:
                 # A warm-start result that came before this first snapshot can be taken now:
                 # tell the scans that skip tiles while no result arrived to look again.
-                self._results_epoch += 1
+                self._note_ready(name)
         return block
 
     def expect(self, request: PreconditionerRequest) -> None:
@@ -634,7 +636,7 @@ class DaemonSource(PreconditionerSource):
                 return
             block.received_version = result.version
             block.ready = result
-            self._results_epoch += 1
+            self._note_ready(name)
             submitted = block.submitted_at.pop(result.version, None)
             if submitted is not None:
                 self._latencies.append(time.monotonic() - submitted)
@@ -684,6 +686,22 @@ class DaemonSource(PreconditionerSource):
 
     def results_epoch(self) -> int | None:
         return self._results_epoch  # an int read: no lock needed
+
+    def results_since(self, epoch: int) -> list[str] | None:
+        with self._lock:
+            newer = []
+            for name in reversed(self._ready_epochs):  # newest last: stop at the first older
+                if self._ready_epochs[name] <= epoch:
+                    break
+                newer.append(name)
+            return newer
+
+    def _note_ready(self, name: str) -> None:
+        """Block ``name`` has a result to take (lock held): a new epoch, the block moved to
+        the end of the epoch order."""
+        self._results_epoch += 1
+        self._ready_epochs.pop(name, None)
+        self._ready_epochs[name] = self._results_epoch
 
     def _in_flight(self, block: _Block) -> int | None:
         """The newest version queued or sent in this session and not answered yet (locked)."""

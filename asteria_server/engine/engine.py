@@ -379,7 +379,7 @@ class PreconditionerEngine:
         """``(idle workers, snapshots of tenant waiting for a worker)`` now: what a client
         that pulls snapshots (the continuous schedule) needs to know. Cheap: two counts."""
         with self._cond:
-            if self._closed or self._broken is not None:
+            if self._closing or self._broken is not None:
                 return 0, self._coord.queue_depth(tenant)
             busy = self._coord.scheduler.num_running()
             return max(0, self._pool.num_workers - busy), self._coord.queue_depth(tenant)

@@ -62,3 +62,21 @@ def test_a_lost_handover_connection_is_noticed_and_the_segments_handed_over_agai
         assert len(memfd_maps(daemon.proc.pid)) == mapped
     finally:
         source.close()
+
+
+def test_results_since_names_the_blocks_whose_results_arrived(daemon: Daemon) -> None:
+    """What lets a hook install one arrival's tile instead of asking for every block."""
+    source = DaemonSource(daemon.target, config=DaemonClientConfig(connect_timeout_s=WAIT_S))
+    try:
+        for block in ("a", "b"):
+            source.submit(root_request(block, 1, 16, 1))
+            assert source.wait(block, 1, WAIT_S) is not None
+        epoch = source.results_epoch()
+        assert epoch is not None
+        assert source.results_since(epoch) == []
+        assert sorted(source.results_since(0) or []) == ["a", "b"]
+        source.submit(root_request("b", 2, 16, 2))
+        assert source.wait("b", 2, WAIT_S) is not None
+        assert source.results_since(epoch) == ["b"]
+    finally:
+        source.close()

@@ -8,6 +8,7 @@ the same schedule on the real embedded engine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,8 @@ from hypothesis import strategies as st
 
 from asteria_client import SOAP, KLShampoo, Shampoo
 from asteria_client.optim.tensor_ops import project
-from asteria_client.runtime.refresh import estimate_drift
+from asteria_client.runtime import TileBlocks
+from asteria_client.runtime.refresh import ContinuousScheduler, estimate_drift
 from asteria_client.runtime.source import (
     NativeSource,
     PreconditionerRequest,
@@ -28,6 +30,7 @@ from asteria_client.runtime.source import (
 )
 from asteria_client.runtime.staleness import Refresh, StalenessPolicy
 from asteria_server.errors import InvalidInputError
+from asteria_server.types import SolveKind
 
 
 class InstantSource(NativeSource):
@@ -303,6 +306,11 @@ def test_drift_estimate_is_zero_for_the_eigenbasis_and_grows_with_rotation() -> 
     m = q.T @ factor @ q
     exact = float((m - torch.diag(m.diagonal())).square().sum() / factor.square().sum())
     assert small == pytest.approx(exact, rel=1e-9)
+    # No basis: the identity's columns, read off L itself.
+    identity = torch.eye(32, dtype=torch.float64)
+    plain = float(estimate_drift(factor, None, torch.Generator().manual_seed(3), probes=5))
+    eye = float(estimate_drift(factor, identity, torch.Generator().manual_seed(3), probes=5))
+    assert 0 < plain == pytest.approx(eye, rel=1e-9)
 
 
 # --------------------------------------------------------------------------- consistency, input
@@ -383,3 +391,111 @@ def test_continuous_budget_is_in_steps() -> None:
     assert policy.lag_steps(10, 4, step=12) == 2
     assert policy.lag_steps(10, 10, step=12) == 0
     assert policy.budget_steps(10) == 2
+
+
+# --------------------------------------------------------------------------- drift from results
+def test_an_installed_result_brings_its_drift_against_its_snapshot() -> None:
+    """A QR refresh's eigenvalue estimates are diag(Q^T L Q) of the snapshot it came from, so
+    the scheduler takes the new basis's drift from them (‖L‖² - Σ diag²) instead of probing:
+    it equals the exact off-diagonal energy of Q^T L Q over ‖L‖², and an install costs no
+    drift estimate."""
+    torch.manual_seed(0)
+    a = torch.randn(12, 40, dtype=torch.float64)
+    factor = a @ a.T
+    _, vectors = torch.linalg.eigh(factor)
+    turn, _ = torch.linalg.qr(torch.eye(12, dtype=torch.float64) + 0.3 * torch.randn(12, 12))
+    basis = vectors @ turn  # a stale basis: a QR refresh improves it, not to exact
+    request = PreconditionerRequest(
+        block="w/tile0/dim0",
+        version=7,
+        kind=SolveKind.EIGENBASIS,
+        matrix=factor,
+        basis=basis,
+        base_version=3,
+    )
+    result = compute_locally(request)
+    assert result.eigenvalues is not None
+    scheduler = ContinuousScheduler(seconds_per_n3=1e-9)
+    tile = TileBlocks(blocks=["w/tile0/dim0"], versions=[3], submitted=[7])
+    scheduler.offer(tile, 7, lambda dim, version: request)
+    scheduler.pulled("w/tile0/dim0", request)
+    scheduler.installed("w/tile0/dim0", result)
+    tile.versions[0] = 7
+    entry = scheduler.candidates["w/tile0/dim0"]
+    assert not entry.drift_stale()  # known for the new basis: nothing to probe
+    scheduler._measure([])
+    q = result.matrix.to(torch.float64)
+    m = q.T @ factor @ q
+    exact = float((m - torch.diag(m.diagonal())).square().sum() / factor.square().sum())
+    assert exact > 1e-6  # one power step does not diagonalize it: a real figure to match
+    assert entry.drift == pytest.approx(exact, rel=1e-3, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- overhead budget
+class SlowInstallSOAP(SOAP):
+    """SOAP whose installs take 2 ms of the training thread (a large block's rotation)."""
+
+    def _install(self, tile: Any, dim: int, result: PreconditionerResult) -> None:  # type: ignore[override]
+        time.sleep(0.002)
+        SOAP._install(tile, dim, result)
+
+
+def _hook_pulls(overhead: float) -> tuple[int, int]:
+    """Pulls made by hooks and by step ends in steps 3-12 (two step ends measure the step
+    period first) of a model with four Linear layers, whose one (simulated) worker finishes
+    every job by the next hook, with 2 ms installs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(4)))
+    source = DelayedSource(1, [0])
+    opt = SlowInstallSOAP(
+        model.named_parameters(),
+        source=source,
+        refresh="continuous",
+        staleness_budget=2,
+        refresh_overhead=overhead,
+    )
+    opt.attach(model)
+    runtime = opt.runtime
+    pulls = {"hook": 0, "step": 0, "steps_done": 0}
+    real_pull = runtime.pull
+
+    def counting_pull(install: Any, *, step_end: bool = False) -> int:
+        n = real_pull(install, step_end=step_end)
+        if pulls["steps_done"] >= 2:
+            pulls["step" if step_end else "hook"] += n
+        pulls["steps_done"] += step_end
+        return n
+
+    runtime.pull = counting_pull  # type: ignore[method-assign]
+    real_pump = runtime.pump
+
+    def ticking_pump(tiles: Any, install: Any) -> None:
+        source.tick()  # the worker finished its job since the last signal
+        real_pump(tiles, install)
+
+    runtime.pump = ticking_pump  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(12):
+        x = torch.randn(8, 6, generator=gen)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        time.sleep(0.01)  # the rest of a step: the budget is a share of the step period
+        opt.step()
+    return pulls["hook"], pulls["step"]
+
+
+def test_hooks_pull_while_the_overhead_budget_lasts() -> None:
+    """With the whole step as budget the hooks keep the free worker fed between steps; with
+    a budget below one install they pull nothing, and the step ends still pull (the floor)."""
+    hook_free, step_free = _hook_pulls(1.0)
+    hook_tight, step_tight = _hook_pulls(1e-6)
+    assert hook_free >= 20, (hook_free, step_free)
+    assert hook_tight == 0, (hook_tight, step_tight)
+    assert step_tight >= 10  # every step end pulled
+
+
+def test_refresh_overhead_is_checked() -> None:
+    model = _model()
+    for bad in (0.0, -0.1, 1.5, True, "x"):
+        with pytest.raises(InvalidInputError, match="refresh_overhead"):
+            SOAP(model.named_parameters(), refresh="continuous", refresh_overhead=bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from asteria_client import SOAP
+from asteria_client.runtime.freshness import signal_modules
 from asteria_client.runtime.source import NativeSource, PreconditionerResult
 
 
@@ -101,3 +102,113 @@ def test_at_s0_results_go_into_use_in_dim_order_whatever_order_they_arrive_in() 
     assert versions == native_versions == [11] * 4  # every refresh went into use
     for name, value in native.items():
         assert torch.equal(reordered[name], value), (name, (reordered[name] - value).abs().max())
+
+
+# --------------------------------------------------------------------------- hooks
+class _Net(torch.nn.Module):
+    """Parameters behind a ModuleList, whose own forward never runs (as in a GPT's blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)
+        )
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _signals(model: torch.nn.Module, grad: bool) -> tuple[int, int]:
+    """Signals during one forward and during its backward."""
+    opt = SOAP(model.named_parameters(), mode="native")
+    calls = [0]
+
+    def pump() -> None:
+        calls[0] += 1
+
+    opt.runtime.attach(model, pump)
+    with torch.set_grad_enabled(grad):
+        out = model(torch.randn(3, 4)).square().sum()
+    forward = calls[0]
+    if grad:
+        out.backward()
+    return forward, calls[0] - forward
+
+
+def test_hooks_signal_through_the_forward_and_the_backward_pass() -> None:
+    """Every module holding parameters signals after its forward and when the backward pass
+    reaches its output, also those inside containers whose forward never runs (a forward
+    hook on the model's direct children alone left the backward pass with one signal)."""
+    model = _Net()
+    assert len(signal_modules(model)) == 5  # embed, three Linear in blocks, head
+    forward, backward = _signals(model, grad=True)
+    assert (forward, backward) == (6, 6)  # the five, and the model itself
+    assert _signals(model, grad=False) == (6, 0)  # no gradient: no backward hooks registered
+
+
+def test_signal_modules_are_thinned_evenly_in_model_order() -> None:
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(100)))
+    chosen = signal_modules(model, limit=10)
+    assert [int(name) for name, m in model.named_children() if any(m is c for c in chosen)] == [
+        0,
+        10,
+        20,
+        30,
+        40,
+        50,
+        60,
+        70,
+        80,
+        90,
+    ]
+    assert signal_modules(torch.nn.Tanh()) == []
+
+
+# --------------------------------------------------------------------------- pumps
+class HeldSource(CountingSource):
+    """A counting native source whose results arrive only when the test releases them, and
+    which names the blocks that arrived since an epoch (as the embedded and daemon sources
+    do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, PreconditionerResult] = {}
+        self.arrivals: dict[str, int] = {}
+
+    def submit(self, request):  # type: ignore[no-untyped-def]
+        NativeSource.submit(self, request)
+        self.held[request.block] = self._ready.pop(request.block)
+
+    def release(self, block: str) -> None:
+        self._ready[block] = self.held.pop(block)
+        self.epoch += 1
+        self.arrivals[block] = self.epoch
+
+    def results_since(self, epoch: int) -> list[str] | None:
+        return [block for block, at in self.arrivals.items() if at > epoch]
+
+
+def test_a_pump_asks_only_for_the_tiles_whose_results_arrived() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+    source = HeldSource()
+    opt = SOAP(model.named_parameters(), source=source, precondition_frequency=1)
+    x = torch.randn(4, 8)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()  # snapshots of the six blocks, held
+    blocks = sorted(source.held)
+    assert len(blocks) == 6
+    opt.pump()  # records the epoch
+    before = source.takes
+    source.release(blocks[0])
+    opt.pump()
+    assert source.takes - before == 2  # the released block's tile (two dims), not all six
+    versions = {row["block"]: row["version"] for row in opt.preconditioner_status()}
+    assert versions[blocks[0]] == 1
+    assert all(versions[b] < 1 for b in blocks[1:])
