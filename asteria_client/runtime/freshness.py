@@ -191,6 +191,7 @@ class FreshnessRuntime:
         self._step_period_s: float | None = None
         self.overhead_pauses = 0  # steps whose pulls paused for the overhead budget
         self._paused = False
+        self._pulling = False
         self._continuous = (
             ContinuousScheduler(seconds_per_n3=source.seconds_per_n3())
             if policy.continuous
@@ -281,10 +282,11 @@ class FreshnessRuntime:
             self._new_step()
         elif self._over_budget():
             return 0
-        start = time.perf_counter()
+        start, self._pulling = time.perf_counter(), True
         try:
             return self._pull(install)
         finally:
+            self._pulling = False
             self._overhead_s += time.perf_counter() - start
 
     def _new_step(self) -> None:
@@ -341,7 +343,8 @@ class FreshnessRuntime:
         if self._continuous is not None:
             self._continuous.installed(block, result)
         install(tile, dim, result)
-        self._overhead_s += time.perf_counter() - start
+        if not self._pulling:  # a pull counts its installs (a synchronous source's) itself
+            self._overhead_s += time.perf_counter() - start
 
     def install_ready(self, tile: TileBlocks, install: InstallFn) -> None:
         """Install every ready result of the tile's blocks. When the source counts arriving

@@ -10,7 +10,7 @@ factor is copied only when a worker will take it, and nothing queues behind a bu
 Each refresh costs the training thread a snapshot copy and, when its result is installed, a
 rotation of the moments. A fast worker would otherwise let refreshes eat the step it was meant
 to spare, so the runtime keeps an *overhead budget*: once the snapshots and installs of a step
-took ``refresh_overhead`` of the step period (5% by default), the hooks pull nothing more until
+took ``refresh_overhead`` of the step period (4% by default), the hooks pull nothing more until
 the step ends; the pull at the end of each step is always made.
 
 Which factors: the blocks whose basis fits their current factor worst, per CPU-second of solve.

@@ -26,8 +26,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-#: The continuous schedule's default ``refresh_overhead``: 5% of the step time.
-DEFAULT_REFRESH_OVERHEAD = 0.05
+#: The continuous schedule's default ``refresh_overhead``: 4% of the step time.
+DEFAULT_REFRESH_OVERHEAD = 0.04
 
 
 class Freshness(enum.Enum):
