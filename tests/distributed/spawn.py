@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 from typing import Any
 
 import torch
@@ -24,9 +25,19 @@ def init(rank: int, world: int, tmp: str, tag: str = "rendezvous") -> None:
     )
 
 
-def finish() -> None:
-    """Every rank gets here before any tears gloo down (see tests/distributed/test_ranks.py)."""
+def leave() -> None:
+    """Before a rank tears gloo down, after it dropped its DDP wrappers and optimizers: free
+    them now, then wait for every rank. A group destroyed while a peer still talks to it
+    aborts the process ("terminate called without an active exception"), and so may a DDP
+    reducer freed after its group: the reducer sits in reference cycles, which only a
+    collection frees (a CI run saw that abort once, after ``del ddp`` alone)."""
+    gc.collect()
     dist.barrier()
+
+
+def finish() -> None:
+    """Every rank gets here before any tears gloo down (:func:`leave`)."""
+    leave()
     dist.destroy_process_group()
 
 

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from asteria_client.daemon_process import DaemonProcess
 from asteria_client.peers_status import peers_document
 from asteria_client.status import StatusReader
+from tests.distributed.spawn import leave
 
 TENANT = "t"
 TOKEN = "secret"
@@ -135,7 +136,7 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
         }
         (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(out))
         del ddp, opt
-        dist.barrier()
+        leave()
     finally:
         dist.destroy_process_group()
 

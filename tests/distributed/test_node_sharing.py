@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from asteria_client import SOAP
 from asteria_client.cli import main
 from asteria_client.status import StatusReader
-from tests.distributed.spawn import init
+from tests.distributed.spawn import init, leave
 from tests.integration.test_daemon import start_daemon, stop_daemon
 
 WORLD = 4
@@ -60,7 +60,7 @@ def _rank(rank: int, tmp: str, address: str) -> None:
             opt.close()
         (Path(tmp) / f"stats{rank}.json").write_text(json.dumps(stats))
         del ddp, opt
-        dist.barrier()
+        leave()
     finally:
         dist.destroy_process_group()
 

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from asteria_client import SOAP, Shampoo
 from asteria_client.distributed import JobLayout, discover_layout
 from asteria_server.engine import EngineConfig
-from tests.distributed.spawn import init
+from tests.distributed.spawn import init, leave
 from tests.integration.test_daemon import LaunchedDaemon, start_daemon, stop_daemon
 
 WORLD = 2
@@ -137,11 +137,10 @@ def _ddp_rank(rank: int, tmp: str, name: str, address: str) -> None:
             opt.close()  # type: ignore[attr-defined]
         torch.save(model.state_dict(), f"{tmp}/params{rank}.pt")
         torch.save(stats, f"{tmp}/stats{rank}.pt")
-        # Every rank gets here before any tears gloo down (a group destroyed while a peer still
-        # talks to it aborts the process: "terminate called without an active exception"), and
-        # the reducer, which holds the group, goes first.
+        # The reducer, which holds the group, goes first; then every rank gets here before any
+        # tears gloo down (see leave()).
         del ddp, opt
-        dist.barrier()
+        leave()
     finally:
         dist.destroy_process_group()
 
@@ -213,7 +212,7 @@ def _warning_rank(rank: int, tmp: str) -> None:
             seen[budget] = [str(w.message) for w in caught if "drift apart" in str(w.message)]
         torch.save(seen, f"{tmp}/warnings{rank}.pt")
         del ddp
-        dist.barrier()
+        leave()
     finally:
         dist.destroy_process_group()
 
