@@ -233,7 +233,9 @@ class ContinuousScheduler:
     seconds_per_n3: float
     generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1))
     candidates: dict[str, Candidate] = field(default_factory=dict)
-    unread: list[Candidate] = field(default_factory=list)  # their drift_unread is set
+    #: candidates whose drift_unread is set, each once (a source without a credit limit never
+    #: measures, so nothing else would bound this list)
+    unread: list[Candidate] = field(default_factory=list)
 
     def offer(
         self,
@@ -281,8 +283,9 @@ class ContinuousScheduler:
             return
         estimates = result.eigenvalues.to(norm2.device, norm2.dtype)
         off_diagonal = norm2 - estimates.square().sum()
+        if entry.drift_unread is None:  # listed once until read: bounded by the blocks
+            self.unread.append(entry)
         entry.drift_unread = (off_diagonal / norm2.clamp_min(1e-30)).clamp(0.0, 1.0)
-        self.unread.append(entry)
         entry.drift_version = result.version
         entry.drift_basis = result.version
 

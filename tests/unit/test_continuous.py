@@ -499,3 +499,14 @@ def test_refresh_overhead_is_checked() -> None:
     for bad in (0.0, -0.1, 1.5, True, "x"):
         with pytest.raises(InvalidInputError, match="refresh_overhead"):
             SOAP(model.named_parameters(), refresh="continuous", refresh_overhead=bad)
+
+
+def test_unread_drifts_stay_bounded_without_a_credit_limit() -> None:
+    """A source without a credit limit never needs a choice, so nothing reads the drifts that
+    installed results bring: they are kept once per block, not once per install."""
+    model = _model()
+    opt = SOAP(model.named_parameters(), source=InstantSource(), refresh="continuous")
+    _train(model, opt, 30)
+    scheduler = opt.runtime._continuous
+    assert scheduler is not None
+    assert 0 < len(scheduler.unread) <= len(scheduler.candidates)
