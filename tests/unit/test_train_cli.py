@@ -22,6 +22,7 @@ from asteria_client.train import loop, optimizers
 from asteria_client.train.config import Schedule, TrainConfig
 from asteria_client.train.loop import (
     BatchSampler,
+    Trainer,
     TrainingDivergedError,
     lr_multiplier,
     run_training,
@@ -89,6 +90,7 @@ def tiny_config(**overrides: Any) -> TrainConfig:
         ("lr_sweep", (1e-3, 1e-3)),
         ("sweep_steps", 10),  # without lr_sweep
         ("engine_cpu_affinity", (0,)),  # adamw has no engine
+        ("refresh_overhead", 0.1),  # only with refresh="continuous"
     ],
 )
 def test_config_rejects_bad_values_by_field(field: str, value: object) -> None:
@@ -115,6 +117,14 @@ def test_config_checks_the_sweep_against_the_run() -> None:
         TrainConfig(lr_sweep=(1e-3,), sweep_steps=50, steps=20)
     with pytest.raises(ValueError, match=r"TrainConfig.engine_cpu_affinity=.*does not have"):
         TrainConfig(optimizer="soap", engine_cpu_affinity=(100_000,))
+
+
+def test_refresh_overhead_reaches_the_optimizer() -> None:
+    cfg = tiny_config(optimizer="soap", mode="native", refresh="continuous", refresh_overhead=0.2)
+    with Trainer(cfg) as trainer:
+        assert trainer.optimizer.runtime.policy.refresh_overhead == 0.2  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"TrainConfig.refresh_overhead=1.5 must be a share"):
+        TrainConfig(optimizer="soap", refresh="continuous", refresh_overhead=1.5)
 
 
 def test_adamw_refuses_preconditioner_settings() -> None:
@@ -331,6 +341,11 @@ _PROGRESS = re.compile(r"^step +(\d+)/\d+ .*$")
         (["train", "--lr-sweep", "1e-3,1e-3"], "--lr-sweep"),
         (["train", "--lr-sweep", "1e-3", "--lr", "1e-3"], "--lr-sweep"),
         (["train", "--sweep-steps", "5"], "--sweep-steps"),
+        (["train", "--optimizer", "soap", "--refresh-overhead", "0.1"], "--refresh-overhead"),
+        (
+            ["train", "--optimizer", "soap", "--refresh", "continuous", "--refresh-overhead", "2"],
+            "--refresh-overhead",
+        ),
         (["train", "--lr-sweep", "1e-3", "--sweep-steps", "0"], "--sweep-steps"),
         (["bogus"], "COMMAND"),
     ],
