@@ -403,11 +403,6 @@ def _gone(pid: int) -> bool:
     return stat_line.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
-def _children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
-
-
 def test_a_launched_daemon_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
     """A benchmark or test run killed with SIGKILL leaves no daemon (nor workers) behind: the
     launcher's daemon watches it (--stop-with-pid) and stops as on SIGTERM."""
