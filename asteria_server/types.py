@@ -36,6 +36,33 @@ ACCEPTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 DEFAULT_TENANT = "local"
 
 
+class ArrivalOrder:
+    """Names with the epoch each last arrived at, kept in arrival order (newest last), so
+    :meth:`since` reads only the names newer than asked, not all of them. The epochs come
+    from the caller's counter (one counter may serve several orders). Not thread-safe: the
+    owner's lock guards it."""
+
+    def __init__(self) -> None:
+        self._epochs: dict[str, int] = {}
+
+    def note(self, name: str, epoch: int) -> None:
+        """``name`` arrived at ``epoch`` (not below any epoch noted before): it moves last."""
+        self._epochs.pop(name, None)
+        self._epochs[name] = epoch
+
+    def forget(self, name: str) -> None:
+        self._epochs.pop(name, None)
+
+    def since(self, epoch: int) -> list[str]:
+        """The names that arrived after ``epoch``, newest first."""
+        newer = []
+        for name in reversed(self._epochs):
+            if self._epochs[name] <= epoch:
+                break
+            newer.append(name)
+        return newer
+
+
 class SolveKind(enum.Enum):
     """What a block needs computed from its factor snapshot."""
 

@@ -71,6 +71,7 @@ from asteria_server.protocol.shm import (
     snapshot_specs,
 )
 from asteria_server.types import (
+    ArrivalOrder,
     BlockStatus,
     Credit,
     EngineStats,
@@ -211,8 +212,8 @@ class DaemonSource(PreconditionerSource):
         self._registered: set[str] = set()  # blocks declared to the current session
         self._job: RegisteredJob | None = None  # registered again on every new session
         self._results_epoch = 0  # results received so far: lets the runtime skip idle scans
-        #: block -> the epoch its result became ready at, in epoch order (newest last)
-        self._ready_epochs: dict[str, int] = {}
+        #: the blocks by the epoch their results became ready at (for results_since)
+        self._ready_order = ArrivalOrder()
         #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         #: Shared memory: wanted for a ``unix://`` daemon unless turned off.
@@ -689,19 +690,13 @@ class DaemonSource(PreconditionerSource):
 
     def results_since(self, epoch: int) -> list[str] | None:
         with self._lock:
-            newer = []
-            for name in reversed(self._ready_epochs):  # newest last: stop at the first older
-                if self._ready_epochs[name] <= epoch:
-                    break
-                newer.append(name)
-            return newer
+            return self._ready_order.since(epoch)
 
     def _note_ready(self, name: str) -> None:
         """Block ``name`` has a result to take (lock held): a new epoch, the block moved to
         the end of the epoch order."""
         self._results_epoch += 1
-        self._ready_epochs.pop(name, None)
-        self._ready_epochs[name] = self._results_epoch
+        self._ready_order.note(name, self._results_epoch)
 
     def _in_flight(self, block: _Block) -> int | None:
         """The newest version queued or sent in this session and not answered yet (locked)."""

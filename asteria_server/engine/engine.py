@@ -49,6 +49,7 @@ from asteria_server.errors import EngineUnavailableError
 from asteria_server.protocol.shm import private_result
 from asteria_server.types import (
     DEFAULT_TENANT,
+    ArrivalOrder,
     BlockStatus,
     EngineStats,
     SharedSegment,
@@ -274,9 +275,9 @@ class PreconditionerEngine:
         #: ``_cond``, whose every notify would wake the watcher thread for nothing)
         self._stopped = threading.Event()
         self._results_epoch = 0
-        #: tenant -> block -> the results epoch at which the block's newest result arrived, in
-        #: epoch order (see _note_result)
-        self._result_epochs: dict[str, dict[str, int]] = {}
+        #: tenant -> its blocks by the results epoch at which their newest results arrived
+        #: (see _note_result)
+        self._result_epochs: dict[str, ArrivalOrder] = {}
         self._listeners: list[ResultListener] = []
         self._capacity_listeners: list[CapacityListener] = []
         #: clients' result segments whose client let go of them (see release_shared)
@@ -343,13 +344,8 @@ class PreconditionerEngine:
         (``-1``: every block with a result). Costs a scan of one dict, not a status build, so a
         stream can ask after every result."""
         with self._cond:
-            epochs = self._result_epochs.get(tenant, {})
-            newer = []
-            for block in reversed(epochs):  # in epoch order (see _note_result): newest last
-                if epochs[block] <= epoch:
-                    break
-                newer.append(block)
-            return newer
+            order = self._result_epochs.get(tenant)
+            return [] if order is None else order.since(epoch)
 
     def add_result_listener(self, listener: ResultListener) -> None:
         """Call ``listener(tenant, block)`` whenever a block gets a newer result.
@@ -414,11 +410,12 @@ class PreconditionerEngine:
             for job_id, task in self._jobs.items():
                 if task.key in gone:
                     self._forgotten_jobs.add(job_id)
-            epochs = self._result_epochs.get(tenant, {})
+            order = self._result_epochs.get(tenant)
             for block in blocks:
                 self._coord.forget(tenant, block)
                 self._tiers.forget((tenant, block))
-                epochs.pop(block, None)
+                if order is not None:
+                    order.forget(block)
                 self._runs_spent.pop((tenant, block), None)
             self._cond.notify_all()
         if blocks:
@@ -735,9 +732,7 @@ class PreconditionerEngine:
         of its tenant's epochs, which so stay in epoch order for blocks_with_results_since (a
         stream woken per result then reads the blocks newer than it saw, not every block)."""
         self._results_epoch += 1
-        epochs = self._result_epochs.setdefault(tenant, {})
-        epochs.pop(block, None)
-        epochs[block] = self._results_epoch
+        self._result_epochs.setdefault(tenant, ArrivalOrder()).note(block, self._results_epoch)
 
     def _bring_back(self, tenant: str, block: str) -> None:
         """Use the block's result (lock held): a spilled one is brought back into memory
