@@ -44,6 +44,7 @@ import logging
 import math
 import multiprocessing.connection as mpc
 import os
+import select
 import time
 import weakref
 from collections import OrderedDict
@@ -287,6 +288,11 @@ class WorkerPool:
         os.set_blocking(self._wake_w, False)
         self._slots = [_Slot(i) for i in range(self.config.num_workers)]
         self._events: list[PoolEvent] = []
+        #: what :meth:`poll` waits on, kept between calls (one ``poll`` syscall a round, not a
+        #: selector built per wait and per pipe checked): rebuilt when a slot's pipe or process
+        #: changes, which ``_watched`` (the fds it was built for) tells
+        self._poller = select.poll()
+        self._watched: tuple[int, ...] = ()
         self._closed = False
         self._start_failures = 0
         self.broken_reason: str | None = None
@@ -569,11 +575,9 @@ class WorkerPool:
                     wait_s = left if wait_s is None else min(wait_s, left)
         if wait_s is not None and math.isinf(wait_s):
             wait_s = None  # a solve timeout of math.inf
-        handles: list[Any] = [self._wake_r]
-        for slot in self._slots:
-            if slot.conn is not None and slot.process is not None:
-                handles += [slot.conn, slot.process.sentinel]
-        ready = mpc.wait(handles, timeout=wait_s) if not self._events else []
+        if self._events:
+            wait_s = 0.0  # news to return already: only look
+        ready = {fd for fd, _ in self._watch().poll(None if wait_s is None else wait_s * 1e3)}
         if self._wake_r in ready:
             try:
                 while os.read(self._wake_r, 4096):
@@ -581,11 +585,27 @@ class WorkerPool:
             except BlockingIOError:
                 pass
         for slot in list(self._slots):
-            self._service(slot)
+            conn, process = slot.conn, slot.process
+            if conn is not None and process is not None:
+                self._service(slot, conn.fileno() in ready, process.sentinel in ready)
         self._enforce_deadlines()
         self._balance_spares()
         events, self._events = self._events, []
         return events
+
+    def _watch(self) -> select.poll:
+        """The poller, watching the wakeup pipe and every worker's pipe and process."""
+        fds = [self._wake_r]
+        for slot in self._slots:
+            if slot.conn is not None and slot.process is not None:
+                fds += [slot.conn.fileno(), slot.process.sentinel]
+        watched = tuple(fds)
+        if watched != self._watched:
+            self._poller = select.poll()
+            for fd in watched:
+                self._poller.register(fd, select.POLLIN)
+            self._watched = watched
+        return self._poller
 
     def _overdue_at(self, slot: _Slot) -> float | None:
         """When the slot's running solve becomes overdue (None: nothing runs)."""
@@ -643,20 +663,22 @@ class WorkerPool:
             return slot.sent_at + slot.job.timeout_s
         return None
 
-    def _service(self, slot: _Slot) -> None:
-        """Read everything a worker said; notice if it died."""
+    def _service(self, slot: _Slot, said: bool, ended: bool) -> None:
+        """Read what a worker said, when its pipe is readable (one message: a worker says one
+        thing per task, and the poller reports a pipe with more again at once); notice if it
+        died, when its process's sentinel is."""
         conn = slot.conn
         if conn is None:
             return
-        try:
-            while conn.poll():
+        if said:
+            try:
                 self._handle(slot, conn.recv())
-                if slot.conn is not conn:
-                    return
-        except (EOFError, OSError):
-            self._lost_worker(slot, "it closed its pipe")
-            return
-        if slot.process is not None and not slot.process.is_alive():
+            except (EOFError, OSError):
+                self._lost_worker(slot, "it closed its pipe")
+                return
+            if slot.conn is not conn:
+                return
+        if ended and slot.process is not None and not slot.process.is_alive():
             self._lost_worker(slot, "it exited")
 
     def _handle(self, slot: _Slot, msg: tuple[Any, ...]) -> None:

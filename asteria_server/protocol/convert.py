@@ -32,6 +32,7 @@ from asteria_server.types import (
     BlockStatus,
     Credit,
     EngineStats,
+    SharedArrays,
     SolveKind,
     SolveResult,
     SolveTask,
@@ -181,9 +182,16 @@ def snapshot_arrays(header: pb.SnapshotHeader, *, max_matrix_n: int) -> list[Ann
 
 
 def task_from_header(
-    header: pb.SnapshotHeader, matrix: np.ndarray, basis: np.ndarray | None, *, tenant: str
+    header: pb.SnapshotHeader,
+    matrix: np.ndarray,
+    basis: np.ndarray | None,
+    *,
+    tenant: str,
+    shm_source: SharedArrays | None = None,
+    shm_result: SharedArrays | None = None,
 ) -> SolveTask:
-    """The task ``header`` announced, with its arrays (or views where they lie)."""
+    """The task ``header`` announced, with its arrays (or views where they lie: ``shm_source``
+    and ``shm_result`` say which segments, see :class:`SolveTask`)."""
     return SolveTask(
         block=header.block,
         version=header.version,
@@ -195,6 +203,8 @@ def task_from_header(
         base_version=header.base_version,
         deadline=header.deadline,
         tenant=tenant,
+        shm_source=shm_source,
+        shm_result=shm_result,
     )
 
 

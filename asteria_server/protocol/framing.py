@@ -25,7 +25,7 @@ from asteria_server.protocol import convert
 from asteria_server.protocol.convert import AnnouncedArray
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.shm import RESULT_FIELDS, ArraySpec, SegmentRef
-from asteria_server.types import Credit, SolveResult, SolveTask
+from asteria_server.types import Credit, SharedArrays, SolveResult, SolveTask
 
 #: Copies announced arrays out of a shared-memory segment: ``reader(ref, specs)`` returns them,
 #: or None when a newer write replaced them (the announcement is then skipped).
@@ -204,12 +204,27 @@ class SnapshotReceiver:
         basis = arrays[1] if self.header.has_basis else None
         return convert.task_from_header(self.header, arrays[0], basis, tenant=tenant)
 
-    def task_from(self, views: Sequence[np.ndarray], *, tenant: str) -> SolveTask:
+    def task_from(
+        self,
+        views: Sequence[np.ndarray],
+        *,
+        tenant: str,
+        shm_source: SharedArrays | None = None,
+        shm_result: SharedArrays | None = None,
+    ) -> SolveTask:
         """The task of a snapshot in shared memory, its arrays given as ``views`` of the
-        segment (in :attr:`specs` order). Nothing is copied: whoever reads the views must do
-        so under the segment's seqlock, at :attr:`shm`'s sequence."""
+        segment (in :attr:`specs` order; ``shm_source`` and ``shm_result``: see
+        :class:`SolveTask`). Nothing is copied: whoever reads the views must do so under the
+        segment's seqlock, at :attr:`shm`'s sequence."""
         basis = views[1] if self.header.has_basis else None
-        return convert.task_from_header(self.header, views[0], basis, tenant=tenant)
+        return convert.task_from_header(
+            self.header,
+            views[0],
+            basis,
+            tenant=tenant,
+            shm_source=shm_source,
+            shm_result=shm_result,
+        )
 
 
 # ----------------------------------------------------------------------------------- results

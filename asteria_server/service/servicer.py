@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 import time
@@ -721,10 +720,10 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         views = segment.views(receiver.specs)  # InvalidInputError: does not fit the segment
         if segment.sequence != ref.sequence:
             return None
-        task = receiver.task_from(views, tenant=session.tenant)
-        found = self._handover.result_segment(session.session_id, task.block)
-        return dataclasses.replace(
-            task,
+        found = self._handover.result_segment(session.session_id, receiver.header.block)
+        return receiver.task_from(
+            views,
+            tenant=session.tenant,
             shm_source=SharedArrays(segment, ref.segment_id, ref.sequence),
             shm_result=None if found is None else SharedArrays(found[1], found[0]),
         )
