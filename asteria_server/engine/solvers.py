@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import scipy.linalg
@@ -133,52 +133,38 @@ def copy_transposed(out: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-#: Tile edge of :func:`checked_symmetric`'s large-n path: a tile and its mirror stay in cache,
-#: which makes the transposed reads about twice as fast as whole-matrix ``A - A.T``.
-_SYMMETRY_TILE = 128
-#: Up to this n, :func:`checked_symmetric` works on the whole matrix with one transposed pass
-#: (measured faster than the tiles up to n = 1024, slower at 2048).
-_WHOLE_MATRIX_MAX_N = 1024
-
-
 def checked_symmetric(matrix: np.ndarray, *, symmetry_rtol: float = 1e-4) -> np.ndarray:
-    """Float64 ``(A + A^T) / 2`` of a finite, nearly symmetric square matrix, else InputRejected.
+    """Float64 ``(A + A^T) / 2`` of a finite, nearly symmetric square float matrix, else
+    InputRejected. Always a new array, never a view of ``matrix``: a solver worker calls it on
+    the client's segment itself, and its result is the worker's private copy (the one read of
+    the snapshot).
 
-    The largest magnitude is ``max(max A, -min A)`` (NaN or Inf shows in those reductions). Up
-    to :data:`_WHOLE_MATRIX_MAX_N` the asymmetry ``max |A - A^T|`` is read off the result as
-    ``2 max |A - (A + A^T) / 2|`` (equal up to the rounding of the sum), so the transposed read
-    is done once; above it, tile by tile.
+    The work stays in ``matrix``'s own dtype until the sum (a float32 snapshot is read as
+    float32, half the bytes): its transpose is made once, stripe by stripe
+    (:func:`copy_transposed`), and both the asymmetry and the sum read it contiguously. The
+    largest magnitude is ``max(max A, -min A)`` (NaN or Inf shows in those reductions); the
+    asymmetry ``max |A - A^T|`` is the largest entry of ``A - A^T``, which is exactly
+    antisymmetric, so one reduction gives it. The sum of two float32 numbers in float64 is
+    exact, so the result equals the float64 symmetrization of the float32 snapshot.
     """
-    a = np.asarray(matrix, dtype=np.float64)
+    a = np.asarray(matrix)
+    if a.dtype not in (np.float32, np.float64):
+        a = a.astype(np.float64)
     high = float(a.max()) if a.size else 0.0
     low = float(a.min()) if a.size else 0.0
     if not (math.isfinite(high) and math.isfinite(low)):  # max/min propagate NaN
         raise InputRejected("factor matrix holds NaN or Inf")
     scale = max(1.0, high, -low)
-    n, tile = a.shape[0], _SYMMETRY_TILE
-    if n <= _WHOLE_MATRIX_MAX_N:
-        out = copy_transposed(np.empty_like(a), a)
-        out += a  # A^T + A: exactly A + A^T
-        out *= 0.5
-        half = np.subtract(a, out)  # (A - A^T) / 2: antisymmetric up to rounding
-        asym = 2.0 * max(float(half.max()), -float(half.min())) if n else 0.0  # no |.| pass
-        del half
-        n = 0  # skip the tiles
-    else:
-        out = np.empty_like(a)
-        asym = 0.0
-    for i in range(0, n, tile):
-        for j in range(i, n, tile):
-            upper, lower_t = a[i : i + tile, j : j + tile], a[j : j + tile, i : i + tile].T
-            asym = max(asym, float(np.abs(upper - lower_t).max()))
-            sym = (upper + lower_t) * 0.5
-            out[i : i + tile, j : j + tile] = sym
-            out[j : j + tile, i : i + tile] = sym.T
-    if asym > symmetry_rtol * scale:
+    a_t = copy_transposed(np.empty_like(a), a)
+    with np.errstate(over="ignore"):  # float32 entries near its range: caught just below
+        asym = float(np.subtract(a, a_t).max()) if a.size else 0.0
+    if not asym <= symmetry_rtol * scale:
         raise InputRejected(
             f"factor matrix is not symmetric (max |A - A^T| = {asym:.3g}, "
             f"allowed {symmetry_rtol * scale:.3g})"
         )
+    out = np.add(a, a_t, dtype=np.float64)  # A + A^T
+    out *= 0.5
     return out
 
 
@@ -367,6 +353,20 @@ class _Output:
 OutputArrays = Callable[[str], np.ndarray]
 
 
+class CheckedInput(NamedTuple):
+    """A task's input ready to solve (:meth:`EighSolver.checked_input`)."""
+
+    #: The factor, symmetrized, float64.
+    matrix: np.ndarray
+    #: The basis to refresh, float64 (None: a full eigendecomposition).
+    basis: np.ndarray | None
+
+
+def _named(task: SolveTask) -> str:
+    """How errors name ``task``."""
+    return f"block {task.block!r} (tenant {task.tenant!r}) version {task.version}"
+
+
 class EighSolver:
     """Validated, retried float64 solves of :class:`SolveTask` s.
 
@@ -388,23 +388,40 @@ class EighSolver:
         with self._controller.limit(limits=self.config.blas_threads, user_api="blas"):
             yield
 
-    def solve(self, task: SolveTask, outputs: OutputArrays | None = None) -> SolveResult:
+    def checked_input(self, task: SolveTask) -> CheckedInput:
+        """``task``'s factor symmetrized and its basis, both in float64 and new arrays (never
+        views of the task's); :class:`SolverError` naming the block when either is unusable.
+
+        A solver worker calls this on views of the client's segment, under its seqlock: this
+        is the worker's one read of the snapshot."""
+        try:
+            a = checked_symmetric(task.matrix, symmetry_rtol=self.config.symmetry_rtol)
+            basis = None
+            if task.basis is not None:
+                basis = np.array(task.basis, dtype=np.float64)
+                if not np.isfinite(basis).all():
+                    raise InputRejected("the basis to refresh holds NaN or Inf")
+        except InputRejected as exc:
+            raise SolverError(f"{_named(task)}: {exc}; the last good result stays in use") from exc
+        return CheckedInput(a, basis)
+
+    def solve(
+        self,
+        task: SolveTask,
+        outputs: OutputArrays | None = None,
+        *,
+        checked: CheckedInput | None = None,
+    ) -> SolveResult:
         """Compute ``task``; raise :class:`SolverError` naming the block if every attempt fails.
         With ``outputs`` the n x n results are written into the arrays it gives (a failed
-        attempt may leave anything there), else into new ones."""
+        attempt may leave anything there), else into new ones. ``checked``: the task's input
+        as :meth:`checked_input` returned it, when the caller read it already (the task's own
+        arrays are then not read)."""
         start = time.perf_counter()
-        what = f"block {task.block!r} (tenant {task.tenant!r}) version {task.version}"
+        what = _named(task)
         cfg = self.config
         with self._blas_limit():
-            try:
-                a = checked_symmetric(task.matrix, symmetry_rtol=cfg.symmetry_rtol)
-                basis = None
-                if task.basis is not None:
-                    basis = np.asarray(task.basis, dtype=np.float64)
-                    if not np.isfinite(basis).all():
-                        raise InputRejected("the basis to refresh holds NaN or Inf")
-            except InputRejected as exc:
-                raise SolverError(f"{what}: {exc}; the last good result stays in use") from exc
+            a, basis = checked if checked is not None else self.checked_input(task)
             epsilons = escalated_epsilons(
                 float(task.epsilon), float(np.trace(a)) / a.shape[0], cfg.max_attempts
             )

@@ -7,9 +7,10 @@ client's snapshot and result segments themselves. Their descriptors follow a mes
 them under ``"map"``; ``"release"`` names segments to unmap.
 
 The worker does not trust a segment. ``map_segment`` maps only a sealed memfd of the announced
-size with a segment header; views never reach past the mapping; the snapshot is read under the
-seqlock, converted to float64 on the way (the solver's working copy is that read); the solver
-rejects a non-finite, asymmetric or indefinite factor; its last pass, the conversion of the
+size with a segment header; views never reach past the mapping; the snapshot is read once, under
+the seqlock, by the solver's input check, which checks it finite and symmetric and makes its
+float64 working copy on the way (``EighSolver.checked_input``; an error on a torn read counts as
+overwritten, not as bad input); the solver rejects an indefinite factor; its last pass, the conversion of the
 n x n results to float32, writes them straight into the result segment under its seqlock
 (:class:`_ResultTarget`), and they are checked finite before the write is announced; a write
 that does not finish is closed under a sequence nobody announces. Whatever goes wrong is a
@@ -36,7 +37,7 @@ from threadpoolctl import threadpool_limits
 
 from asteria_server.engine import faults
 from asteria_server.engine.shm import receive_segment_fds
-from asteria_server.engine.solvers import EighSolver, SolverConfig
+from asteria_server.engine.solvers import CheckedInput, EighSolver, SolverConfig
 from asteria_server.errors import InvalidInputError, SolverError
 from asteria_server.malloc import trim, tune_solver_allocator
 from asteria_server.protocol.shm import (
@@ -150,25 +151,31 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment])
     try:
         token, sequence, _ = msg["snapshot"]
         specs = _snapshot_specs(msg)
-        arrays = _segment(cache, token).read_into(
-            specs, sequence, [np.empty(s.shape, np.float64) for s in specs]
-        )
-        if arrays is None:
+        segment = _segment(cache, token)
+
+        def read(views: list[np.ndarray]) -> tuple[SolveTask, CheckedInput]:
+            # The task names the segment's views; the solver reads them once, here, into its
+            # float64 working copies (checked and symmetrized on the way), and not after.
+            task = SolveTask(
+                block=msg["block"],
+                version=msg["version"],
+                kind=SolveKind(msg["kind"]),
+                matrix=views[0],
+                exponent=msg["exponent"],
+                epsilon=msg["epsilon"],
+                basis=views[1] if len(views) > 1 else None,
+                base_version=msg["base_version"],
+                tenant=msg["tenant"],
+            )
+            return task, solver.checked_input(task)
+
+        read_back = segment.read_with(specs, sequence, read)
+        if read_back is None:
             return ("overwritten", job)
-        task = SolveTask(
-            block=msg["block"],
-            version=msg["version"],
-            kind=SolveKind(msg["kind"]),
-            matrix=arrays[0],
-            exponent=msg["exponent"],
-            epsilon=msg["epsilon"],
-            basis=arrays[1] if len(arrays) > 1 else None,
-            base_version=msg["base_version"],
-            tenant=msg["tenant"],
-        )
+        task, checked = read_back
         target = _ResultTarget(_segment(cache, msg["result"]), task)
         try:
-            result = solver.solve(task, outputs=target.array)
+            result = solver.solve(task, outputs=target.array, checked=checked)
             out = result_arrays(result)
             faults.corrupt_output(fault, *[a for a in out if a.dtype.kind == "f"])
             if not all(bool(np.isfinite(a).all()) for a in out):

@@ -49,14 +49,15 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import itertools
 import math
 import mmap
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -72,6 +73,7 @@ ARRAY_ALIGN = 64
 #: The seals a segment must carry before the daemon maps it.
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _MAGIC_AT, _SEQUENCE_AT, _CAPACITY_AT = 0, 1, 2  # u64 word indices in the header
+T = TypeVar("T")
 
 
 class SharedMemoryUnavailableError(AsteriaError, OSError):
@@ -110,12 +112,22 @@ def _aligned(offset: int) -> int:
     return -(-offset // ARRAY_ALIGN) * ARRAY_ALIGN
 
 
+@functools.lru_cache(maxsize=256)
+def _placement(specs: tuple[ArraySpec, ...]) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """The payload bytes of ``specs`` (alignment included) and each array's offset from the
+    segment's start and element count: worked out once per layout, not per solve (a daemon
+    places every block's snapshot and result several times a solve, all of a few layouts)."""
+    end, places = 0, []
+    for spec in specs:
+        start = _aligned(end)
+        places.append((HEADER_BYTES + start, spec.num_bytes // spec.dtype.itemsize))
+        end = start + spec.num_bytes
+    return end, tuple(places)
+
+
 def payload_bytes(specs: Sequence[ArraySpec]) -> int:
     """Bytes the arrays ``specs`` take after the header, alignment included."""
-    end = 0
-    for spec in specs:
-        end = _aligned(end) + spec.num_bytes
-    return end
+    return _placement(tuple(specs))[0]
 
 
 def segment_bytes(specs: Sequence[ArraySpec]) -> int:
@@ -143,6 +155,7 @@ def snapshot_layout(n: int, kind: SolveKind, itemsize: int) -> list[ArraySpec]:
     return [ArraySpec(dtype, (n, n))] * count
 
 
+@functools.lru_cache(maxsize=256)
 def result_field_spec(name: str, n: int) -> ArraySpec:
     """The spec of result field ``name`` (one of :data:`RESULT_FIELDS`) for a block of size n."""
     if name == "permutation":
@@ -217,20 +230,19 @@ class Segment:
 
     def views(self, specs: Sequence[ArraySpec]) -> list[np.ndarray]:
         """Writable NumPy views of the arrays ``specs`` (they must fit the capacity)."""
-        needed = payload_bytes(specs)
+        specs = tuple(specs)
+        needed, places = _placement(specs)
         if needed > self.capacity_bytes:
             raise InvalidInputError(
                 f"the arrays need {needed} bytes but the shared-memory segment holds "
                 f"{self.capacity_bytes}; the client must hand over a larger segment"
             )
-        out, offset = [], HEADER_BYTES
-        for spec in specs:
-            offset = HEADER_BYTES + _aligned(offset - HEADER_BYTES)
-            count = spec.num_bytes // spec.dtype.itemsize
-            view = np.frombuffer(self._mmap, dtype=spec.dtype, count=count, offset=offset)
-            out.append(view.reshape(spec.shape))
-            offset += spec.num_bytes
-        return out
+        return [
+            np.frombuffer(self._mmap, dtype=spec.dtype, count=count, offset=offset).reshape(
+                spec.shape
+            )
+            for spec, (offset, count) in zip(specs, places, strict=True)
+        ]
 
     # ------------------------------------------------------------------ the seqlock
     def begin_write(self) -> None:
@@ -263,13 +275,33 @@ class Segment:
         """Copy the arrays written with ``sequence`` into ``outs`` (converting to their dtype,
         e.g. float32 to the float64 a solver works in), or None when a newer write replaced them.
         ``outs`` must have the specs' shapes."""
+
+        def copy(views: list[np.ndarray]) -> list[np.ndarray]:
+            for view, out in zip(views, outs, strict=True):
+                np.copyto(out, view, casting="same_kind")
+            return list(outs)
+
+        return self.read_with(specs, sequence, copy)
+
+    def read_with(
+        self, specs: Sequence[ArraySpec], sequence: int, reader: Callable[[list[np.ndarray]], T]
+    ) -> T | None:
+        """``reader(views)`` of the arrays written with ``sequence``, under the seqlock: None
+        when a newer write replaced (or is replacing) them. ``reader`` must copy what it keeps
+        (the views' contents may change right after). An exception it raises stands only if the
+        arrays were intact while it read: one raised on a torn read is a newer write's doing,
+        and the answer is None."""
         if sequence % 2 or self.sequence != sequence:
             return None
-        for view, out in zip(self.views(specs), outs, strict=True):
-            np.copyto(out, view, casting="same_kind")
+        try:
+            value = reader(self.views(specs))
+        except Exception:
+            if self.sequence != sequence:
+                return None
+            raise
         if self.sequence != sequence:
             return None
-        return list(outs)
+        return value
 
     def close(self) -> None:
         """Drop this side's mapping once no view of it is left (NumPy views keep it alive)."""

@@ -224,6 +224,40 @@ def test_asymmetry_within_tolerance_is_symmetrized() -> None:
     assert rel_err(result.matrix, ref_inverse_root(sym, 0.25, 1e-9)) < 1e-5
 
 
+@pytest.mark.parametrize("n", [1, 5, 64, 300])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_checked_input_is_a_private_float64_symmetrization(n: int, dtype: Any) -> None:
+    # A solver worker runs checked_symmetric on the client's segment itself: what it returns
+    # must be its own copy, equal to (A + A^T) / 2 of the snapshot's values in float64 (for a
+    # float32 snapshot, of its values converted first), however the work is ordered.
+    rng = np.random.default_rng(n)
+    g = rng.standard_normal((n, n))
+    a = (g @ g.T + 1e-6 * rng.standard_normal((n, n))).astype(dtype)
+    out = solvers.checked_symmetric(a)
+    wide = a.astype(np.float64)
+    assert out.dtype == np.float64 and not np.shares_memory(out, a)
+    np.testing.assert_array_equal(out, (wide + wide.T) / 2)
+    a[0, 0] += 1.0  # the snapshot changes afterwards: the copy does not
+    np.testing.assert_array_equal(out, (wide + wide.T) / 2)
+    wide = a.astype(np.float64)
+    checked = EighSolver().checked_input(task(wide, SolveKind.EIGENBASIS))
+    assert checked.basis is None and not np.shares_memory(checked.matrix, wide)
+
+
+def test_a_float32_asymmetry_is_measured_like_a_float64_one() -> None:
+    a = spd(8).astype(np.float32)
+    a[0, 7] += np.float32(1e-2)
+    with pytest.raises(SolverError, match=r"not symmetric \(max \|A - A\^T\| = 0\.01,"):
+        solve(task(a))
+
+
+def test_a_refreshed_basis_is_read_into_a_copy() -> None:
+    basis = np.eye(4)
+    checked = EighSolver().checked_input(task(spd(4), SolveKind.EIGENBASIS, basis=basis))
+    assert checked.basis is not None and not np.shares_memory(checked.basis, basis)
+    np.testing.assert_array_equal(checked.basis, basis)
+
+
 @pytest.mark.parametrize("kind", list(SolveKind))
 def test_indefinite_input_is_rejected(kind: SolveKind) -> None:
     a = np.diag([1.0, 0.5, -0.5])
