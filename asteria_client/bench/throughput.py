@@ -34,7 +34,6 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import queue
 import sys
 import threading
 import time
@@ -257,8 +256,15 @@ class DaemonClient:
         if shared_memory and not self._shm.active:
             raise RuntimeError(f"the daemon at {address} offers no shared memory")
         self._segments: dict[str, Any] = {}  # block -> its snapshot segment
-        #: (block, version, arrival time, the worker's solve seconds) or the stream's failure
-        self._arrivals: queue.Queue[tuple[str, int, float, float] | BaseException] = queue.Queue()
+        # What the drain thread waits for: block -> version, and what arrived: block ->
+        # (arrival time, the worker's solve seconds). It wakes the caller once, when the last
+        # awaited result is in (or the stream failed), as a training client is not woken per
+        # result either: a wake per result would be this harness's CPU, not the daemon path's.
+        self._lock = threading.Lock()
+        self._awaited: dict[str, int] = {}
+        self._arrived: dict[str, tuple[float, float]] = {}
+        self._all_in = threading.Event()
+        self._failure: BaseException | None = None
         self._cancel: Callable[[], object] | None = None
         self._cancel_set = threading.Event()
         self._closing = False
@@ -299,10 +305,40 @@ class DaemonClient:
         try:
             for result in self._conn.results(self._session, {}, self._on_call, reader=reader):
                 arrived = time.perf_counter()
-                self._arrivals.put((result.block, result.version, arrived, result.solve_time_s))
-        except BaseException as exc:  # surfaced by run_round unless we are closing
+                with self._lock:
+                    if self._awaited.get(result.block) == result.version:
+                        del self._awaited[result.block]
+                        self._arrived[result.block] = (arrived, result.solve_time_s)
+                        if not self._awaited:
+                            self._all_in.set()
+        except BaseException as exc:  # surfaced by _wait unless we are closing
             if not self._closing:
-                self._arrivals.put(exc)
+                self._failure = exc
+                self._all_in.set()
+
+    def _await(self, versions: dict[str, int]) -> None:
+        """Expect ``versions`` (block -> version): before their snapshots are sent."""
+        with self._lock:
+            self._awaited = dict(versions)
+            self._arrived = {}
+            if self._failure is None:  # a failed stream stays failed
+                self._all_in.clear()
+
+    def _wait(self, what: str) -> dict[str, tuple[float, float]]:
+        """Wait for every awaited result; per block (arrival time, solve seconds)."""
+        if not self._all_in.wait(timeout=ROUND_SLACK_S):
+            with self._lock:
+                got, missing = len(self._arrived), len(self._awaited)
+            raise RuntimeError(
+                f"the daemon returned {got} of {got + missing} results of {what} within "
+                f"{ROUND_SLACK_S:g} s; a solve failed or the daemon is stuck"
+            )
+        if self._failure is not None:
+            raise RuntimeError(
+                f"the daemon's results stream failed: {self._failure}"
+            ) from self._failure
+        with self._lock:
+            return dict(self._arrived)
 
     def run_round(
         self, matrices: Sequence[np.ndarray], kind: SolveKind, prefix: str, version: int
@@ -312,7 +348,7 @@ class DaemonClient:
         from asteria_server.types import SolveTask
 
         names = [f"{prefix}-{i}" for i in range(len(matrices))]
-        pending = set(names)
+        self._await(dict.fromkeys(names, version))
         start = time.perf_counter()
         self._submit(
             [
@@ -327,24 +363,8 @@ class DaemonClient:
                 for name, matrix in zip(names, matrices, strict=True)
             ]
         )
-        last = start
-        deadline = time.monotonic() + ROUND_SLACK_S
-        while pending:
-            try:
-                item = self._arrivals.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(
-                    f"the daemon returned {len(names) - len(pending)} of {len(names)} results "
-                    f"of round {version} ({prefix}) within {ROUND_SLACK_S:g} s; a solve failed "
-                    "or the daemon is stuck"
-                ) from None
-            if isinstance(item, BaseException):
-                raise RuntimeError(f"the daemon's results stream failed: {item}") from item
-            block, got, arrived, _ = item
-            if got == version and block in pending:
-                pending.discard(block)
-                last = arrived
-        return last - start
+        arrived = self._wait(f"round {version} ({prefix})")
+        return max(at for at, _ in arrived.values()) - start
 
     def latency(
         self, matrix: np.ndarray, kind: SolveKind, block: str, version: int
@@ -354,15 +374,11 @@ class DaemonClient:
         from asteria_server.types import SolveTask
 
         task = SolveTask(block=block, version=version, kind=kind, matrix=matrix, epsilon=EPSILON)
+        self._await({block: version})
         start = time.perf_counter()
         self._submit([task])
-        deadline = time.monotonic() + ROUND_SLACK_S
-        while True:
-            item = self._arrivals.get(timeout=max(0.0, deadline - time.monotonic()))
-            if isinstance(item, BaseException):
-                raise RuntimeError(f"the daemon's results stream failed: {item}") from item
-            if item[:2] == (block, version):
-                return item[2] - start, item[3]
+        arrived, solve_s = self._wait(f"block {block} version {version}")[block]
+        return arrived - start, solve_s
 
     def close(self) -> None:
         self._closing = True
