@@ -10,11 +10,11 @@ The worker does not trust a segment. ``map_segment`` maps only a sealed memfd of
 size with a segment header; views never reach past the mapping; the snapshot is read once, under
 the seqlock, by the solver's input check, which checks it finite and symmetric and makes its
 float64 working copy on the way (``EighSolver.checked_input``; an error on a torn read counts as
-overwritten, not as bad input); the solver rejects an indefinite factor; its last pass, the conversion of the
-n x n results to float32, writes them straight into the result segment under its seqlock
-(:class:`_ResultTarget`), and they are checked finite before the write is announced; a write
-that does not finish is closed under a sequence nobody announces. Whatever goes wrong is a
-per-task ``error`` reply.
+overwritten, not as bad input); the solver rejects an indefinite factor; its last pass, the
+conversion of the n x n results to float32, writes them straight into the result segment under
+its seqlock (:class:`_ResultTarget`), and they are checked finite before the write is
+announced; a write that does not finish is closed under a sequence nobody announces. Whatever
+goes wrong is a per-task ``error`` reply.
 
 Replies: ``("ready", pid)`` once at start, then per task ``("done", job, meta)`` (``meta`` holds
 the result's fields and the sequence its write ended with), ``("overwritten", job)`` (a newer
