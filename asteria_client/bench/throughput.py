@@ -419,20 +419,51 @@ def calibrate_batch(n: int, cfg: ThroughputConfig) -> tuple[int, float]:
     return min(MAX_BATCH, per_worker * cfg.workers), seconds
 
 
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` and its live descendants (the daemon and
-    its solver workers), from /proc."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` itself (all its threads), from /proc; 0 once
+    it has exited."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of process ``pid`` (the daemon's solver workers), from /proc."""
+    children: list[int] = []
+    try:
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/children") as f:
-                total += sum(tree_cpu_s(int(child)) for child in f.read().split())
+                children += [int(child) for child in f.read().split()]
     except (FileNotFoundError, ProcessLookupError):
-        pass  # it exited meanwhile
-    return total
+        pass  # it (or a thread) exited meanwhile
+    return children
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants, from /proc."""
+    return process_cpu_s(pid) + sum(tree_cpu_s(child) for child in child_pids(pid))
+
+
+class CpuSplit:
+    """CPU seconds of the daemon side of a round, split into the daemon process itself, its
+    solver workers (and their descendants: live ones only, as :func:`tree_cpu_s`) and this
+    process (the client)."""
+
+    def __init__(self, daemon_pid: int) -> None:
+        self._pid = daemon_pid
+        self._start = self._now()
+
+    def _now(self) -> tuple[float, float, float]:
+        workers = sum(tree_cpu_s(child) for child in child_pids(self._pid))
+        return process_cpu_s(self._pid), workers, time.process_time()
+
+    def since(self) -> tuple[float, float, float]:
+        """(daemon, workers, client) CPU seconds since this object was made."""
+        (daemon, workers, client), start = self._now(), self._start
+        return daemon - start[0], workers - start[1], client - start[2]
 
 
 def _entry(
@@ -496,6 +527,7 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
                 daemon_s: list[float] = []
                 bare_s: list[float] = []
                 daemon_cpu: list[float] = []  # CPU-s per solve: daemon + workers + client
+                split: list[tuple[float, float, float]] = []  # the same, per part
                 bare_cpu: list[float] = []
                 for r in range(cfg.rounds):
                     for side in ("daemon", "bare") if r % 2 == 0 else ("bare", "daemon"):
@@ -503,10 +535,11 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
                             bare_s.append(bare.run_round(kind))
                             bare_cpu.append(bare.last_cpu_s / batch)
                             continue
-                        cpu = tree_cpu_s(daemon.pid) + time.process_time()
+                        cpu = CpuSplit(daemon.pid)
                         daemon_s.append(client.run_round(matrices, kind, prefix, version))
-                        cpu = tree_cpu_s(daemon.pid) + time.process_time() - cpu
-                        daemon_cpu.append(cpu / batch)
+                        parts = cpu.since()
+                        split.append(parts)
+                        daemon_cpu.append(sum(parts) / batch)
                     version += 1
                     _progress(
                         f"n={n} {kind.value} round {r + 1}/{cfg.rounds}: daemon "
@@ -517,6 +550,13 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
                 entry["cpu_s_per_solve_vs_bare"] = (
                     summarize(daemon_cpu)["median"] / summarize(bare_cpu)["median"]
                 )
+                # Where the daemon side's CPU goes, per solve (medians over the rounds).
+                entry["cpu_ms_per_solve"] = {
+                    "daemon": 1e3 * summarize([p[0] for p in split])["median"] / batch,
+                    "workers": 1e3 * summarize([p[1] for p in split])["median"] / batch,
+                    "client": 1e3 * summarize([p[2] for p in split])["median"] / batch,
+                    "bare": 1e3 * summarize(bare_cpu)["median"],
+                }
                 # One block at a time: what submit -> result adds to the worker's solve.
                 latencies, solves = [], []
                 for i in range(max(5, 2 * cfg.rounds)):
@@ -551,9 +591,17 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
 # --------------------------------------------------------------------------- reporting
 
 
+def _split(ms: dict[str, float] | None) -> str:
+    """``daemon+workers+client (bare)`` CPU ms per solve (reports from before the split: -)."""
+    if not ms:
+        return "-"
+    return f"{ms['daemon']:.2f}+{ms['workers']:.2f}+{ms['client']:.2f} ({ms['bare']:.2f})"
+
+
 def _table(results: Sequence[dict[str, Any]], markdown: bool) -> list[str]:
     head = ["n", "kind", "batch", "daemon solves/s", "bare solves/s", "ratio", "paired (min-max)"]
-    head += ["CPU/solve vs bare", "result overhead ms"]
+    head += ["CPU/solve vs bare", "CPU ms/solve: daemon+workers+client (bare)"]
+    head += ["result overhead ms"]
     rows = [
         [
             str(e["n"]),
@@ -565,6 +613,7 @@ def _table(results: Sequence[dict[str, Any]], markdown: bool) -> list[str]:
             f"{e['paired_ratio_median']:.3f} ({e['paired_ratio_min']:.3f}-"
             f"{e['paired_ratio_max']:.3f})",
             f"{e.get('cpu_s_per_solve_vs_bare', math.nan):.3f}",
+            _split(e.get("cpu_ms_per_solve")),
             f"{e.get('result_overhead_ms_p50', math.nan):.2f}",
         ]
         for e in results
@@ -583,8 +632,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"{cfg['workers']} daemon workers vs {cfg['workers']} bare processes, 1 BLAS thread "
         f"each, {cfg['rounds']} alternating rounds; paired = per-round ratios",
         "CPU/solve vs bare = CPU-s per solve of daemon + workers + client / bare loop's "
-        "(target <= 1.10); result overhead = median submit->result of one block alone - "
-        "median worker solve time (target <= 2 ms at n=256)",
+        "(target <= 1.10), next to it the three parts and the bare loop's in ms (medians "
+        "over the rounds; /proc counts in clock ticks of 10 ms, so small parts are coarse); "
+        "result overhead = median submit->result of one block alone - median worker solve "
+        "time (target <= 2 ms at n=256)",
     ]
     return "\n".join(lines)
 

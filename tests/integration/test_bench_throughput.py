@@ -55,6 +55,12 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys) -> None:  # type: 
             entry["ratio"], entry["daemon_solves_per_s"] / entry["bare_solves_per_s"]
         )
         assert entry["target_met"] == (entry["ratio"] >= report["ratio_target"])
+        # The CPU split: the workers solved and the bare loop ran; the daemon and the client
+        # may round to 0 clock ticks in a quick run, never below.
+        split = entry["cpu_ms_per_solve"]
+        assert _positive(split["workers"]) and _positive(split["bare"])
+        assert split["daemon"] >= 0 and split["client"] >= 0
+        assert _positive(entry["cpu_s_per_solve_vs_bare"])
     assert len(report["figures"]) == 1
     png = out.parent / report["figures"][0]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
