@@ -313,8 +313,9 @@ class DaemonClient:
                             self._all_in.set()
         except BaseException as exc:  # surfaced by _wait unless we are closing
             if not self._closing:
-                self._failure = exc
-                self._all_in.set()
+                with self._lock:  # not between _await's look at it and its clear()
+                    self._failure = exc
+                    self._all_in.set()
 
     def _await(self, versions: dict[str, int]) -> None:
         """Expect ``versions`` (block -> version): before their snapshots are sent."""
