@@ -27,7 +27,6 @@ fd. The pool tells the worker to unmap a segment once nothing else holds it.
 
 from __future__ import annotations
 
-import functools
 import multiprocessing.connection as mpc
 import os
 import secrets
@@ -49,13 +48,11 @@ from asteria_server.types import SolveKind
 SEGMENT_PREFIX = "asteria_"
 
 
-@functools.lru_cache(maxsize=64)
 def input_bytes(n: int) -> int:
     """Segment size for any snapshot of size n: an fp64 matrix and an fp64 basis."""
     return segment_bytes(snapshot_layout(n, SolveKind.EIGENBASIS, 8))
 
 
-@functools.lru_cache(maxsize=64)
 def output_bytes(n: int) -> int:
     """Segment size for any result of size n."""
     return segment_bytes(result_layout(n, SolveKind.EIGENBASIS))
