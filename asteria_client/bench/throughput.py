@@ -15,9 +15,14 @@ ridge, like Kronecker factors) is solved round after round on both sides:
   configuration, like the thread count, not work Asteria adds), each running on its share of
   the same batch exactly the LAPACK/BLAS calls the engine's solver makes (``scipy.linalg.eigh``
   in float64 with the ``evd`` driver; for an inverse root also the one ``U diag(lam^-p) U^T``
-  product), without Asteria's validation, copies or IPC.
+  product), without Asteria's validation, copies or IPC;
+- solver alone: W more such processes that run the engine's own solver (``EighSolver``: its
+  input checks, the solve, its output checks, the conversion into a float32 result array) on
+  the same shares, with no daemon, segments or messages: the floor under the daemon's CPU per
+  solve that no transport work can lower.
 
-Rounds of the two sides alternate (the machine is shared and noisy), after one warm-up round each.
+Rounds of the three sides alternate (the machine is shared and noisy), after one warm-up round
+each.
 The figure is ratio = bare median round time / daemon median round time = daemon solves/s over
 bare solves/s. Target (issue: benchmarks): ratio >= 0.95.
 
@@ -159,9 +164,35 @@ def bare_solve(matrix: np.ndarray, kind: SolveKind) -> None:
 # --------------------------------------------------------------------------- bare processes
 
 
-def _bare_worker(conn: Connection, index: int, num_workers: int, niceness: int) -> None:
-    """A bare process: hold its share of the batch, run it when told, report the seconds."""
+def _engine_solve(solver: Any, out: np.ndarray) -> Callable[[np.ndarray, SolveKind], None]:
+    """One solve as a daemon worker's solver makes it, its n x n result written into ``out``
+    (where a worker writes into the client's result segment)."""
+    from asteria_server.types import SolveTask
+
+    def run(matrix: np.ndarray, kind: SolveKind) -> None:
+        task = SolveTask(
+            block="floor", version=1, kind=kind, matrix=matrix, exponent=EXPONENT, epsilon=EPSILON
+        )
+        solver.solve(task, outputs=lambda _field: out)
+
+    return run
+
+
+def _bare_worker(
+    conn: Connection, index: int, num_workers: int, niceness: int, engine_solver: bool
+) -> None:
+    """A bare process: hold its share of the batch, run it when told, report the seconds. With
+    ``engine_solver`` each solve is the engine's solver's, as a daemon worker runs it, instead
+    of the bare LAPACK calls."""
     _load_lapack()
+    solver = None
+    if engine_solver:
+        import dataclasses
+
+        from asteria_client.runtime.embedded import EighSolver, SolverConfig
+
+        # As a daemon worker makes it: BLAS threads are limited for the whole process below.
+        solver = EighSolver(dataclasses.replace(SolverConfig(), blas_threads=None))
     from threadpoolctl import threadpool_limits
 
     from asteria_server.malloc import tune_solver_allocator
@@ -171,6 +202,7 @@ def _bare_worker(conn: Connection, index: int, num_workers: int, niceness: int) 
     if niceness > 0:
         os.nice(niceness)
     share: list[np.ndarray] = []
+    solve: Callable[[np.ndarray, SolveKind], None] = bare_solve
     while True:
         msg = conn.recv()
         if msg is None:
@@ -178,20 +210,23 @@ def _bare_worker(conn: Connection, index: int, num_workers: int, niceness: int) 
         if msg[0] == "load":
             _, n, batch, seed = msg
             share = [make_factor(n, seed, i) for i in range(index, batch, num_workers)]
+            if solver is not None:
+                solve = _engine_solve(solver, np.empty((n, n), np.float32))
             conn.send(("loaded", len(share)))
         else:
             kind = SolveKind(msg[1])
             start, cpu = time.perf_counter(), time.process_time()
             for matrix in share:
-                bare_solve(matrix, kind)
+                solve(matrix, kind)
             conn.send(("done", (time.perf_counter() - start, time.process_time() - cpu)))
     conn.close()
 
 
 class BarePool:
-    """W spawned processes that run the bare loop on their shares of a batch."""
+    """W spawned processes that run the bare loop (or, with ``engine_solver``, the engine's
+    solver) on their shares of a batch."""
 
-    def __init__(self, num_workers: int, niceness: int) -> None:
+    def __init__(self, num_workers: int, niceness: int, *, engine_solver: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.last_cpu_s = 0.0  # CPU seconds of every process in the last round
         self._conns: list[Connection] = []
@@ -200,8 +235,8 @@ class BarePool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_bare_worker,
-                args=(child, index, num_workers, niceness),
-                name=f"asteria-bench-bare-{index}",
+                args=(child, index, num_workers, niceness, engine_solver),
+                name=f"asteria-bench-{'solver' if engine_solver else 'bare'}-{index}",
                 daemon=True,
             )
             proc.start()
@@ -510,31 +545,40 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     _progress(f"starting the daemon ({cfg.workers} workers) and {cfg.workers} bare processes")
     entries: list[dict[str, Any]] = []
     daemon = DaemonProcess(workers=cfg.workers, blas_threads=1).start()
-    bare = None
+    bare = floor = None
     client = None
     try:
         bare = BarePool(cfg.workers, cfg.bare_niceness)
+        floor = BarePool(cfg.workers, cfg.bare_niceness, engine_solver=True)
         client = DaemonClient(daemon.address, shared_memory=cfg.transport == "shm")
         version = 0
         for n in cfg.sizes:
             batch = plan[n][0]
             matrices = [make_factor(n, cfg.seed, i) for i in range(batch)]
             bare.load(n, batch, cfg.seed)
+            floor.load(n, batch, cfg.seed)
             for kind in cfg.kinds:
                 prefix = f"{kind.value}-n{n}"
                 client.run_round(matrices, kind, prefix, version)  # warm-up
                 bare.run_round(kind)
+                floor.run_round(kind)
                 version += 1
                 daemon_s: list[float] = []
                 bare_s: list[float] = []
                 daemon_cpu: list[float] = []  # CPU-s per solve: daemon + workers + client
                 split: list[tuple[float, float, float]] = []  # the same, per part
                 bare_cpu: list[float] = []
+                floor_cpu: list[float] = []  # CPU-s per solve of the solver alone
                 for r in range(cfg.rounds):
-                    for side in ("daemon", "bare") if r % 2 == 0 else ("bare", "daemon"):
+                    sides = ("daemon", "bare", "solver")
+                    for side in sides if r % 2 == 0 else sides[::-1]:
                         if side == "bare":
                             bare_s.append(bare.run_round(kind))
                             bare_cpu.append(bare.last_cpu_s / batch)
+                            continue
+                        if side == "solver":
+                            floor.run_round(kind)
+                            floor_cpu.append(floor.last_cpu_s / batch)
                             continue
                         cpu = CpuSplit(daemon.pid)
                         daemon_s.append(client.run_round(matrices, kind, prefix, version))
@@ -558,6 +602,10 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
                     "client": 1e3 * summarize([p[2] for p in split])["median"] / batch,
                     "bare": 1e3 * summarize(bare_cpu)["median"],
                 }
+                # The floor under cpu_s_per_solve_vs_bare: the engine's own solver, no IPC.
+                entry["solver_cpu_vs_bare"] = (
+                    summarize(floor_cpu)["median"] / summarize(bare_cpu)["median"]
+                )
                 # One block at a time: what submit -> result adds to the worker's solve.
                 latencies, solves = [], []
                 for i in range(max(5, 2 * cfg.rounds)):
@@ -571,8 +619,9 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     finally:
         if client is not None:
             client.close()
-        if bare is not None:
-            bare.close()
+        for pool in (bare, floor):
+            if pool is not None:
+                pool.close()
         daemon_cpu_s = daemon.stop().cpu_s
     config = asdict(cfg)
     config["kinds"] = [k.value for k in cfg.kinds]
@@ -601,7 +650,8 @@ def _split(ms: dict[str, float] | None) -> str:
 
 def _table(results: Sequence[dict[str, Any]], markdown: bool) -> list[str]:
     head = ["n", "kind", "batch", "daemon solves/s", "bare solves/s", "ratio", "paired (min-max)"]
-    head += ["CPU/solve vs bare", "CPU ms/solve: daemon+workers+client (bare)"]
+    head += ["CPU/solve vs bare", "solver alone vs bare"]
+    head += ["CPU ms/solve: daemon+workers+client (bare)"]
     head += ["result overhead ms"]
     rows = [
         [
@@ -614,6 +664,7 @@ def _table(results: Sequence[dict[str, Any]], markdown: bool) -> list[str]:
             f"{e['paired_ratio_median']:.3f} ({e['paired_ratio_min']:.3f}-"
             f"{e['paired_ratio_max']:.3f})",
             f"{e.get('cpu_s_per_solve_vs_bare', math.nan):.3f}",
+            f"{e['solver_cpu_vs_bare']:.3f}" if "solver_cpu_vs_bare" in e else "-",
             _split(e.get("cpu_ms_per_solve")),
             f"{e.get('result_overhead_ms_p50', math.nan):.2f}",
         ]
@@ -635,6 +686,9 @@ def format_report(report: dict[str, Any]) -> str:
         "CPU/solve vs bare = CPU-s per solve of daemon + workers + client / bare loop's "
         "(target <= 1.10), next to it the three parts and the bare loop's in ms (medians "
         "over the rounds; /proc counts in clock ticks of 10 ms, so small parts are coarse); "
+        "solver alone vs bare = CPU per solve of the engine's solver (input checks, solve, "
+        "output checks, float32 conversion) in processes like the bare loop's, no IPC, over "
+        "the bare loop's: the part of CPU/solve vs bare no transport work can remove; "
         "result overhead = median submit->result of one block alone - median worker solve "
         "time (target <= 2 ms at n=256)",
     ]

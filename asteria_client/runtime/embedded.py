@@ -23,14 +23,21 @@ from asteria_client.runtime.source import (
     result_from_engine,
 )
 from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
-from asteria_server.engine import EngineConfig, PreconditionerEngine, SolveResult, SolveTask
+from asteria_server.engine import (
+    EighSolver,
+    EngineConfig,
+    PreconditionerEngine,
+    SolverConfig,
+    SolveResult,
+    SolveTask,
+)
 from asteria_server.engine.workers import default_num_workers
 from asteria_server.errors import AsteriaError
 
 # The engine's public entry, for the rest of the client: this module is the one that imports the
 # engine (and with it SciPy), so callers import these from here, inside the function that needs
 # them, and ``import asteria_client`` stays free of SciPy.
-__all__ = ["EmbeddedSource", "EngineConfig", "default_num_workers"]
+__all__ = ["EighSolver", "EmbeddedSource", "EngineConfig", "SolverConfig", "default_num_workers"]
 
 logger = logging.getLogger(__name__)
 

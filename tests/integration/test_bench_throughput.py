@@ -61,6 +61,8 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys) -> None:  # type: 
         assert _positive(split["workers"]) and _positive(split["bare"])
         assert split["daemon"] >= 0 and split["client"] >= 0
         assert _positive(entry["cpu_s_per_solve_vs_bare"])
+        # The engine's solver alone does the bare loop's LAPACK work and its checks on top.
+        assert _positive(entry["solver_cpu_vs_bare"])
     assert len(report["figures"]) == 1
     png = out.parent / report["figures"][0]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
