@@ -645,6 +645,19 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
 # --------------------------------------------------------------------------- reporting
 
 
+#: What the table's CPU and latency columns are (under the table, in text and markdown).
+COLUMNS_NOTE = (
+    "CPU/solve vs bare = CPU-s per solve of daemon + workers + client / bare loop's "
+    "(target <= 1.10), next to it the three parts and the bare loop's in ms (medians "
+    "over the rounds; /proc counts in clock ticks of 10 ms, so small parts are coarse); "
+    "solver alone vs bare = CPU per solve of the engine's solver (input checks, solve, "
+    "output checks, float32 conversion) in processes like the bare loop's, no IPC, over "
+    "the bare loop's: the part of CPU/solve vs bare no transport work can remove; "
+    "result overhead = median submit->result of one block alone - median worker solve "
+    "time (target <= 2 ms at n=256)"
+)
+
+
 def _split(ms: dict[str, float] | None) -> str:
     """``daemon+workers+client (bare)`` CPU ms per solve (reports from before the split: -)."""
     if not ms:
@@ -687,14 +700,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"ratio = bare median round / daemon median round (target >= {report['ratio_target']}); "
         f"{cfg['workers']} daemon workers vs {cfg['workers']} bare processes, 1 BLAS thread "
         f"each, {cfg['rounds']} alternating rounds; paired = per-round ratios",
-        "CPU/solve vs bare = CPU-s per solve of daemon + workers + client / bare loop's "
-        "(target <= 1.10), next to it the three parts and the bare loop's in ms (medians "
-        "over the rounds; /proc counts in clock ticks of 10 ms, so small parts are coarse); "
-        "solver alone vs bare = CPU per solve of the engine's solver (input checks, solve, "
-        "output checks, float32 conversion) in processes like the bare loop's, no IPC, over "
-        "the bare loop's: the part of CPU/solve vs bare no transport work can remove; "
-        "result overhead = median submit->result of one block alone - median worker solve "
-        "time (target <= 2 ms at n=256)",
+        COLUMNS_NOTE,
     ]
     return "\n".join(lines)
 
@@ -735,6 +741,8 @@ def report_section(data: dict[str, Any]) -> str:
         f"(target >= {data['ratio_target']}).",
         "",
         *_table(data["results"], markdown=True),
+        "",
+        COLUMNS_NOTE,
     ]
     for figure in data.get("figures", []):
         lines += ["", f"![throughput]({figure})"]
