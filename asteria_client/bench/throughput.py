@@ -546,7 +546,10 @@ def _run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     plan = {n: calibrate_batch(n, cfg) for n in cfg.sizes}
     for n, (batch, seconds) in plan.items():
         _progress(f"n={n}: one bare eigh {seconds * 1e3:.1f} ms -> batch of {batch}")
-    _progress(f"starting the daemon ({cfg.workers} workers) and {cfg.workers} bare processes")
+    _progress(
+        f"starting the daemon ({cfg.workers} workers), {cfg.workers} bare processes and "
+        f"{cfg.workers} running the engine's solver alone"
+    )
     entries: list[dict[str, Any]] = []
     daemon = DaemonProcess(workers=cfg.workers, blas_threads=1).start()
     bare = floor = None
