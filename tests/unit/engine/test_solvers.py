@@ -244,6 +244,34 @@ def test_the_checked_input_is_a_private_float64_symmetrization(n: int, dtype: An
     assert checked.basis is None and not np.shares_memory(checked.matrix, wide)
 
 
+@pytest.mark.parametrize("band_bytes", [8, 8 * 7, 8 * 64 * 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_banded_check_reads_and_rejects_like_the_whole_matrix_one(
+    band_bytes: int, dtype: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Large matrices are checked band of rows by band (cache-sized): every band size, the last
+    # one short, must give the same symmetrization and see a fault in any band.
+    n = 64
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal((n, n))
+    a = (g @ g.T + 1e-6 * rng.standard_normal((n, n))).astype(dtype)
+    whole = solvers.checked_symmetric(a)
+    monkeypatch.setattr(solvers, "_BANDED_FROM_BYTES", 0)
+    monkeypatch.setattr(solvers, "_BAND_BYTES", band_bytes)
+    np.testing.assert_array_equal(solvers.checked_symmetric(a), whole)
+    wide = a.astype(np.float64)
+    np.testing.assert_array_equal(whole, (wide + wide.T) / 2)
+    skewed = a.copy()
+    skewed[40, 3] += dtype(1.0)  # in a middle band; its mirror entry in an early one
+    with pytest.raises(solvers.InputRejected, match=r"max \|A - A\^T\| = 1,"):
+        solvers.checked_symmetric(skewed)
+    for at in [(0, 5), (n - 1, n - 2)]:  # first band, last band
+        bad = a.copy()
+        bad[at] = np.nan
+        with pytest.raises(solvers.InputRejected, match="NaN or Inf"):
+            solvers.checked_symmetric(bad)
+
+
 def test_a_float32_asymmetry_is_measured_like_a_float64_one() -> None:
     a = spd(8).astype(np.float32)
     a[0, 7] += np.float32(1e-2)
