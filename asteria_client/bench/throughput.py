@@ -14,8 +14,9 @@ ridge, like Kronecker factors) is solved round after round on both sides:
   with their C allocator settings (``asteria_server.malloc.tune_solver_allocator``: process
   configuration, like the thread count, not work Asteria adds), each running on its share of
   the same batch exactly the LAPACK/BLAS calls the engine's solver makes (``scipy.linalg.eigh``
-  in float64 with the ``evd`` driver; for an inverse root also the one ``U diag(lam^-p) U^T``
-  product), without Asteria's validation, copies or IPC;
+  in float64 with the ``evd`` driver; for an inverse root also the one product
+  ``U diag(lam^-p) U^T``, as the solver makes it: ``B B^T`` with ``B = U diag(lam^(-p/2))``),
+  without Asteria's validation, copies or IPC;
 - solver alone: W more such processes that run the engine's own solver (``EighSolver``: its
   input checks, the solve, its output checks, the conversion into a float32 result array) on
   the same shares, with no daemon, segments or messages: the floor under the daemon's CPU per
@@ -160,9 +161,10 @@ def bare_solve(matrix: np.ndarray, kind: SolveKind) -> None:
     # cost the bare loop 3 ms per solve at n = 1024 and flattered the daemon by 2%.
     work = np.array(matrix.T, dtype=np.float64, order="F")
     w, v = scipy.linalg.eigh(work, driver=EIGH_DRIVER, overwrite_a=True, check_finite=False)
-    if kind is SolveKind.INVERSE_ROOT:
+    if kind is SolveKind.INVERSE_ROOT:  # the solver's one product, B B^T (a syrk)
         lam = np.maximum(w, 0.0) + EPSILON
-        _ = (v * np.power(lam, -EXPONENT)) @ v.T
+        half = v * np.power(lam, -0.5 * EXPONENT)
+        _ = half @ half.T
 
 
 # --------------------------------------------------------------------------- bare processes
