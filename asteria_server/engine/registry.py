@@ -217,9 +217,12 @@ class CoherenceRegistry:
             rec.queued_version = version
 
     def on_overwritten(self, tenant: str, block: str, version: int) -> None:
-        """A dispatched snapshot was overwritten in the client's segment before it was read:
-        no result and no failure (the newer snapshot is announced on its own)."""
+        """A dispatched snapshot was overwritten in the client's segment before it was read (or
+        a timed-out one found a newer snapshot waiting): no result and no failure; it counts as
+        superseded, as a queued snapshot replaced by a newer one does (the newer snapshot is
+        announced on its own)."""
         rec = self._record(tenant, block)
+        rec.superseded += 1
         if rec.running_version == version:
             rec.running_version = -1
 

@@ -236,6 +236,26 @@ def test_failed_block_keeps_last_good_result_and_recovers() -> None:
     assert coord.solves_done == 2 and coord.solves_failed == 3
 
 
+def test_a_snapshot_overwritten_before_it_was_read_counts_as_superseded() -> None:
+    # Every submitted version is solved, failed or counted as replaced by a newer one: one a
+    # client overwrote in its segment before the worker read it is replaced too, as is one
+    # whose timed-out run finds a newer snapshot waiting.
+    coord = Coordinator()
+    coord.submit(make_task("t", "b", 1))
+    entry = coord.next_task()
+    assert entry is not None
+    coord.overwritten(entry.task)
+    (status,) = coord.status("t")
+    assert status.superseded == 1 and status.state is BlockState.IDLE and status.failures == 0
+    coord.submit(make_task("t", "b", 2))
+    entry = coord.next_task()
+    assert entry is not None
+    coord.submit(make_task("t", "b", 3))  # waits behind the running version 2
+    assert not coord.requeue(entry.task)  # 2 timed out: 3 is newer, 2 is dropped
+    (status,) = coord.status("t")
+    assert status.superseded == 2 and status.queued_version == 3 and status.failures == 0
+
+
 def test_mismatched_result_is_a_failure() -> None:
     coord = Coordinator()
     coord.submit(make_task("t", "b", 1))

@@ -1161,7 +1161,9 @@ class BlockStatus(_message.Message):
     stale_ignored: _builtins.int
     """Submissions older than one already submitted, ignored."""
     superseded: _builtins.int
-    """Queued snapshots replaced by a newer one before they started."""
+    """Snapshots replaced by a newer one before they were solved: while queued, or overwritten in
+    the client's segment before a solver worker read them.
+    """
     state: Global___BlockState.ValueType
     """Where the block is now."""
     last_error: _builtins.str
