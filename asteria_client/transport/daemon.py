@@ -136,6 +136,7 @@ class _Block:
     received_version: int = -1  # newest result received (never goes back)
     ready: SolveResult | None = None  # newest result not taken yet
     dropped: int = 0  # snapshots dropped while the daemon was unreachable
+    replaced: int = 0  # snapshots replaced by a newer one before the sender sent them
     rejected: int = 0  # snapshots the daemon refused (bad input)
     last_error: str = ""
     submitted_at: dict[int, float] = field(default_factory=dict)  # version -> monotonic time
@@ -330,6 +331,8 @@ class DaemonSource(PreconditionerSource):
             self._reject_local(request.block, block, str(exc))
             return
         with self._lock:
+            if block.pending:  # the sender had not sent the one before: latest wins
+                block.replaced += 1
             block.latest = task
             block.latest_sequence = sequence
             block.latest_write = write
@@ -789,6 +792,7 @@ class DaemonSource(PreconditionerSource):
                     "connected": connected,
                     "daemon_block": self._prefix + name,
                     "submits_dropped": block.dropped,
+                    "submits_replaced": block.replaced,
                     "submits_rejected": block.rejected,
                 }
                 rec = SourceRecord(
@@ -825,7 +829,8 @@ class DaemonSource(PreconditionerSource):
         return self.records().get(block, SourceRecord())
 
     def stats(self) -> dict[str, Any]:
-        """Client-side counters: connection, incarnations seen, dropped and rejected snapshots."""
+        """Client-side counters: connection, incarnations seen, dropped, replaced (by a newer
+        snapshot before they were sent) and rejected snapshots."""
         with self._lock:
             latencies = np.asarray(self._latencies, dtype=np.float64)
             timed = latencies.size > 0
@@ -838,6 +843,7 @@ class DaemonSource(PreconditionerSource):
                 "daemon_incarnation": self._session.incarnation_id,
                 "incarnations_seen": self._session.incarnations_seen,
                 "submits_dropped": sum(b.dropped for b in self._blocks.values()),
+                "submits_replaced": sum(b.replaced for b in self._blocks.values()),
                 "submits_rejected": sum(b.rejected for b in self._blocks.values()),
                 "transport": "shm" if self._segments.active else "grpc",
                 "shm_segments": len(self._segments),
