@@ -163,9 +163,9 @@ def checked_symmetric(matrix: np.ndarray, *, symmetry_rtol: float = 1e-4) -> np.
     rows = a.shape[0]
     a_t = copy_transposed(np.empty_like(a), a)
     out = np.empty(a.shape, np.float64)
-    band = rows
+    band = max(1, rows)  # an empty matrix: no band, nothing to check
     if a.size * 8 >= _BANDED_FROM_BYTES:
-        band = max(1, _BAND_BYTES // (8 * a.shape[1]))
+        band = max(1, _BAND_BYTES // max(1, 8 * a.shape[1]))
     scratch = np.empty((min(band, rows), a.shape[1]), a.dtype)
     high = low = asym = 0.0
     with np.errstate(over="ignore"):  # float32 entries near its range: caught just below

@@ -270,6 +270,7 @@ def test_the_banded_check_reads_and_rejects_like_the_whole_matrix_one(
         bad[at] = np.nan
         with pytest.raises(solvers.InputRejected, match="NaN or Inf"):
             solvers.checked_symmetric(bad)
+    assert solvers.checked_symmetric(np.empty((0, 0), dtype)).shape == (0, 0)
 
 
 def test_a_float32_asymmetry_is_measured_like_a_float64_one() -> None:
