@@ -1,7 +1,10 @@
 """What Shampoo, SOAP and KL-Shampoo share: named parameters, blocking, sources, state, safety.
 
-Subclasses implement one method, :meth:`AsteriaOptimizer._step_param`, for one parameter with a
-non-empty, finite gradient; everything around it lives here:
+Subclasses implement two methods: :meth:`AsteriaOptimizer._first_step` (a parameter's state
+from its first gradient) and :meth:`AsteriaOptimizer._step_groups`, one regular step of every
+*tile group* — the tiles of one shape stepping together, whose state is stacked so that each
+operation runs once per group (see :mod:`asteria_client.optim.grouped`); everything around them
+lives here:
 
 - parameters are known by name (``model.named_parameters()``), so state is keyed by parameter
   name and tile, not by position: a checkpoint loads into a model whose groups are ordered
@@ -22,12 +25,13 @@ import logging
 import math
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from asteria_client.distributed import JobLayout, distributed_job, job_source
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
+from asteria_client.optim.grouped import GroupCache, GroupStep, ParamStep, StorageSpec
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
 from asteria_client.optim.reshard import ReshardReport, reshard_state
 from asteria_client.optim.sharding import (
@@ -167,6 +171,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._plans: dict[str, BlockingPlan] = {}
         #: id(param) -> where its local shard lies (None: not a DTensor)
         self._geometry: dict[int, ShardGeometry | None] = {}
+        #: the tile groups of the last step (stacked state, see :mod:`.grouped`)
+        self._tile_groups = GroupCache()
+        self._any_dtensor: bool | None = None
         super().__init__(named_param_groups(params, self._namer), defaults)
         #: Where results come from and how fresh they are: the only thing the math talks to.
         if source is None:
@@ -211,6 +218,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ parameters and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(self._namer.named_group(param_group, "the param group"))
+        self._any_dtensor = None
         group = self.param_groups[-1]
         if self._namer.num_positional > self._positional_warned:
             self._positional_warned = self._namer.num_positional
@@ -321,32 +329,72 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ the step
-    def _first_bad_gradient(self) -> str | None:
-        grads, positions = [], []
-        named = list(self.named_params())
-        for position, (name, p, _) in enumerate(named):
-            if p.grad is None:
+    def _stepping(self) -> list[ParamStep]:
+        """The parameters with a non-empty gradient, each with its gradient cut into tiles in
+        the state's dtype and the step it is about to take. Changes nothing."""
+        stepping = []
+        for position, (name, p, group) in enumerate(self.named_params()):
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise UnsupportedParameterError(
                     f"parameter {name!r} has a sparse gradient; Asteria needs dense gradients "
                     "(use nn.Embedding(sparse=False))"
                 )
-            grad = local_tensor(p.grad)
-            if grad.numel():
-                grads.append(grad)
-                positions.append(position)
-        first = len(named)  # none
-        if grads:
-            finite = torch.stack([torch.isfinite(g).all() for g in grads])
-            if not bool(finite.all()):
-                first = positions[int((~finite).nonzero()[0])]
-        sharded = [p for _, p, _ in named if is_dtensor(p)]
-        if sharded:  # every rank holds other rows: all skip (or raise) together, or none does
-            flag = torch.tensor([first], device=local_tensor(sharded[0]).device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-            first = int(flag.item())
-        return named[first][0] if first < len(named) else None
+            local = local_tensor(p)  # FSDP2: this rank's shard, preconditioned on its own
+            if local.numel() == 0:
+                continue
+            key = self.state_key(name, p)
+            state = self.state[p]
+            plan = self.plan(key, local, group)
+            tiles = plan.split(local_tensor(grad).to(state_dtype(p)))
+            step = state["step"] + 1 if state else 1
+            stepping.append(ParamStep(key, local, tiles, state, group, plan, step, position))
+        return stepping
+
+    def _first_bad_gradient(
+        self, stepping: list[ParamStep], stacks: list[torch.Tensor] | None = None
+    ) -> str | None:
+        """The name of the first parameter whose gradient holds NaN or Inf (None: all finite).
+
+        One max-abs reduction per tensor of ``stacks`` (the tile groups' stacked gradients,
+        when given: a handful of tensors) or of the tiles' gradients (``_foreach_norm`` with
+        ord = inf propagates NaN and Inf), not one check per parameter; only a bad step looks
+        for which parameter it was. Across FSDP2 ranks every rank holds other rows: all skip
+        (or raise) together, or none does."""
+        tensors = stacks if stacks is not None else [g for e in stepping for g in e.grads]
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        flags = [
+            torch.stack(torch._foreach_norm(group, math.inf)).isfinite().all()
+            for group in by_kind.values()
+        ]
+        first = len(stepping)  # none
+        finite = flags[0] if len(flags) == 1 else torch.stack(flags).all() if flags else None
+        if finite is not None and not bool(finite):
+            first = next(
+                position
+                for position, entry in enumerate(stepping)
+                if not all(bool(torch.isfinite(g).all()) for g in entry.grads)
+            )
+        if not self._sharded():
+            return stepping[first].name if first < len(stepping) else None
+        # by position among all parameters: ranks whose shard of a parameter is empty skip it
+        named = [name for name, _, _ in self.named_params()]
+        position = stepping[first].position if first < len(stepping) else len(named)
+        sharded = next(p for _, p, _ in self.named_params() if is_dtensor(p))
+        flag = torch.tensor([position], device=local_tensor(sharded).device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        agreed = int(flag.item())
+        return named[agreed] if agreed < len(named) else None
+
+    def _sharded(self) -> bool:
+        """Whether any parameter is a DTensor (FSDP2): checked once per set of parameters."""
+        if self._any_dtensor is None:
+            self._any_dtensor = any(is_dtensor(p) for _, p, _ in self.named_params())
+        return self._any_dtensor
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -354,7 +402,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        bad = self._first_bad_gradient()
+        stepping = self._stepping()
+        steps: list[GroupStep] | None = None
+        if all(entry.state for entry in stepping):
+            # the usual step: group first, then check the few stacked gradients
+            steps = self._tile_groups.steps(stepping, self.storage_spec)
+            bad = self._first_bad_gradient(stepping, [work.grads for work in steps])
+        else:  # a first step: check each gradient, then create the state
+            bad = self._first_bad_gradient(stepping)
         if bad is not None:
             if self.nonfinite is NonFinitePolicy.RAISE:
                 raise NonFiniteGradientError(
@@ -365,27 +420,30 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             self._warn_once("skip", f"skipping steps with non-finite gradients (first: {bad!r})")
             return loss
-        for name, p, group in self.named_params():
-            if p.grad is None:
-                continue
-            local = local_tensor(p)  # FSDP2: this rank's shard, preconditioned on its own
-            if local.numel() == 0:
-                continue
-            key = self.state_key(name, p)
-            state = self.state[p]
+        regular = []
+        for entry in stepping:
+            state = entry.state
             if not state:
-                state["step"] = 0
                 state["tiles"] = []
-            state["step"] += 1
-            plan = self.plan(key, local, group)
-            tiles = plan.split(local_tensor(p.grad).to(state_dtype(p)))
-            self._step_param(key, local, tiles, state, group, plan)
+            state["step"] = entry.step
+            if entry.step == 1 and not self._first_step(
+                entry.name, entry.param, entry.grads, state, entry.group, entry.plan
+            ):
+                continue
+            regular.append(entry)
+        if steps is None and regular:
+            steps = self._tile_groups.steps(regular, self.storage_spec)
+        if steps:
+            self._step_groups(steps)
         if self.runtime.continuous:
             # the workers free now get the neediest blocks; a new step's overhead budget
             self.runtime.pull(self._install, step_end=True)
         return loss
 
-    def _step_param(
+    #: Which fields of this optimizer's tiles are stacked per group (subclasses).
+    storage_spec: ClassVar[dict[type, StorageSpec]] = {}
+
+    def _first_step(
         self,
         name: str,
         param: torch.Tensor,
@@ -393,10 +451,53 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         state: dict[str, Any],
         group: dict[str, Any],
         plan: BlockingPlan,
-    ) -> None:
-        """Update one parameter from its gradient, already cut into ``tiles`` in the state's
-        dtype; ``state["step"]`` counts this call."""
+    ) -> bool:
+        """A parameter's first step: create its tiles (``state["tiles"]``) from its gradient,
+        already cut into ``tiles``; return whether it also takes a regular step now."""
+        raise NotImplementedError  # abstract: each optimizer initializes its state
+
+    def _step_groups(self, steps: list[GroupStep]) -> None:
+        """One regular step of every tile group (tiles of one shape, see :mod:`.grouped`);
+        each group's parameter updates go through :meth:`_apply_updates`."""
         raise NotImplementedError  # abstract: each optimizer defines its update
+
+    def _apply_updates(
+        self,
+        updates: list[tuple[GroupStep, torch.Tensor, float, float]],
+        *,
+        decay_first: bool,
+    ) -> None:
+        """Add ``alpha * update`` to every parameter, with decoupled weight decay ``decay``
+        (``p *= 1 - decay`` before the update when ``decay_first``, else ``p -= decay * p``
+        after it), one ``_foreach`` operation per (alpha, decay) for all the groups' tiles. A
+        parameter cut into several tiles, or reshaped into one, is assembled first. Half-
+        precision parameters are updated in float32 and rounded once."""
+        buckets: dict[tuple[float, float, bool], tuple[list[torch.Tensor], list[torch.Tensor]]]
+        buckets = {}
+        partial: dict[int, list[Any]] = {}
+        for work, update, alpha, decay in updates:
+            for (entry, index), row in zip(work.owners, update.unbind(0), strict=True):
+                if entry.direct:
+                    full = row
+                else:
+                    pieces = partial.setdefault(id(entry), [None] * len(entry.plan.tiles))
+                    pieces[index] = row
+                    if any(piece is None for piece in pieces):
+                        continue
+                    full = entry.plan.merge(pieces)
+                exact = entry.param.dtype == full.dtype
+                params, rows = buckets.setdefault((alpha, decay, exact), ([], []))
+                params.append(entry.param)
+                rows.append(full)
+        for (alpha, decay, exact), (params, rows) in buckets.items():
+            work_on = params if exact else [p.to(rows[0].dtype) for p in params]
+            if decay > 0 and decay_first:
+                torch._foreach_mul_(work_on, 1 - decay)
+            torch._foreach_add_(work_on, rows, alpha=alpha)
+            if decay > 0 and not decay_first:
+                torch._foreach_add_(work_on, work_on, alpha=-decay)
+            if not exact:
+                torch._foreach_copy_(params, work_on)
 
     # ------------------------------------------------------------------ the runtime
     @property

@@ -30,6 +30,7 @@ parameter's shape and its tiles.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -84,9 +85,15 @@ class BlockingPlan:
     def tiled(self) -> bool:
         return len(self.tiles) > 1
 
+    @functools.cached_property
+    def whole(self) -> bool:
+        """One tile of the parameter's own shape: tiles and parameter are the same tensor."""
+        return not self.tiled and self.tiles[0].shape == self.param_shape
+
     def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``tensor`` (shaped like the parameter) for each tile."""
-        merged = tensor.reshape(self.merged_shape)
+        """Views of ``tensor`` (shaped like the parameter) for each tile (``tensor`` itself for
+        a parameter that is one tile of its own shape: no view to dispatch)."""
+        merged = tensor if tensor.shape == self.merged_shape else tensor.reshape(self.merged_shape)
         if not self.tiled:
             return [merged]
         return [merged[t.slices] for t in self.tiles]
@@ -96,7 +103,8 @@ class BlockingPlan:
         if len(tiles) != len(self.tiles):
             raise ValueError(f"expected {len(self.tiles)} tiles, got {len(tiles)}")
         if not self.tiled:
-            return tiles[0].reshape(self.param_shape)
+            tile = tiles[0]
+            return tile if tile.shape == self.param_shape else tile.reshape(self.param_shape)
         out = tiles[0].new_empty(self.merged_shape)
         for plan, tile in zip(self.tiles, tiles, strict=True):
             out[plan.slices] = tile

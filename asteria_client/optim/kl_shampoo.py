@@ -26,16 +26,19 @@ damping * max(lam)`` (see :func:`regularized`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from asteria_client.optim import grouped as batched
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
-from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
-from asteria_client.optim.updates import AdamTile, adam_direction, apply_update
+from asteria_client.optim.grouped import GroupStep, StorageSpec, set_entry
+from asteria_client.optim.tensor_ops import factor_statistic
+from asteria_client.optim.updates import AdamTile, adam_direction
 from asteria_client.runtime import PreconditionerResult, TileBlocks
 
 
@@ -50,24 +53,16 @@ class KLTile(TileBlocks):
     eigenvalues: list[torch.Tensor]
 
 
-def _scale_along(tensor: torch.Tensor, vector: torch.Tensor, dim: int) -> torch.Tensor:
-    shape = [1] * tensor.dim()
-    shape[dim] = -1
-    return tensor * vector.reshape(shape)
-
-
 def regularized(eigenvalues: torch.Tensor, eps: float, damping: float) -> torch.Tensor:
     """``max(lam, 0) + eps + damping * max(lam)``: bounds each factor's condition number by about
     1 / damping, so directions a gradient never visited (rank-deficient factors, unused embedding
     rows) are not amplified by 1 / eps when rounding noise reaches them."""
     lam = eigenvalues.clamp_min(0)
-    top = lam.max() if lam.numel() else lam.new_zeros(())
+    if lam.dim() == 1:
+        top = lam.max() if lam.numel() else lam.new_zeros(())
+    else:  # [k, n]: one maximum per tile
+        top = lam.amax(dim=-1, keepdim=True)
     return lam + (eps + damping * top)
-
-
-def _sum_except(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    others = [d for d in range(tensor.dim()) if d != dim]
-    return tensor.sum(dim=others) if others else tensor
 
 
 class KLShampoo(AsteriaOptimizer):
@@ -128,7 +123,14 @@ class KLShampoo(AsteriaOptimizer):
     supports_continuous = True
     tile_types = (KLTile, AdamTile)
 
-    def _step_param(
+    storage_spec: ClassVar[dict[type, StorageSpec]] = {
+        KLTile: StorageSpec(
+            tensors=("exp_avg",), lists=("factors", "eigenvalues"), optional=("bases",)
+        ),
+        AdamTile: StorageSpec(tensors=("exp_avg", "exp_avg_sq")),
+    }
+
+    def _first_step(
         self,
         name: str,
         param: torch.Tensor,
@@ -136,51 +138,55 @@ class KLShampoo(AsteriaOptimizer):
         state: dict[str, Any],
         group: dict[str, Any],
         plan: BlockingPlan,
-    ) -> None:
-        step = state["step"]
-        beta1, beta2 = group["betas"]
-
-        if plan.diagonal:  # Adam
-            if step == 1:
-                state["tiles"] = [
-                    AdamTile(
-                        exp_avg=torch.zeros_like(tiles[0]), exp_avg_sq=torch.zeros_like(tiles[0])
-                    )
-                ]
-            adam, g = state["tiles"][0], tiles[0]
-            adam.exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
-            adam.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            direction = adam_direction(
-                adam.exp_avg, adam.exp_avg_sq, step, group["betas"], group["eps"]
-            )
-            apply_update(param, plan.merge([direction]), group["lr"], group["weight_decay"])
-            return
-
-        if step == 1:  # initialization only
-            state["tiles"] = [
-                self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
-            ]
-            for tile in state["tiles"]:
-                self._refresh_tile(tile, step, group, due=True)
-            return
-
-        t = step - 1
-        directions = []
-        for tile, g in zip(state["tiles"], tiles, strict=True):
-            self._sync_tile(tile, step, group)
-            self._update_statistics(tile, g, beta2, group["eps"], group["damping"])
-            exp_avg = tile.exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
-            m_hat = exp_avg / (1 - beta1**t)
-            rotated = project(m_hat, tile.bases)
-            for dim, lam in enumerate(tile.eigenvalues):
-                scale = regularized(lam, group["eps"], group["damping"]).rsqrt()
-                rotated = _scale_along(rotated, scale, dim)
-            directions.append(project(rotated, tile.bases, back=True))
-        apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
-
-        due = t % group["precondition_frequency"] == 0
+    ) -> bool:
+        """Adam tiles for a 1-D parameter (which steps now); otherwise initialization only."""
+        if plan.diagonal:
+            g = tiles[0]
+            state["tiles"] = [AdamTile(exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g))]
+            return True
+        state["tiles"] = [
+            self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
+        ]
         for tile in state["tiles"]:
-            self._refresh_tile(tile, step, group, due=due)
+            self._refresh_tile(tile, 1, group, due=True)
+        return False
+
+    def _step_groups(self, steps: list[GroupStep]) -> None:
+        updates = []
+        for work in steps:
+            group, stacks, g = work.hyper, work.group, work.grads
+            beta1, beta2 = group["betas"]
+            decay = group["lr"] * group["weight_decay"]
+            if isinstance(work.tiles[0], AdamTile):
+                exp_avg, exp_avg_sq = stacks.tensors["exp_avg"], stacks.tensors["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                direction = adam_direction(
+                    exp_avg, exp_avg_sq, work.step, group["betas"], group["eps"]
+                )
+                updates.append((work, direction, -group["lr"], decay))
+                continue
+            for tile in work.tiles:
+                self._sync_tile(tile, work.step, group)
+            self._update_statistics(work, beta2, group["eps"], group["damping"])
+            exp_avg = stacks.tensors["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+            m_hat = exp_avg / (1 - beta1 ** (work.step - 1))
+            bases = stacks.stacked_all("bases")
+            rotated = batched.project(m_hat, bases)
+            order = len(stacks.shape)
+            for dim in range(order):
+                lam = stacks.entries[("eigenvalues", dim)]
+                scale = regularized(lam, group["eps"], group["damping"]).rsqrt()
+                rotated = rotated * batched.along(scale, dim, order)
+            direction = batched.project(rotated, bases, back=True)
+            updates.append((work, direction, -group["lr"], decay))
+        self._apply_updates(updates, decay_first=True)
+        for work in steps:
+            if isinstance(work.tiles[0], AdamTile):
+                continue
+            due = (work.step - 1) % work.hyper["precondition_frequency"] == 0
+            for tile in work.tiles:
+                self._refresh_tile(tile, work.step, work.hyper, due=due)
 
     # ------------------------------------------------------------------ statistics
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> KLTile:
@@ -207,27 +213,33 @@ class KLShampoo(AsteriaOptimizer):
         )
 
     @staticmethod
-    def _update_statistics(
-        tile: KLTile, grad: torch.Tensor, beta: float, eps: float, damping: float
-    ) -> None:
-        """Factors and eigenvalue EMAs from the *old* bases and eigenvalues."""
-        bases, eigenvalues = tile.bases, tile.eigenvalues
+    def _update_statistics(work: GroupStep, beta: float, eps: float, damping: float) -> None:
+        """Factors and eigenvalue EMAs of a group's tiles from the *old* bases and eigenvalues."""
+        stacks, grad = work.group, work.grads
+        order = len(stacks.shape)
+        bases = stacks.stacked_all("bases")
+        eigenvalues = [stacks.entries[("eigenvalues", dim)] for dim in range(order)]
         inv_sqrt = [regularized(lam, eps, damping).rsqrt() for lam in eigenvalues]
-        rotated = project(grad, bases)
-        numel = grad.numel()
+        rotated = batched.project(grad, bases)
+        numel = math.prod(stacks.shape)
         new_terms = []
-        for dim in range(grad.dim()):
+        for dim in range(order):
             whitened = rotated
-            for other in range(grad.dim()):
+            for other in range(order):
                 if other != dim:
-                    whitened = _scale_along(whitened, inv_sqrt[other], other)
-            norm = grad.shape[dim] / numel
-            new_terms.append(_sum_except(whitened.square(), dim) * norm)
-            factor = tile.factors[dim]
+                    whitened = whitened * batched.along(inv_sqrt[other], other, order)
+            norm = stacks.shape[dim] / numel
+            others = [d + 1 for d in range(order) if d != dim]
+            squared = whitened.square()
+            new_terms.append((squared.sum(dim=others) if others else squared) * norm)
+            factor = stacks.stacked("factors", dim)
             if factor is not None:
                 basis = bases[dim]
-                unrotated = whitened if basis is None else mode_product(whitened, basis, dim)
-                factor.mul_(beta).add_(factor_statistic(unrotated, dim), alpha=(1 - beta) * norm)
+                unrotated = (
+                    whitened if basis is None else batched.mode_product(whitened, basis, dim)
+                )
+                statistic = batched.factor_statistic(unrotated, dim)
+                factor.mul_(beta).add_(statistic, alpha=(1 - beta) * norm)
         for lam, term in zip(eigenvalues, new_terms, strict=True):
             lam.mul_(beta).add_(term, alpha=1 - beta)
 
@@ -239,14 +251,14 @@ class KLShampoo(AsteriaOptimizer):
         factor = tile.factors[dim]
         assert factor is not None  # only preconditioned dims have blocks
         basis = result.matrix.to(device=factor.device, dtype=factor.dtype)
-        tile.bases[dim] = basis
+        set_entry(tile, "bases", dim, basis)
         if result.eigenvalues is not None:
             # The eigenvalues of the snapshot the basis was computed from, never the factor's
             # newer value in another basis: a basis and its eigenvalues stay one pair.
             eigenvalues = result.eigenvalues.to(device=factor.device, dtype=factor.dtype)
         else:
             eigenvalues = (basis * (factor @ basis)).sum(dim=0)
-        tile.eigenvalues[dim] = eigenvalues.clamp_min(0)
+        set_entry(tile, "eigenvalues", dim, eigenvalues.clamp_min(0))
         tile.versions[dim] = result.version
 
     # ------------------------------------------------------------------ resharding

@@ -18,14 +18,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from asteria_client.optim import grouped as batched
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
-from asteria_client.optim.tensor_ops import apply_on_dims, factor_statistic
-from asteria_client.optim.updates import TINY, adam_direction, apply_update
+from asteria_client.optim.grouped import GroupStep, StorageSpec, set_entry
+from asteria_client.optim.updates import TINY, adam_direction
 from asteria_client.runtime import PreconditionerRequest, PreconditionerResult, TileBlocks
 from asteria_server.types import SolveKind
 
@@ -115,7 +116,13 @@ class Shampoo(AsteriaOptimizer):
         ]
         super().load_state_dict({**state_dict, "param_groups": groups})
 
-    def _step_param(
+    storage_spec: ClassVar[dict[type, StorageSpec]] = {
+        ShampooTile: StorageSpec(
+            tensors=("exp_avg", "exp_avg_sq"), lists=("factors",), optional=("roots",)
+        )
+    }
+
+    def _first_step(
         self,
         name: str,
         param: torch.Tensor,
@@ -123,27 +130,32 @@ class Shampoo(AsteriaOptimizer):
         state: dict[str, Any],
         group: dict[str, Any],
         plan: BlockingPlan,
-    ) -> None:
-        step = state["step"]
-        beta1, beta2 = group["betas"]
-        if step == 1:
-            state["tiles"] = [
-                self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
-            ]
+    ) -> bool:
+        state["tiles"] = [
+            self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
+        ]
+        return True  # the first step also updates (with Adam's direction until roots arrive)
 
-        due = (step - 1) % group["precondition_frequency"] == 0
-        directions = []
-        for tile, g in zip(state["tiles"], tiles, strict=True):
-            tile.exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
-            tile.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            for dim, factor in enumerate(tile.factors):
+    def _step_groups(self, steps: list[GroupStep]) -> None:
+        for work in steps:
+            group, stacks, g = work.hyper, work.group, work.grads
+            beta1, beta2 = group["betas"]
+            stacks.tensors["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+            stacks.tensors["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            for dim, factor in enumerate(stacks.stacked_all("factors")):
                 if factor is not None:
-                    factor.mul_(beta2).add_(factor_statistic(g, dim), alpha=1 - beta2)
-            if due and any(f is not None for f in tile.factors):
-                self._submit_tile(tile, step, group)
-            self._sync_tile(tile, step, group)
-            directions.append(self._direction(tile, step, group))
-        apply_update(param, plan.merge(directions), group["lr"], group["weight_decay"])
+                    factor.mul_(beta2).add_(batched.factor_statistic(g, dim), alpha=1 - beta2)
+            if not stacks.has_blocks:
+                continue
+            due = (work.step - 1) % group["precondition_frequency"] == 0
+            for tile in work.tiles:
+                if due:
+                    self._submit_tile(tile, work.step, group)
+                self._sync_tile(tile, work.step, group)
+        updates = [
+            (work, self._direction(work), -work.hyper["lr"], _decay(work.hyper)) for work in steps
+        ]
+        self._apply_updates(updates, decay_first=True)
 
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> ShampooTile:
         blocks = self._block_names(name, tile)
@@ -176,25 +188,29 @@ class Shampoo(AsteriaOptimizer):
     def _install(self, tile: ShampooTile, dim: int, result: PreconditionerResult) -> None:
         factor = tile.factors[dim]
         assert factor is not None
-        tile.roots[dim] = result.matrix.to(factor.device, factor.dtype)
+        set_entry(tile, "roots", dim, result.matrix.to(factor.device, factor.dtype))
         tile.versions[dim] = result.version
 
     @staticmethod
-    def _direction(tile: ShampooTile, step: int, group: dict[str, Any]) -> torch.Tensor:
+    def _direction(work: GroupStep) -> torch.Tensor:
+        """Per tile: ``M_hat x_i P_i`` grafted to the norm of Adam's direction; Adam's own
+        direction for a tile with no root yet."""
+        group, stacks = work.hyper, work.group
+        exp_avg = stacks.tensors["exp_avg"]
         adam = adam_direction(
-            tile.exp_avg,
-            tile.exp_avg_sq,
-            step,
-            group["betas"],
-            group["graft_eps"],
+            exp_avg, stacks.tensors["exp_avg_sq"], work.step, group["betas"], group["graft_eps"]
         )
-        roots = tile.roots
+        roots = stacks.stacked_all("roots")
         if all(r is None for r in roots):
             return adam
-        m_hat = tile.exp_avg / (1 - group["betas"][0] ** step)
-        direction = apply_on_dims(m_hat, roots)
-        scale = adam.norm() / direction.norm().clamp_min(TINY)
-        return direction.mul_(scale)
+        m_hat = exp_avg / (1 - group["betas"][0] ** work.step)
+        direction = batched.apply_on_dims(m_hat, roots)
+        dims = batched.tile_dims(direction)
+        adam_norm = torch.linalg.vector_norm(adam, dim=dims, keepdim=True)
+        norm = torch.linalg.vector_norm(direction, dim=dims, keepdim=True).clamp_min(TINY)
+        direction.mul_(adam_norm / norm)
+        has_root = stacks.masks["roots"].reshape(adam_norm.shape)
+        return torch.where(has_root, direction, adam)
 
     def _tile_from_parts(
         self,
@@ -213,3 +229,8 @@ class Shampoo(AsteriaOptimizer):
             factors=factors,
             roots=[None] * len(factors),
         )
+
+
+def _decay(group: dict[str, Any]) -> float:
+    """Decoupled weight decay of one step: ``p *= 1 - lr * wd``."""
+    return group["lr"] * group["weight_decay"]

@@ -25,8 +25,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from asteria_client.optim import grouped as batched
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
+from asteria_client.optim.grouped import GroupStep, StorageSpec, set_entry, set_tensor
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
 from asteria_client.runtime import PreconditionerResult, TileBlocks
 
@@ -117,8 +119,14 @@ class SOAP(AsteriaOptimizer):
     supports_continuous = True
     tile_types = (SOAPTile,)
 
-    # ------------------------------------------------------------------ per parameter
-    def _step_param(
+    storage_spec: ClassVar[dict[type, StorageSpec]] = {
+        SOAPTile: StorageSpec(
+            tensors=("exp_avg", "exp_avg_sq"), lists=("factors",), optional=("bases",)
+        )
+    }
+
+    # ------------------------------------------------------------------ the step
+    def _first_step(
         self,
         name: str,
         param: torch.Tensor,
@@ -126,54 +134,51 @@ class SOAP(AsteriaOptimizer):
         state: dict[str, Any],
         group: dict[str, Any],
         plan: BlockingPlan,
-    ) -> None:
-        dtype = tiles[0].dtype
-        shampoo_beta = group["shampoo_beta"]
-        if shampoo_beta is None:
-            shampoo_beta = group["betas"][1]
-        step = state["step"]
-
-        if step == 1:  # initialization only: factors and first bases, no parameter update
-            state["tiles"] = [
-                self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
-            ]
-            for tile, g in zip(state["tiles"], tiles, strict=True):
-                self._update_factors(tile, g, shampoo_beta)
-                self._refresh_tile(tile, step, group, due=True)
-            return
-
-        for tile in state["tiles"]:
-            self._sync_tile(tile, step, group)  # install results; respect the budget
-
-        t = step - 1  # the reference counts steps after the initialization
-        beta1, beta2 = group["betas"]
-        updates = []
+    ) -> bool:
+        """Initialization only: factors and first bases, no parameter update."""
+        state["tiles"] = [
+            self._init_tile(name, tp.index, g) for tp, g in zip(plan.tiles, tiles, strict=True)
+        ]
+        beta = _shampoo_beta(group)
         for tile, g in zip(state["tiles"], tiles, strict=True):
-            bases = tile.bases
-            g_rot = project(g, bases)
-            exp_avg, exp_avg_sq = tile.exp_avg, tile.exp_avg_sq
+            for dim, factor in enumerate(tile.factors):
+                if factor is not None:
+                    factor.lerp_(factor_statistic(g, dim), 1 - beta)
+            self._refresh_tile(tile, 1, group, due=True)
+        return False
+
+    def _step_groups(self, steps: list[GroupStep]) -> None:
+        for work in steps:
+            if work.group.has_blocks:
+                for tile in work.tiles:
+                    self._sync_tile(tile, work.step, work.hyper)  # install results; the budget
+        updates = []
+        for work in steps:
+            group, stacks = work.hyper, work.group
+            t = work.step - 1  # the reference counts steps after the initialization
+            beta1, beta2 = group["betas"]
+            bases = stacks.stacked_all("bases")
+            g_rot = batched.project(work.grads, bases)
+            exp_avg, exp_avg_sq = stacks.tensors["exp_avg"], stacks.tensors["exp_avg_sq"]
             exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
             denom = exp_avg_sq.sqrt().add_(group["eps"])
-            updates.append(project(exp_avg / denom, bases, back=True))
-
-        step_size = group["lr"]
-        if group["correct_bias"]:
-            step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
-        update = plan.merge(updates)
-        if param.dtype == dtype:
-            param.add_(update, alpha=-step_size)
-            if group["weight_decay"] > 0:
-                param.add_(param, alpha=-group["lr"] * group["weight_decay"])
-        else:  # half-precision parameters: do the arithmetic in float32, then round once
-            work = param.to(dtype).add_(update, alpha=-step_size)
-            if group["weight_decay"] > 0:
-                work.add_(work, alpha=-group["lr"] * group["weight_decay"])
-            param.copy_(work)
-
-        for tile, g in zip(state["tiles"], tiles, strict=True):
-            self._update_factors(tile, g, shampoo_beta)
-            self._refresh_tile(tile, step, group, due=t % group["precondition_frequency"] == 0)
+            update = batched.project(exp_avg / denom, bases, back=True)
+            step_size = group["lr"]
+            if group["correct_bias"]:
+                step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
+            updates.append((work, update, -step_size, group["lr"] * group["weight_decay"]))
+        self._apply_updates(updates, decay_first=False)
+        for work in steps:  # the factors after the parameter step, with the same gradient
+            beta = _shampoo_beta(work.hyper)
+            for dim, factor in enumerate(work.group.stacked_all("factors")):
+                if factor is not None:
+                    factor.lerp_(batched.factor_statistic(work.grads, dim), 1 - beta)
+            if not work.group.has_blocks:
+                continue
+            due = (work.step - 1) % work.hyper["precondition_frequency"] == 0
+            for tile in work.tiles:
+                self._refresh_tile(tile, work.step, work.hyper, due=due)
 
     # ------------------------------------------------------------------ tiles and blocks
     def _init_tile(self, name: str, tile: int, grad: torch.Tensor) -> SOAPTile:
@@ -186,12 +191,6 @@ class SOAP(AsteriaOptimizer):
             factors=factors,
             bases=[None] * len(factors),
         )
-
-    @staticmethod
-    def _update_factors(tile: SOAPTile, grad: torch.Tensor, beta: float) -> None:
-        for dim, factor in enumerate(tile.factors):
-            if factor is not None:
-                factor.lerp_(factor_statistic(grad, dim), 1 - beta)
 
     _make_request = AsteriaOptimizer._eigenbasis_request
 
@@ -208,13 +207,13 @@ class SOAP(AsteriaOptimizer):
             overlap = result.rotation.to(device=exp_avg.device, dtype=exp_avg.dtype)
         else:  # an intermediate version was skipped: the change of basis from the one in use
             overlap = new.T @ old
-        tile.exp_avg = mode_product(exp_avg, overlap, dim)
+        set_tensor(tile, "exp_avg", mode_product(exp_avg, overlap, dim))
         if same_base and result.permutation is not None:
             perm = result.permutation.to(exp_avg.device)
-            tile.exp_avg_sq = exp_avg_sq.index_select(dim, perm)
+            set_tensor(tile, "exp_avg_sq", exp_avg_sq.index_select(dim, perm))
         else:
-            tile.exp_avg_sq = mode_product(exp_avg_sq, overlap.square(), dim)
-        tile.bases[dim] = new
+            set_tensor(tile, "exp_avg_sq", mode_product(exp_avg_sq, overlap.square(), dim))
+        set_entry(tile, "bases", dim, new)
         tile.versions[dim] = result.version
 
     # ------------------------------------------------------------------ resharding
@@ -242,3 +241,9 @@ class SOAP(AsteriaOptimizer):
             factors=factors,
             bases=[None] * len(factors),
         )
+
+
+def _shampoo_beta(group: dict[str, Any]) -> float:
+    """The factors' EMA coefficient: ``shampoo_beta``, else β2."""
+    beta = group["shampoo_beta"]
+    return group["betas"][1] if beta is None else beta

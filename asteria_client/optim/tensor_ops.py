@@ -45,12 +45,3 @@ def project(
             continue
         out = mode_product(out, basis if back else basis.T, dim)
     return out
-
-
-def apply_on_dims(tensor: torch.Tensor, matrices: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """Apply ``matrices[i]`` along dim i (``None`` = identity): the Kronecker product action."""
-    out = tensor
-    for dim, matrix in enumerate(matrices):
-        if matrix is not None:
-            out = mode_product(out, matrix, dim)
-    return out

@@ -1,4 +1,4 @@
-"""First-order pieces the second-order optimizers share: Adam's direction and the weight update."""
+"""First-order pieces the second-order optimizers share: Adam's state and direction."""
 
 from __future__ import annotations
 
@@ -28,13 +28,3 @@ def adam_direction(
     m_hat = exp_avg / (1 - betas[0] ** step)
     v_hat = exp_avg_sq / (1 - betas[1] ** step)
     return m_hat / v_hat.sqrt().add_(eps)
-
-
-def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> None:
-    """``p = p * (1 - lr * wd) - lr * update``, rounding once for half-precision parameters."""
-    work = param if param.dtype == update.dtype else param.to(update.dtype)
-    if weight_decay > 0:
-        work.mul_(1 - lr * weight_decay)
-    work.add_(update, alpha=-lr)
-    if work is not param:
-        param.copy_(work)
