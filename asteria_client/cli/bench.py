@@ -23,15 +23,15 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         sharing,
         soak,
         spikes,
+        step,
         throughput,
         transport,
     )
 
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks (convergence, peers, defaults, spikes, transport, throughput, sharing, "
-        "soak, scale) "
-        "and their report",
+        help="benchmarks (convergence, peers, defaults, spikes, step, transport, throughput, "
+        "sharing, soak, scale) and their report",
         description=BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -41,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         "peers": peers.register(benches),
         "defaults": defaults.register(benches),
         "spikes": spikes.register(benches),
+        "step": step.register(benches),
         "sharing": sharing.register(benches),
         "scale": scale.register(benches),
         "soak": soak.register(benches),
