@@ -488,7 +488,9 @@ class FreshnessRuntime:
         result arrives, and a GPT's forward hooks on its top-level children alone left the
         whole backward pass without one. A signal with nothing arrived costs a counter read.
         ``pump`` is held weakly when it is a bound method: a model must not keep a dropped
-        optimizer (and its worker processes) alive.
+        optimizer (and its worker processes) alive. Under ``torch.compile`` the hooks do
+        nothing (``torch.compiler.is_compiling()``): they would break the graph at every signal
+        point.
         """
         self.detach()
         target: Callable[[], Callable[[], None] | None] = (
@@ -501,6 +503,11 @@ class FreshnessRuntime:
                 call()
 
         def on_forward(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                # Inside torch.compile the weakref, the source's locks and the tensor hook
+                # would each break the model's graph: a compiled region signals nothing (the
+                # step's own pull remains), so attach() leaves the graph count as it was.
+                return
             signal()
             if not torch.is_grad_enabled():
                 return
