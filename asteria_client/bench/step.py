@@ -6,7 +6,8 @@ exactly that part on the CPU, where it can be measured anywhere: the `asteria tr
 small width (``--width``, 8 by default, so that the arithmetic is negligible: at 32 the
 rotations already cost SOAP measurable flops) and several depths
 (``--layers``), one fixed gradient, and the host time of ``step()`` for AdamW (``foreach=True``),
-Asteria's SOAP, Shampoo and KL-Shampoo, and HeavyBall's SOAP (eager, when installed). The
+Asteria's SOAP, Shampoo and KL-Shampoo, and HeavyBall's SOAP (eager, when installed); on
+request also ``soap-compiled`` (``SOAP(compile=True)``: inductor, minutes to compile on a CPU). The
 second-order optimizers run natively with a refresh interval longer than the run, so every timed
 step is one that refreshes nothing (the steps a GPU run spends most of its time in).
 
@@ -36,7 +37,7 @@ from asteria_client.bench import output
 from asteria_client.tables import NAME_THEN_NUMBERS, markdown_table, text_table
 
 SOAP_VS_ADAMW_TARGET = 2.0
-ASTERIA = ("soap", "shampoo", "kl-shampoo")
+ASTERIA = ("soap", "shampoo", "kl-shampoo", "soap-compiled")
 #: A refresh interval no run reaches: every timed step refreshes nothing.
 NEVER = 1_000_000
 
@@ -76,9 +77,10 @@ def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     if name in ASTERIA:
         from asteria_client import SOAP, KLShampoo, Shampoo
 
-        cls = {"soap": SOAP, "shampoo": Shampoo, "kl-shampoo": KLShampoo}[name]
+        cls = {"soap": SOAP, "shampoo": Shampoo, "kl-shampoo": KLShampoo}[name.split("-c")[0]]
         named = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return cls(named, mode="native", precondition_frequency=NEVER)
+        extra = {"compile": True} if name.endswith("-compiled") else {}
+        return cls(named, mode="native", precondition_frequency=NEVER, **extra)
     spec = _peer(name)
     factory = spec.factory({**spec.keywords(), "precondition_frequency": NEVER})
     optimizer: torch.optim.Optimizer = factory(model)

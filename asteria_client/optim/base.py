@@ -31,7 +31,13 @@ import torch
 
 from asteria_client.distributed import JobLayout, distributed_job, job_source
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
-from asteria_client.optim.grouped import GroupCache, GroupStep, ParamStep, StorageSpec
+from asteria_client.optim.grouped import (
+    GroupCache,
+    GroupKernels,
+    GroupStep,
+    ParamStep,
+    StorageSpec,
+)
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
 from asteria_client.optim.reshard import ReshardReport, reshard_state
 from asteria_client.optim.sharding import (
@@ -133,6 +139,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         model: torch.nn.Module | None = None,
         process_group: Any = None,
         share_blocks: bool = True,
+        compile: bool | str = False,
     ) -> None:
         self._namer = ParamNamer(model_names(model))
         self._positional_warned = 0  # positional names already warned about
@@ -173,6 +180,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._geometry: dict[int, ShardGeometry | None] = {}
         #: the tile groups of the last step (stacked state, see :mod:`.grouped`)
         self._tile_groups = GroupCache()
+        #: the per-group math, compiled with ``torch.compile`` when ``compile`` asks for it
+        self.kernels = GroupKernels(self._compile_backend(compile))
         self._any_dtensor: bool | None = None
         super().__init__(named_param_groups(params, self._namer), defaults)
         #: Where results come from and how fresh they are: the only thing the math talks to.
@@ -192,6 +201,29 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._warn_costly_blocks()
         self._warn_replicas_may_drift(mode, policy, process_group)
+
+    #: Whether ``compile=`` is supported: the optimizer's group math is written as functions
+    #: whose arguments that change every step are tensors.
+    supports_compile = False
+
+    def _compile_backend(self, compile: bool | str) -> str | None:
+        """The ``torch.compile`` backend of ``compile`` (True: inductor), or None (eager)."""
+        if compile is False:
+            return None
+        if not self.supports_compile:
+            raise InvalidInputError(
+                f"compile={compile!r}: {type(self).__name__} has no compiled step yet (SOAP has);"
+                " pass compile=False"
+            )
+        backend = "inductor" if compile is True else compile
+        if not isinstance(backend, str):
+            raise InvalidInputError(f"compile={compile!r} must be a bool or a backend name")
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise InvalidInputError(
+                f"compile={compile!r} is not a torch.compile backend; known: {', '.join(known)}"
+            )
+        return backend
 
     def _make_source(
         self,

@@ -27,7 +27,8 @@ Where a group has one tile the code is the same.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,8 @@ class TileGroup:
         self.present: dict[tuple[str, int], bool] = {}
         #: optional field -> [k] bool on the device: which tiles have one in any dim
         self.masks: dict[str, torch.Tensor] = {}
+        #: this group's compiled math (:class:`GroupKernels`), by the function compiled
+        self.kernels: dict[Callable[..., Any], Callable[..., Any]] = {}
         for index, tile in enumerate(self.tiles):
             slots = _slots(tile)
             slots.clear()
@@ -278,6 +281,32 @@ def along(vector: torch.Tensor, dim: int, order: int) -> torch.Tensor:
 def tile_dims(stack: torch.Tensor) -> tuple[int, ...]:
     """The dims of a ``[k, *shape]`` stack that belong to one tile."""
     return tuple(range(1, stack.dim()))
+
+
+# ---------------------------------------------------------------------- compiled math
+class GroupKernels:
+    """The per-group math, as written (``backend=None``) or compiled with ``torch.compile``.
+
+    Each group gets its own compiled copy of a function (a fresh code object, so that one
+    group's shapes never count against another's recompile limit) with ``fullgraph=True`` and
+    static shapes: a group's shapes and constants (betas, eps) never change, so it compiles
+    once, and again only when its set of installed bases first changes (``None`` -> a basis).
+    The arguments that change every step (bias corrections, step sizes) stay outside."""
+
+    def __init__(self, backend: str | None) -> None:
+        self.backend = backend
+
+    def __call__(self, group: TileGroup, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if self.backend is None:
+            return fn
+        compiled = group.kernels.get(fn)
+        if compiled is None:
+            own = types.FunctionType(
+                fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+            )
+            compiled = torch.compile(own, backend=self.backend, fullgraph=True, dynamic=False)
+            group.kernels[fn] = compiled
+        return compiled
 
 
 # ---------------------------------------------------------------------- grouping a step

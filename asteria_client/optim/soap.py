@@ -72,6 +72,9 @@ class SOAP(AsteriaOptimizer):
         barrier_timeout_s: the longest wait for a late result before computing it locally.
         engine_config: :class:`~asteria_server.engine.EngineConfig` of the embedded engine.
         nonfinite: ``"raise"`` (default) or ``"skip"`` steps whose gradients hold NaN/Inf.
+        compile: run each tile group's math through ``torch.compile`` (``True``: inductor, or
+            a backend's name); off by default: on the CPU inductor compiled it slower than
+            eager (see :mod:`asteria_client.bench.step`); meant for GPUs, unmeasured there yet.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class SOAP(AsteriaOptimizer):
 
     needs_first_result = True
     supports_continuous = True
+    supports_compile = True
     tile_types = (SOAPTile,)
 
     storage_spec: ClassVar[dict[type, StorageSpec]] = {
@@ -157,23 +161,25 @@ class SOAP(AsteriaOptimizer):
             group, stacks = work.hyper, work.group
             t = work.step - 1  # the reference counts steps after the initialization
             beta1, beta2 = group["betas"]
-            bases = stacks.stacked_all("bases")
-            g_rot = batched.project(work.grads, bases)
-            exp_avg, exp_avg_sq = stacks.tensors["exp_avg"], stacks.tensors["exp_avg_sq"]
-            exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
-            denom = exp_avg_sq.sqrt().add_(group["eps"])
-            update = batched.project(exp_avg / denom, bases, back=True)
+            direction = self.kernels(stacks, soap_direction)
+            update = direction(
+                work.grads,
+                stacks.tensors["exp_avg"],
+                stacks.tensors["exp_avg_sq"],
+                tuple(stacks.stacked_all("bases")),
+                beta1,
+                beta2,
+                group["eps"],
+            )
             step_size = group["lr"]
             if group["correct_bias"]:
                 step_size = step_size * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
             updates.append((work, update, -step_size, group["lr"] * group["weight_decay"]))
         self._apply_updates(updates, decay_first=False)
         for work in steps:  # the factors after the parameter step, with the same gradient
-            beta = _shampoo_beta(work.hyper)
-            for dim, factor in enumerate(work.group.stacked_all("factors")):
-                if factor is not None:
-                    factor.lerp_(batched.factor_statistic(work.grads, dim), 1 - beta)
+            update_factors = self.kernels(work.group, soap_factors)
+            factors = tuple(work.group.stacked_all("factors"))
+            update_factors(work.grads, factors, 1 - _shampoo_beta(work.hyper))
             if not work.group.has_blocks:
                 continue
             due = (work.step - 1) % work.hyper["precondition_frequency"] == 0
@@ -247,3 +253,30 @@ def _shampoo_beta(group: dict[str, Any]) -> float:
     """The factors' EMA coefficient: ``shampoo_beta``, else β2."""
     beta = group["shampoo_beta"]
     return group["betas"][1] if beta is None else beta
+
+
+def soap_direction(
+    grads: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    bases: tuple[torch.Tensor | None, ...],
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> torch.Tensor:
+    """One group's Adam step in its eigenbases: update the moments (in place) from the rotated
+    gradients and return the direction, rotated back (bias correction is the caller's)."""
+    g_rot = batched.project(grads, bases)
+    exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
+    denom = exp_avg_sq.sqrt().add_(eps)
+    return batched.project(exp_avg / denom, bases, back=True)
+
+
+def soap_factors(
+    grads: torch.Tensor, factors: tuple[torch.Tensor | None, ...], weight: float
+) -> None:
+    """One group's factor EMAs: ``L_i <- L_i + weight * (G_(i) G_(i)^T - L_i)``, in place."""
+    for dim, factor in enumerate(factors):
+        if factor is not None:
+            factor.lerp_(batched.factor_statistic(grads, dim), weight)

@@ -126,3 +126,52 @@ def test_batched_products_equal_the_per_tile_ones(shape: tuple[int, ...]) -> Non
     want = torch.stack([tensor_ops.project(t, [b[i] for b in bases]) for i, t in enumerate(tiles)])
     torch.testing.assert_close(rotated, want)
     torch.testing.assert_close(grouped.project(rotated, bases, back=True), tiles)
+
+
+def _train_soap(compile: bool | str, steps: int) -> tuple[torch.nn.Module, SOAP]:
+    """Two layers of one shape (one group of weights, one of biases), f = 2."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    optimizer = SOAP(
+        model.named_parameters(), mode="native", precondition_frequency=2, compile=compile
+    )
+    _train_more(model, optimizer, steps)
+    return model, optimizer
+
+
+def _train_more(model: torch.nn.Module, optimizer: SOAP, steps: int) -> None:
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(64, 16, generator=generator)
+        optimizer.zero_grad()
+        (model(x) - x).square().mean().backward()
+        optimizer.step()
+
+
+def test_compiled_soap_matches_eager_and_compiles_each_group_once() -> None:
+    """``compile=`` with the "eager" backend: dynamo traces each group's math as one graph
+    (fullgraph) without inductor's compile time; later steps, refreshes included, reuse them."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, optimizer = _train_soap("eager", 4)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    _train_more(model, optimizer, 4)  # refreshes every other step: installs change no graph
+    assert counters["stats"]["unique_graphs"] == graphs
+    reference, eager = _train_soap(False, 4)
+    _train_more(reference, eager, 4)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+    torch._dynamo.reset()
+
+
+def test_compile_is_refused_where_it_is_not_built() -> None:
+    from asteria_server.errors import InvalidInputError
+
+    model = _model(1)
+    with pytest.raises(InvalidInputError, match="compile"):
+        Shampoo(model.named_parameters(), mode="native", compile=True)
+    with pytest.raises(InvalidInputError, match="backend"):
+        SOAP(model.named_parameters(), mode="native", compile="no-such-backend")
