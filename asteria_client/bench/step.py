@@ -123,11 +123,13 @@ def _with_gradient(model: Any, seed: int = 1) -> None:
 def count_dispatches(name: str, layers: int, width: int) -> int:
     """Operations dispatched by one step that refreshes nothing (after two that initialize)."""
     model = gpt(layers, width)
-    _with_gradient(model)
+    gradient = _FixedGradient(model)
     optimizer = make_optimizer(name, model)
     try:
         for _ in range(2):
+            gradient.restore()
             optimizer.step()
+        gradient.restore()
         counter = DispatchCounter()
         with counter:
             optimizer.step()
@@ -142,6 +144,20 @@ def _close(optimizer: Any) -> None:
         close()
 
 
+class _FixedGradient:
+    """A model's gradient, kept: optimizers that consume their gradients (HeavyBall sets
+    ``p.grad = None`` in its step) get it back before each step, outside the timed region."""
+
+    def __init__(self, model: Any) -> None:
+        _with_gradient(model)
+        self.pairs = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+
+    def restore(self) -> None:
+        if self.pairs and self.pairs[0][0].grad is None:
+            for param, grad in self.pairs:
+                param.grad = grad
+
+
 def time_steps(
     names: list[str],
     layers: int,
@@ -152,24 +168,28 @@ def time_steps(
     progress: Callable[[str], None],
 ) -> dict[str, list[float]]:
     """Seconds per step of each optimizer, one entry per round (interleaved rounds)."""
-    runs: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
+    runs: dict[str, tuple[_FixedGradient, torch.optim.Optimizer]] = {}
     try:
         for name in names:
             model = gpt(layers, width)
-            _with_gradient(model)
+            gradient = _FixedGradient(model)
             optimizer = make_optimizer(name, model)
             for _ in range(3):  # initialization and warm-up
+                gradient.restore()
                 optimizer.step()
-            runs[name] = (model, optimizer)
+            runs[name] = (gradient, optimizer)
         times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
-                optimizer = runs[name][1]
-                start = time.perf_counter()
+                gradient, optimizer = runs[name]
+                spent = 0.0
                 for _ in range(steps_per_round):
+                    gradient.restore()
+                    start = time.perf_counter()
                     optimizer.step()
-                times[name].append((time.perf_counter() - start) / steps_per_round)
+                    spent += time.perf_counter() - start
+                times[name].append(spent / steps_per_round)
             if (r + 1) % max(1, rounds // 4) == 0:
                 progress(f"  layers={layers}: round {r + 1}/{rounds}")
         return times
