@@ -4,9 +4,9 @@ Reads each ``*.json`` in ``--results`` (default ``runs/bench``) that is a benchm
 contract in :mod:`asteria_client.bench.output`), and writes ``--out`` (default
 ``docs/benchmarks.md``): the machine, library versions and BLAS kernel the runs used, the date, the
 command that reproduces each section, then one section per report in a fixed order (convergence,
-schedules, peers, defaults, spikes, transport, throughput, sharing, soak, then any other). Each
-section's body comes from its benchmark module's ``report_section(data)``; before calling it, the
-report copies the run's figures into ``figures/`` next to the page and rewrites
+schedules, peers, defaults, spikes, step, transport, throughput, sharing, soak, then any other).
+Each section's body comes from its benchmark module's ``report_section(data)``; before calling it,
+the report copies the run's figures into ``figures/`` next to the page and rewrites
 ``data["figures"]`` to links relative to the page, so a section links ``data["figures"]`` as
 given. A figure the section does not link is appended after it. A benchmark whose module or
 ``report_section`` does not exist (yet) gets a note
@@ -38,6 +38,7 @@ SECTION_ORDER = (
     "peers",
     "defaults",
     "spikes",
+    "step",
     "transport",
     "throughput",
     "sharing",
@@ -50,6 +51,7 @@ TITLES = {
     "defaults": "Defaults: SOAP's and KL-Shampoo's β1 × precondition frequency",
     "schedules": "Refresh schedules: every step, every 10 steps, and continuous",
     "spikes": "Step-time spikes: AdamW vs native, embedded and daemon second-order",
+    "step": "Step: host time and dispatched operations of one optimizer.step()",
     "transport": "Transport: moving snapshots and results",
     "throughput": "Throughput: daemon solves/s against a bare LAPACK loop",
     "sharing": "Sharing: N training processes on one daemon",

@@ -319,6 +319,12 @@ def format_markdown(report: dict[str, Any]) -> str:
     return "\n".join([*lines, "", _footer(report)])
 
 
+def report_section(data: dict[str, Any]) -> str:
+    """Markdown for ``asteria bench report``: the table, the target, the figure."""
+    figures = "".join(f"\n\n![{Path(f).stem}]({f})" for f in data.get("figures", []))
+    return format_markdown(data) + figures
+
+
 def write_figure(report: dict[str, Any], path: Path) -> Path:
     fig, ax = output.new_figure()
     names = report["config"]["optimizers"]
