@@ -295,7 +295,7 @@ def _table_rows(report: dict[str, Any]) -> list[list[str]]:
     ]
 
 
-def _footer(report: dict[str, Any]) -> str:
+def _footer(report: dict[str, Any], bullet: str = "") -> str:
     cfg, target = report["config"], report["targets"]["soap_host_time_vs_adamw"]
     verdict = "met" if target["met"] else "NOT met"
     worst = "n/a" if target["worst"] is None else f"{target['worst']:.2f}x"
@@ -306,7 +306,7 @@ def _footer(report: dict[str, Any]) -> str:
         f"target SOAP host time <= {SOAP_VS_ADAMW_TARGET}x AdamW foreach: worst {worst}, {verdict}",
     ]
     lines += [f"skipped {name}: {reason}" for name, reason in report["skipped"].items()]
-    return "\n".join(lines)
+    return "\n".join(bullet + line for line in lines)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -316,7 +316,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def format_markdown(report: dict[str, Any]) -> str:
     lines = markdown_table(_COLUMNS, _table_rows(report), align=NAME_THEN_NUMBERS)
-    return "\n".join([*lines, "", _footer(report)])
+    return "\n".join([*lines, "", _footer(report, bullet="- ")])
 
 
 def report_section(data: dict[str, Any]) -> str:
