@@ -54,10 +54,16 @@ class EmbeddedSource(PreconditionerSource):
 
     synchronous = False
 
-    def __init__(self, config: EngineConfig | None = None, *, tenant: str = "local") -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        tenant: str = "local",
+        transfer: DeviceTransfer | None = None,
+    ) -> None:
         self.tenant = tenant
         self._engine = PreconditionerEngine(config)
-        self._transfer = DeviceTransfer()
+        self._transfer = DeviceTransfer() if transfer is None else transfer
         self._devices: dict[str, torch.device] = {}
         self._pending: list[_PendingSubmit] = []
         self._submit_errors = 0

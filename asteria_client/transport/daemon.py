@@ -190,6 +190,7 @@ class DaemonSource(PreconditionerSource):
         rank: int = 0,
         config: DaemonClientConfig | None = None,
         pulls: bool = False,
+        transfer: DeviceTransfer | None = None,
     ) -> None:
         env = client_env()
         self.address = resolve_address(address)
@@ -231,7 +232,9 @@ class DaemonSource(PreconditionerSource):
         self._pulls = pulls
         self._credit: Credit | None = None
         self._sent = 0
-        self._transfer = DeviceTransfer()  # results to the device on the side stream
+        #: every copy between the device and the host: snapshots into segments or host
+        #: buffers, results to the device, on the side stream
+        self._transfer = DeviceTransfer() if transfer is None else transfer
         self._session = DaemonSession(self._conn, self.config, self._lock, self)
         self._sender = threading.Thread(
             target=self._send_loop, name="asteria-daemon-sender", daemon=True
@@ -308,10 +311,9 @@ class DaemonSource(PreconditionerSource):
             previous = block.latest_write
             if previous is not None:
                 previous.finish()
-            if any(t.device.type == "cuda" for t in tensors):
-                write = segment.start_write(specs, tensors, self._transfer)
-            else:
-                sequence = segment.write_tensors(specs, tensors)
+            write = segment.start_write(specs, tensors, self._transfer)
+            if write.on_host:  # copied already (CPU): announce it as it is
+                sequence, write = write.finish(), None
             arrays = segment.segment.views(specs)  # read-only use: shapes for the header
         else:
             arrays = [_host_copy(t) for t in tensors]
