@@ -112,6 +112,7 @@ def test_a_new_segment_is_published_only_after_its_first_snapshot_is_written(
     source = _source(daemon, None)
     original = Segment.write
     raced = threading.Event()
+    submitted = threading.Event()  # version 2 was submitted (during the sender's write)
 
     def write_with_a_submit_inside(self: Segment, specs: Any, arrays: Any) -> int:
         if not raced.is_set() and threading.current_thread().name == "asteria-daemon-sender":
@@ -119,12 +120,13 @@ def test_a_new_segment_is_published_only_after_its_first_snapshot_is_written(
             other = threading.Thread(target=source.submit, args=(_request(2),))
             other.start()
             other.join()
+            submitted.set()
         return original(self, specs, arrays)
 
     monkeypatch.setattr(Segment, "write", write_with_a_submit_inside)
     try:
         source.submit(_request(1))
-        _until(raced.is_set, "the sender's first segment write")
+        _until(submitted.is_set, "the submit during the sender's first segment write")
         result = source.wait("blk", 2, 10.0)
         assert result is not None and result.version == 2
         expected = torch.linalg.eigh(_spd(2).double())
@@ -230,7 +232,7 @@ def test_pending_snapshots_are_handed_to_the_engine_once_under_concurrent_take_a
     monkeypatch.setattr(source.engine, "submit", submit)
     try:
         source.submit(_request(1, block="a"))
-        time.sleep(0.2)  # a's copy has landed: the next pump hands it over
+        _until(lambda: len(device.log) >= 1, "a's copy")  # landed: the next pump hands it over
         exchange = threading.Thread(target=source.take, args=("a",), name="exchange")
         exchange.start()
         _until(lambda: handed[("a", 1)] >= 1, "the exchange's hand-over")
