@@ -30,6 +30,7 @@ reading host memory, which on a device costs no sync.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class DeviceTransfer:
         self._streams: dict[torch.device, Any] = {}
         self._staging: dict[tuple[str, str], tuple[torch.Tensor, PendingCopy | None]] = {}
         self._registered: dict[int, int] = {}  # host address -> bytes registered with CUDA
+        self._registered_starts: list[int] = []  # its keys, sorted
         #: D2H copies not known to be complete (what :meth:`drain` waits for)
         self._in_flight: list[PendingCopy] = []
         #: guards the dicts and the list above: the training thread and a source's own
@@ -151,10 +153,16 @@ class DeviceTransfer:
 
     # ------------------------------------------------------------------ host memory
     def _in_registered(self, host: torch.Tensor) -> bool:
+        """Whether ``host`` lies inside one registered region (a bisection: no scan of every
+        block's segment per copy)."""
         start = host.data_ptr()
         end = start + host.numel() * host.element_size()
         with self._lock:
-            return any(a <= start and end <= a + n for a, n in self._registered.items())
+            at = bisect.bisect_right(self._registered_starts, start) - 1
+            if at < 0:
+                return False
+            address = self._registered_starts[at]
+            return end <= address + self._registered[address]
 
     def register(self, host: torch.Tensor) -> bool:
         """Page-lock ``host``'s memory for CUDA (a shared-memory segment's mapping), so copies
@@ -178,6 +186,8 @@ class DeviceTransfer:
                 )
             return False
         with self._lock:
+            if address not in self._registered:
+                bisect.insort(self._registered_starts, address)
             self._registered[address] = size
         return True
 
@@ -186,6 +196,8 @@ class DeviceTransfer:
         address = host.data_ptr()
         with self._lock:
             registered = self._registered.pop(address, None) is not None
+            if registered:
+                self._registered_starts.remove(address)
         if registered:
             self._unregister_host(address)
 

@@ -97,3 +97,15 @@ def test_drain_waits_for_every_copy_in_flight() -> None:
     device.drain()
     assert all(c.ready() for c in copies)
     assert [float(c.host[0]) for c in copies] == [0.0, 1.0, 2.0]
+
+
+def test_registered_regions_are_found_by_address() -> None:
+    device = SimulatedDevice()
+    buffers = [torch.empty(1024, dtype=torch.uint8) for _ in range(5)]
+    for buffer in buffers[:4]:
+        assert device.register(buffer)
+    for buffer in buffers[:4]:
+        assert device.page_locked(buffer[100:200]) and device.page_locked(buffer)
+    assert not device.page_locked(buffers[4])
+    device.unregister(buffers[1])
+    assert not device.page_locked(buffers[1][10:20]) and device.page_locked(buffers[2])
