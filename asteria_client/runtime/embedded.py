@@ -69,6 +69,10 @@ class EmbeddedSource(PreconditionerSource):
         #: snapshots whose host copy may still be in flight; the training thread adds to it,
         #: and it and a DDP exchange thread (through ``take``) move it on: under ``_lock``
         self._pending: list[_PendingSubmit] = []
+        #: taken from ``_pending`` by a thread that is handing them to the engine now: still
+        #: in flight for ``in_flight_version`` (else a DDP exchange could see a gap and give
+        #: the version up)
+        self._handing: list[_PendingSubmit] = []
         self._lock = threading.Lock()
         self._submit_errors = 0
         self._refused: dict[str, str] = {}  # block -> why its last refused snapshot was refused
@@ -106,7 +110,7 @@ class EmbeddedSource(PreconditionerSource):
         if idle <= 0:
             return 0
         with self._lock:
-            waiting = len(self._pending)
+            waiting = len(self._pending) + len(self._handing)
         return max(0, idle + 1 - queued - waiting)
 
     def pump(self) -> None:
@@ -121,8 +125,13 @@ class EmbeddedSource(PreconditionerSource):
                 done = item.matrix.ready() and (item.basis is None or item.basis.ready())
                 (ready if done else still_pending).append(item)
             self._pending = still_pending
+            self._handing.extend(ready)
         for item in ready:
-            self._hand_over(item)
+            try:
+                self._hand_over(item)
+            finally:
+                with self._lock:
+                    self._handing.remove(item)
 
     def _hand_over(self, item: _PendingSubmit) -> None:
         req = item.request
@@ -185,7 +194,8 @@ class EmbeddedSource(PreconditionerSource):
 
     def in_flight_version(self, block: str) -> int | None:
         with self._lock:
-            pending = [i.request.version for i in self._pending if i.request.block == block]
+            items = self._pending + self._handing
+            pending = [i.request.version for i in items if i.request.block == block]
         try:
             engine_version = self._engine.in_flight_version(block, self.tenant)
         except AsteriaError:
