@@ -31,6 +31,7 @@ reading host memory, which on a device costs no sync.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -90,8 +91,9 @@ class DeviceTransfer:
         self._staging: dict[tuple[str, str], tuple[torch.Tensor, PendingCopy | None]] = {}
         self._registered: dict[int, int] = {}  # host address -> bytes registered with CUDA
         self._registered_starts: list[int] = []  # its keys, sorted
-        #: D2H copies not known to be complete (what :meth:`drain` waits for)
-        self._in_flight: list[PendingCopy] = []
+        #: D2H copies not known to be complete (what :meth:`drain` waits for), oldest first:
+        #: one side stream completes them in order, so the done ones leave from the front
+        self._in_flight: collections.deque[PendingCopy] = collections.deque()
         #: guards the dicts and the list above: the training thread and a source's own
         #: threads (an exchange, a session) both move data through one transfer layer
         self._lock = threading.Lock()
@@ -251,7 +253,8 @@ class DeviceTransfer:
             with self._lock:
                 self._staging[("bounce", f"{host.data_ptr()}")] = (bounce, pending)
         with self._lock:
-            self._in_flight = [p for p in self._in_flight if not p.ready()]
+            while self._in_flight and self._in_flight[0].ready():  # amortized O(1) per copy
+                self._in_flight.popleft()
             self._in_flight.append(pending)
         return pending
 
@@ -259,7 +262,7 @@ class DeviceTransfer:
         """Wait for every device-to-host copy this layer started (before the memory they
         write into is unmapped or unregistered)."""
         with self._lock:
-            pending, self._in_flight = self._in_flight, []
+            pending, self._in_flight = self._in_flight, collections.deque()
         for copy in pending:
             copy.wait()
 
