@@ -13,7 +13,13 @@ zero unless --no-flush-denormal. Both settings are in the report.
 
 For each run it reports the median, p90, p99 and max step time (after a short warm-up that
 covers the engine's start), p99/median, the overhead against AdamW, the median of refresh and
-non-refresh steps, and the staleness observed.
+non-refresh steps, and the staleness observed; and the energy of its steps where the machine
+exposes it (NVML for the GPU, RAPL for the CPU; CPU-seconds of the process tree always, see
+``bench.energy``): per step, and to reach AdamW's final training loss (the mean of AdamW's last
+10 losses, reached by a run's trailing 10-step mean; per-step energy times the steps it took).
+
+``--model`` picks the model shape (``tiny``, the CPU default, or ``gpt2-small``: 12 layers,
+width 768, context 256, for a GPU).
 
 Targets (issue: the engine and the embedded runtime): embedded p99/median <= 1.3 while native
 shows its spikes, and the embedded median within 10% of native's non-refresh median; the same
@@ -37,6 +43,7 @@ import torch
 
 from asteria_client.bench import output
 from asteria_client.bench.affinity import asteria_children_cpus, pinned, split_cpus, usable_cpus
+from asteria_client.bench.energy import EnergyMeter
 from asteria_client.bench.stats import summarize
 from asteria_client.daemon_process import DaemonProcess
 from asteria_client.optim.base import Mode
@@ -63,6 +70,7 @@ class SpikesConfig:
     engine_workers: int = 1
     seed: int = 0
     device: str = "cpu"
+    model: str = "tiny"
     flush_denormal: bool = True
     pin_solver: bool | None = None
 
@@ -74,6 +82,9 @@ class SpikesConfig:
                 f"pin_solver=True needs more usable CPUs than threads ({self.threads}), this "
                 f"process may use {list(usable_cpus())}: pass --no-pin-solver"
             )
+        from asteria_client.train.config import model_preset
+
+        model_preset(self.model)  # ValueError naming the presets
         if self.optimizer not in ("soap", "shampoo", "kl-shampoo"):
             raise ValueError(f"optimizer={self.optimizer!r}: pick soap, shampoo or kl-shampoo")
         for name in ("steps", "precondition_frequency", "threads", "engine_workers"):
@@ -111,10 +122,11 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 def _train_config(
     cfg: SpikesConfig, optimizer: str, mode: str | None, solver_cpus: tuple[int, ...] | None
 ) -> Any:
-    from asteria_client.train.config import TrainConfig
+    from asteria_client.train.config import TrainConfig, model_preset
     from asteria_client.train.optimizers import OptimizerKind
 
     second_order = optimizer != "adamw"
+    preset = model_preset(cfg.model)
     return TrainConfig(
         optimizer=OptimizerKind(optimizer),
         mode=None if mode is None else Mode(mode),
@@ -129,6 +141,10 @@ def _train_config(
         engine_workers=cfg.engine_workers if mode == "embedded" else None,
         engine_cpu_affinity=solver_cpus if mode == "embedded" else None,
         flush_denormal=cfg.flush_denormal,
+        n_layer=preset["n_layer"],
+        n_head=preset["n_head"],
+        n_embd=preset["n_embd"],
+        block_size=preset["block_size"],
     )
 
 
@@ -146,6 +162,42 @@ def local_ratios(times: list[float], chunk: int, skip: int) -> list[float]:
             if start + offset >= skip:
                 ratios.append(value / median)
     return ratios
+
+
+#: Steps of the trailing mean that compares training losses with AdamW's final one.
+LOSS_WINDOW = 10
+
+
+def _trailing_means(losses: list[float], window: int = LOSS_WINDOW) -> list[float]:
+    out, total = [], 0.0
+    for i, loss in enumerate(losses):
+        total += loss
+        if i >= window:
+            total -= losses[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def energy_summary(
+    reading: dict[str, Any], losses: list[float], target_loss: float | None
+) -> dict[str, Any]:
+    """Energy per step, and to the first step whose trailing mean loss is <= ``target_loss``
+    (None: never reached, or no target)."""
+    steps = max(len(losses), 1)
+    out = dict(reading)
+    reached = None
+    if target_loss is not None:
+        means = _trailing_means(losses)
+        reached = next((i + 1 for i, m in enumerate(means) if m <= target_loss), None)
+    out["steps_to_adamw_final_loss"] = reached
+    for key in ("gpu_j", "cpu_j", "cpu_s"):
+        value = reading.get(key)
+        per_step = None if value is None else value / steps
+        out[f"{key}_per_step"] = per_step
+        out[f"{key}_to_adamw_final_loss"] = (
+            None if per_step is None or reached is None else per_step * reached
+        )
+    return out
 
 
 def _summarize(cfg: SpikesConfig, trainer: Any, label: str) -> dict[str, Any]:
@@ -208,6 +260,8 @@ def _run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
     labels = ["adamw", *(f"{cfg.optimizer} ({mode})" for mode in modes[1:])]
     configs = [_train_config(cfg, cfg.optimizer if m else "adamw", m, solver_cpus) for m in modes]
     trainers: list[Any] = []
+    gpu = torch.device(cfg.device)
+    meters = [EnergyMeter(gpu.index or 0 if gpu.type == "cuda" else None) for _ in configs]
     daemon = DaemonProcess(workers=cfg.engine_workers, cpu_affinity=solver_cpus)
     pinning = contextlib.ExitStack()
     try:
@@ -224,12 +278,19 @@ def _run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
         while not all(t.done for t in trainers):
             for index in order:
                 trainer = trainers[index]
+                meters[index].start()  # each step ends synchronized with the device
                 for _ in range(chunk):
                     if trainer.done:
                         break
                     trainer.step()
+                meters[index].stop()
             order = order[1:] + order[:1]
         runs = [_summarize(cfg, t, label) for t, label in zip(trainers, labels, strict=True)]
+        adamw_losses = [r.loss for r in trainers[0].result().steps]
+        target = _trailing_means(adamw_losses)[-1] if adamw_losses else None
+        for run, trainer, meter in zip(runs, trainers, meters, strict=True):
+            losses = [r.loss for r in trainer.result().steps]
+            run["energy"] = energy_summary(meter.reading.to_dict(), losses, target)
         affinity = {
             "trainer_cpus": None if trainer_cpus is None else list(trainer_cpus),
             "solver_cpus": None if solver_cpus is None else list(solver_cpus),
@@ -242,6 +303,8 @@ def _run_spikes(cfg: SpikesConfig) -> dict[str, Any]:
             trainer.close()
         daemon.stop()
         pinning.close()
+        for meter in meters:
+            meter.close()
         torch.set_num_threads(threads_before)
     adamw, native, embedded, in_daemon = runs
     for run in runs:
@@ -352,8 +415,28 @@ def format_report(report: dict[str, Any]) -> str:
         f"non-refresh median {c['daemon_median_over_native_quiet']:.3f} "
         f"({'met' if c['daemon_median_over_native_quiet_met'] else 'MISSED'})",
         cpu_settings(report),
+        *energy_lines(report),
     ]
     return "\n".join(lines)
+
+
+def energy_lines(report: dict[str, Any]) -> list[str]:
+    """One line per run: energy per step and to AdamW's final loss, by source."""
+    lines = []
+    for run in report["runs"]:
+        e = run.get("energy")
+        if not e:
+            continue
+        parts = []
+        for key, unit in (("gpu_j", "J GPU"), ("cpu_j", "J CPU"), ("cpu_s", "CPU-s")):
+            per_step = e.get(f"{key}_per_step")
+            if per_step is None:
+                continue
+            to_target = e.get(f"{key}_to_adamw_final_loss")
+            reach = "not reached" if to_target is None else f"{to_target:.3g}"
+            parts.append(f"{per_step:.3g} {unit}/step (to AdamW's final loss: {reach})")
+        lines.append(f"energy {run['label']}: " + "; ".join(parts))
+    return lines
 
 
 def write_trace_figure(report: dict[str, Any], path: Path) -> Path:
@@ -455,6 +538,12 @@ def register(subparsers: Any) -> Any:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument(
+        "--model",
+        choices=["tiny", "gpt2-small"],
+        default="tiny",
+        help="model shape: tiny (default, CPU) or gpt2-small (12 layers, width 768, context 256)",
+    )
+    parser.add_argument(
         "--pin-solver",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -478,6 +567,7 @@ def run_command(args: argparse.Namespace) -> int:
         engine_workers=args.engine_workers,
         seed=args.seed,
         device=args.device,
+        model=args.model,
         flush_denormal=args.flush_denormal,
         pin_solver=args.pin_solver,
     )

@@ -58,7 +58,7 @@ def _device(text: str) -> str:
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     from asteria_client.optim.base import Mode
     from asteria_client.runtime.staleness import DEFAULT_REFRESH_OVERHEAD, Refresh
-    from asteria_client.train.config import Schedule, TrainConfig
+    from asteria_client.train.config import MODEL_PRESETS, Schedule, TrainConfig
     from asteria_client.train.optimizers import DEFAULT_LR, OptimizerKind
 
     defaults = TrainConfig()
@@ -226,6 +226,12 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
 
     model = parser.add_argument_group("model")
     model.add_argument(
+        "--model",
+        choices=sorted(MODEL_PRESETS),
+        help="a model shape by name; the flags below change single fields of it (default: "
+        "tiny, the fields' defaults; gpt2-small: 12 layers, width 768, 12 heads, context 256)",
+    )
+    model.add_argument(
         "--block-size",
         type=positive_int,
         help=f"context length in characters (default: {defaults.block_size})",
@@ -297,12 +303,14 @@ def _plain(value: object) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from asteria_client.train.config import TrainConfig, TrainConfigError
+    from asteria_client.train.config import TrainConfig, TrainConfigError, model_preset
     from asteria_client.train.loop import resolve_device, run_training
 
     given: dict[str, Any] = {
         name: getattr(args, name) for name in TRAIN_FIELDS if getattr(args, name) is not None
     }
+    if args.model is not None:  # the preset, then the single fields given
+        given = {**model_preset(args.model), **given}
     try:
         cfg = TrainConfig(**given)
         resolve_device(cfg.device)

@@ -241,14 +241,17 @@ class ExchangeSource(PreconditionerSource):
                 gathered: list[Any] = [None] * self.layout.world_size
                 dist.all_gather_object(gathered, (closing, out), group=self._group)
                 moved = sum(len(items) for _, items in gathered)
+                arrived = self._to_devices(
+                    [i for _, items in gathered for k, i in items if k == "result"]
+                )
                 with self._cond:
                     self.counts["rounds"] += 1
                     self.counts["results_sent"] += sum(kind == "result" for kind, _ in out)
+                    for result in arrived:
+                        self._deliver(result)
                     for _, items in gathered:
                         for kind, item in items:
-                            if kind == "result":
-                                self._deliver(item)
-                            else:
+                            if kind != "result":
                                 block, version = item
                                 self._given_up[block] = max(self._given_up.get(block, -1), version)
                                 self.counts["given_up"] += 1
@@ -269,15 +272,22 @@ class ExchangeSource(PreconditionerSource):
                     self.failed,
                 )
 
+    def _to_devices(self, results: list[PreconditionerResult]) -> list[PreconditionerResult]:
+        """The received results newer than those held, on their blocks' devices: the copies
+        run without the lock that the training thread's ``take`` and ``wait`` need."""
+        with self._cond:
+            newer = [r for r in results if r.version > self._received.get(r.block, -1)]
+            devices = [self._devices.get(r.block, torch.device("cpu")) for r in newer]
+        return [_to_device(r, d) for r, d in zip(newer, devices, strict=True)]
+
     def _deliver(self, result: PreconditionerResult) -> None:
-        """Keep a received result if it is newer (locked)."""
+        """Keep a received result (on its device already) if it is newer (locked)."""
         block = result.block
         if result.version <= self._received.get(block, -1):
             return
         self._received[block] = result.version
         self.counts["results_received"] += 1
-        device = self._devices.get(block, torch.device("cpu"))
-        self._ready[block] = _to_device(result, device)
+        self._ready[block] = result
         self._epoch += 1
 
     # ------------------------------------------------------------------ results out

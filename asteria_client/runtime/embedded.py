@@ -10,6 +10,7 @@ results, which the optimizer's staleness budget turns into a local fallback — 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +55,25 @@ class EmbeddedSource(PreconditionerSource):
 
     synchronous = False
 
-    def __init__(self, config: EngineConfig | None = None, *, tenant: str = "local") -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        tenant: str = "local",
+        transfer: DeviceTransfer | None = None,
+    ) -> None:
         self.tenant = tenant
         self._engine = PreconditionerEngine(config)
-        self._transfer = DeviceTransfer()
+        self._transfer = DeviceTransfer() if transfer is None else transfer
         self._devices: dict[str, torch.device] = {}
+        #: snapshots whose host copy may still be in flight; the training thread adds to it,
+        #: and it and a DDP exchange thread (through ``take``) move it on: under ``_lock``
         self._pending: list[_PendingSubmit] = []
+        #: taken from ``_pending`` by a thread that is handing them to the engine now: still
+        #: in flight for ``in_flight_version`` (else a DDP exchange could see a gap and give
+        #: the version up)
+        self._handing: list[_PendingSubmit] = []
+        self._lock = threading.Lock()
         self._submit_errors = 0
         self._refused: dict[str, str] = {}  # block -> why its last refused snapshot was refused
         self._closed = False
@@ -72,7 +86,9 @@ class EmbeddedSource(PreconditionerSource):
     def submit(self, request: PreconditionerRequest) -> None:
         self._devices[request.block] = request.matrix.device
         basis = None if request.basis is None else self._transfer.to_host(request.basis)
-        self._pending.append(_PendingSubmit(request, self._transfer.to_host(request.matrix), basis))
+        item = _PendingSubmit(request, self._transfer.to_host(request.matrix), basis)
+        with self._lock:
+            self._pending.append(item)
         self.pump()
 
     def seconds_per_n3(self) -> float:
@@ -93,20 +109,35 @@ class EmbeddedSource(PreconditionerSource):
             return 0
         if idle <= 0:
             return 0
-        return max(0, idle + 1 - queued - len(self._pending))
+        with self._lock:
+            waiting = len(self._pending) + len(self._handing)
+        return max(0, idle + 1 - queued - waiting)
 
     def pump(self) -> None:
-        """Hand every snapshot whose host copy is complete to the engine."""
-        still_pending = []
-        for item in self._pending:
-            if not (item.matrix.ready() and (item.basis is None or item.basis.ready())):
-                still_pending.append(item)
-                continue
-            self._hand_over(item)
-        self._pending = still_pending
+        """Hand every snapshot whose host copy is complete to the engine (each once, whichever
+        thread gets it; the hand-over itself runs without the lock)."""
+        with self._lock:
+            if not self._pending:
+                return
+            ready: list[_PendingSubmit] = []
+            still_pending: list[_PendingSubmit] = []
+            for item in self._pending:
+                done = item.matrix.ready() and (item.basis is None or item.basis.ready())
+                (ready if done else still_pending).append(item)
+            self._pending = still_pending
+            self._handing.extend(ready)
+        for item in ready:
+            try:
+                self._hand_over(item)
+            finally:
+                with self._lock:
+                    self._handing.remove(item)
 
     def _hand_over(self, item: _PendingSubmit) -> None:
         req = item.request
+        item.matrix.wait()  # ready: returns at once
+        if item.basis is not None:
+            item.basis.wait()
         try:
             task = SolveTask(
                 block=req.block,
@@ -131,11 +162,12 @@ class EmbeddedSource(PreconditionerSource):
 
     def _flush(self, block: str) -> None:
         """Complete the pending copies of ``block`` now (the caller is about to wait for it)."""
-        for item in self._pending:
-            if item.request.block == block:
-                item.matrix.wait()
-                if item.basis is not None:
-                    item.basis.wait()
+        with self._lock:
+            mine = [item for item in self._pending if item.request.block == block]
+        for item in mine:
+            item.matrix.wait()
+            if item.basis is not None:
+                item.basis.wait()
         self.pump()
 
     # ------------------------------------------------------------------ results out
@@ -161,7 +193,9 @@ class EmbeddedSource(PreconditionerSource):
         return self._to_torch(result)
 
     def in_flight_version(self, block: str) -> int | None:
-        pending = [i.request.version for i in self._pending if i.request.block == block]
+        with self._lock:
+            items = self._pending + self._handing
+            pending = [i.request.version for i in items if i.request.block == block]
         try:
             engine_version = self._engine.in_flight_version(block, self.tenant)
         except AsteriaError:
@@ -203,4 +237,5 @@ class EmbeddedSource(PreconditionerSource):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._transfer.drain()  # no copy lands in a buffer after its source let it go
             self._engine.close()

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
 from asteria_server.types import SolveKind
 
 #: Random columns of the basis each drift estimate looks at.
@@ -64,6 +65,22 @@ AGE_WEIGHT = 1e-4
 SOLVE_OVERHEAD_S = 3e-3
 
 
+class DeviceGenerators:
+    """One random generator per device, each seeded with ``seed``: a draw for a device tensor
+    is made on that device (a draw on the CPU copied over would make the host wait)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._by_device: dict[torch.device, torch.Generator] = {}
+
+    def on(self, device: torch.device) -> torch.Generator:
+        generator = self._by_device.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._by_device[device] = generator
+        return generator
+
+
 def estimate_drift(
     factor: torch.Tensor,
     basis: torch.Tensor | None,
@@ -72,12 +89,15 @@ def estimate_drift(
 ) -> torch.Tensor:
     """The off-diagonal energy of ``QᵀLQ`` over ``‖L‖²_F`` (0: Q diagonalizes L), estimated
     from ``probes`` random columns of Q (the identity when ``basis`` is None). A 0-d tensor on
-    the factor's device, in [0, 1] like the exact value (a sample can overshoot: it is cut)."""
+    the factor's device, in [0, 1] like the exact value (a sample can overshoot: it is cut).
+
+    ``generator`` is on the factor's device (:class:`DeviceGenerators`): the columns are the
+    ``k`` largest of ``n`` uniform keys drawn there — a uniform ``k``-subset, as the first
+    ``k`` of a random permutation are, with no host involved."""
     n = factor.shape[0]
     k = min(probes, n)
-    index = torch.randperm(n, generator=generator)[:k]
-    if factor.device.type != "cpu":
-        index = index.to(factor.device)
+    keys = torch.rand(n, generator=generator, device=factor.device)
+    index = keys.topk(k, sorted=False).indices
     if basis is None:  # the columns of the identity: L's own columns, no product
         lq = factor.index_select(1, index)
         rayleigh = lq[index, torch.arange(k, device=factor.device)]
@@ -111,7 +131,7 @@ class RefreshLog:
 
     def __init__(self, seed: int = 0) -> None:
         self.blocks: dict[str, BlockRefreshes] = {}
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generators = DeviceGenerators(seed)
         self.step = 0
 
     def record_step(self, block: str, step: int) -> None:
@@ -135,7 +155,8 @@ class RefreshLog:
             return
         entry.drift_step = self.step
         with torch.no_grad():
-            drift = estimate_drift(request.matrix, request.basis, self.generator)
+            generator = self.generators.on(request.matrix.device)
+            drift = estimate_drift(request.matrix, request.basis, generator)
         entry.drift_sum = drift if entry.drift_sum is None else entry.drift_sum + drift
         entry.drift_count += 1
         entry.last_drift = drift
@@ -205,6 +226,10 @@ class Candidate:
     #: the version of the snapshot in flight and its ‖L‖²_F (a device tensor)
     pulled_version: int = -1
     pulled_norm2: torch.Tensor | None = None
+    #: a drift estimate of it is on its way to the host (with the factor's and the basis's
+    #: versions it was measured at)
+    drift_reading: bool = False
+    drift_reading_versions: tuple[int, int] = (-1, -1)
 
     def drift_stale(self) -> bool:
         """The estimate is of another basis, or DRIFT_INTERVAL_STEPS old."""
@@ -231,11 +256,15 @@ class ContinuousScheduler:
     """Picks the blocks to snapshot when the source has credit (see the module docstring)."""
 
     seconds_per_n3: float
-    generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(1))
+    generators: DeviceGenerators = field(default_factory=lambda: DeviceGenerators(1))
     candidates: dict[str, Candidate] = field(default_factory=dict)
     #: candidates whose drift_unread is set, each once (a source without a credit limit never
     #: measures, so nothing else would bound this list)
     unread: list[Candidate] = field(default_factory=list)
+    #: drift estimates on their way to the host: the candidates, how many of them came with
+    #: an installed result, and the copy (read by the first choice after it landed)
+    reading: list[tuple[list[Candidate], int, PendingCopy]] = field(default_factory=list)
+    transfer: DeviceTransfer = field(default_factory=DeviceTransfer)
 
     def offer(
         self,
@@ -297,13 +326,35 @@ class ContinuousScheduler:
         ready = [c for c in self.candidates.values() if c.pullable()]
         if credit is None or len(ready) <= credit:
             return sorted(ready, key=lambda c: c.block)
-        self._measure([c for c in ready if c.drift_stale()])
+        self._read_landed()
+        self._measure([c for c in ready if c.drift_stale() and not c.drift_reading])
         ready.sort(key=lambda c: (-c.priority(), c.block))
         return ready[:credit]
 
+    def _read_landed(self) -> None:
+        """Take in the drift estimates whose copy to the host has landed (never waits: one
+        still in flight is read by a later choice; on CPU the copy is done at once)."""
+        still = []
+        for measured, unread, copy in self.reading:
+            if not copy.ready():
+                still.append((measured, unread, copy))
+                continue
+            copy.wait()  # returns at once: only completes a bounce, if any
+            read = copy.host.numpy().tolist()  # host memory: no device read here
+            for entry, value in zip(measured[:unread], read[:unread], strict=True):
+                entry.drift = float(value)  # versions set when the result was installed
+                entry.drift_reading = False
+            for entry, value in zip(measured[unread:], read[unread:], strict=True):
+                entry.drift = float(value)
+                entry.drift_version, entry.drift_basis = entry.drift_reading_versions
+                entry.drift_reading = False
+        self.reading = still
+
     def _measure(self, stale: list[Candidate]) -> None:
-        """New drift estimates for ``stale``, read from the device at once with those that
-        came with installed results (:meth:`installed`)."""
+        """New drift estimates for ``stale``, sent to the host with those that came with
+        installed results (:meth:`installed`): one copy on the transfer layer's side stream,
+        read by :meth:`_read_landed` (at once on CPU; on a device by the first choice after
+        the copy landed, so no choice waits for the device)."""
         measured, values = [], []
         for entry in self.unread:
             if entry.drift_unread is not None:
@@ -320,14 +371,14 @@ class ContinuousScheduler:
                 if request.kind is not SolveKind.EIGENBASIS:
                     continue
                 measured.append(entry)
-                values.append(estimate_drift(request.matrix, request.basis, self.generator))
+                generator = self.generators.on(request.matrix.device)
+                values.append(estimate_drift(request.matrix, request.basis, generator))
+                entry.drift_reading_versions = (entry.version, entry.tile.versions[entry.dim])
         if not measured:
             return
+        for entry in measured:
+            entry.drift_reading = True
         device = values[0].device
-        read = torch.stack([v.to(device) for v in values]).tolist()
-        for entry, value in zip(measured[:unread], read[:unread], strict=True):
-            entry.drift = float(value)  # versions set when the result was installed
-        for entry, value in zip(measured[unread:], read[unread:], strict=True):
-            entry.drift = float(value)
-            entry.drift_version = entry.version
-            entry.drift_basis = entry.tile.versions[entry.dim]
+        stacked = torch.stack([v.to(device) for v in values])
+        self.reading.append((measured, unread, self.transfer.to_host(stacked)))
+        self._read_landed()

@@ -29,6 +29,24 @@ class TrainConfigError(InvalidInputError):
         self.problem = problem
 
 
+#: Model shapes by name: ``tiny`` is the default (a CPU run in about a minute), ``gpt2-small``
+#: the GPT-2 small shape (12 layers, width 768, 12 heads; context 256 characters), whose step
+#: on a GPU is tens of milliseconds of real work rather than launch overhead.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},
+    "gpt2-small": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 256},
+}
+
+
+def model_preset(name: str) -> dict[str, int]:
+    """The TrainConfig model fields of preset ``name`` (ValueError naming the choices)."""
+    try:
+        return dict(MODEL_PRESETS[name])
+    except KeyError:
+        choices = ", ".join(MODEL_PRESETS)
+        raise ValueError(f"model={name!r} is not a model preset; pick one of {choices}") from None
+
+
 class Schedule(enum.Enum):
     """How the learning rate moves after the linear warmup."""
 

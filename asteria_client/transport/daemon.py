@@ -49,7 +49,7 @@ from asteria_client.runtime.source import (
     SourceRecord,
     result_from_engine,
 )
-from asteria_client.runtime.transfer import DeviceTransfer
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
 from asteria_client.transport.connection import (
     DaemonClientConfig,
     DaemonConnection,
@@ -100,9 +100,37 @@ _COUNTERS = (
 _SUBMIT_TIMES_KEPT = 16
 
 
-def _host_copy(tensor: torch.Tensor) -> np.ndarray:
-    """A host copy of ``tensor`` the caller may keep while the factor changes in place."""
-    return tensor.detach().to(device="cpu", copy=True).contiguous().numpy()
+class _HostCopies:
+    """A snapshot's copies into private host buffers (a block without a segment yet, or one
+    that goes over gRPC), started on the transfer layer's side stream: the sender waits for
+    them, never the step. The same face as :class:`PendingWrite` (a sequence of -1: no
+    segment)."""
+
+    def __init__(self, copies: list[PendingCopy]) -> None:
+        self._copies = copies
+        self._done = False
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """NumPy views of the host buffers (valid once :meth:`finish` returned)."""
+        return [c.host.numpy() for c in self._copies]
+
+    @property
+    def on_host(self) -> bool:
+        return all(c.event is None for c in self._copies)
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def ready(self) -> bool:
+        return self._done or all(c.ready() for c in self._copies)
+
+    def finish(self) -> int:
+        for copy in self._copies:
+            copy.wait()
+        self._done = True
+        return -1
 
 
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
@@ -143,7 +171,8 @@ class _Block:
     snapshot_seg: ClientSegment | None = None  # where ``submit`` writes, once created
     result_seg: ClientSegment | None = None  # where the daemon writes this block's results
     latest_sequence: int = -1  # ``latest`` lies in snapshot_seg under this sequence (-1: a copy)
-    latest_write: PendingWrite | None = None  # ``latest``'s device copy into snapshot_seg
+    #: ``latest``'s device copies (into snapshot_seg, or into host buffers), not waited for yet
+    latest_write: PendingWrite | _HostCopies | None = None
     shm_error: str = ""  # why this block's segments could not be made (it uses gRPC)
 
 
@@ -190,6 +219,7 @@ class DaemonSource(PreconditionerSource):
         rank: int = 0,
         config: DaemonClientConfig | None = None,
         pulls: bool = False,
+        transfer: DeviceTransfer | None = None,
     ) -> None:
         env = client_env()
         self.address = resolve_address(address)
@@ -231,7 +261,9 @@ class DaemonSource(PreconditionerSource):
         self._pulls = pulls
         self._credit: Credit | None = None
         self._sent = 0
-        self._transfer = DeviceTransfer()  # results to the device on the side stream
+        #: every copy between the device and the host: snapshots into segments or host
+        #: buffers, results to the device, on the side stream
+        self._transfer = DeviceTransfer() if transfer is None else transfer
         self._session = DaemonSession(self._conn, self.config, self._lock, self)
         self._sender = threading.Thread(
             target=self._send_loop, name="asteria-daemon-sender", daemon=True
@@ -301,20 +333,24 @@ class DaemonSource(PreconditionerSource):
         tensors = [request.matrix] if request.basis is None else [request.matrix, request.basis]
         specs = _specs_of(tensors)
         sequence = -1
-        write = None
+        write: PendingWrite | _HostCopies | None = None
         if segment is not None and specs is not None and segment.fits(specs):
             # The training thread is the only writer of a published snapshot segment; a write
             # still copying on the side stream is closed before the next one starts.
             previous = block.latest_write
             if previous is not None:
                 previous.finish()
-            if any(t.device.type == "cuda" for t in tensors):
-                write = segment.start_write(specs, tensors, self._transfer)
-            else:
-                sequence = segment.write_tensors(specs, tensors)
+            write = segment.start_write(specs, tensors, self._transfer)
+            if write.on_host:  # copied already (CPU): announce it as it is
+                sequence, write = write.finish(), None
             arrays = segment.segment.views(specs)  # read-only use: shapes for the header
         else:
-            arrays = [_host_copy(t) for t in tensors]
+            copies = _HostCopies([self._transfer.to_host(t) for t in tensors])
+            arrays = copies.arrays
+            if copies.on_host:
+                copies.finish()
+            else:
+                write = copies  # the sender waits for the copies before it reads them
         try:
             task = SolveTask(
                 block=self._prefix + request.block,
@@ -359,24 +395,31 @@ class DaemonSource(PreconditionerSource):
                 session = self._session.current
                 assert session is not None
                 writes = [b.latest_write for b in self._blocks.values() if b.pending]
-            for write in writes:  # device copies still in flight: wait here, not in the step
-                if write is not None:
+            for write in writes:  # device copies still in flight: wait here, not in the step,
+                if write is not None:  # and without the lock the training thread takes
                     write.finish()
             with self._lock:
                 if self._session.current is not session:
                     continue
                 batch = []
                 for block in self._blocks.values():
-                    if block.pending and block.latest_write is not None:
-                        block.latest_sequence = block.latest_write.finish()  # done above
+                    if not block.pending:
+                        continue
+                    write = block.latest_write
+                    if write is not None:
+                        if not write.finished:
+                            continue  # a newer copy since: waited for next round, unlocked
+                        block.latest_sequence = write.finish()  # returns at once
                         block.latest_write = None
-                    if block.pending and block.latest is not None:
+                    if block.latest is not None:
                         batch.append((block, block.latest, block.latest_sequence))
                         # In flight from now on, so ``wait`` waits for it.
                         block.sent_version = max(block.sent_version, block.latest.version)
                     block.pending = False
                 self._sent += len(batch)  # counted from now, so credit() never misses them
                 new = [t for _, t, _ in batch if t.block not in self._registered]
+            if not batch:
+                continue
             try:
                 self._send(session, new, batch)
             except Exception as exc:  # a bug here must cost results, never the training run
@@ -513,33 +556,36 @@ class DaemonSource(PreconditionerSource):
                 return None, None
             basis = copies[1] if len(copies) > 1 else None
             return dataclasses.replace(task, matrix=copies[0], basis=basis), None
-        if segment is None and self._create_segments(block, task):
-            segment = block.snapshot_seg
-            assert segment is not None
-            sequence = segment.segment.write(
-                snapshot_specs(task), [a for a in (task.matrix, task.basis) if a is not None]
-            )
-            return task, segment.ref(sequence)
+        if segment is None:
+            first = self._create_segments(block, task)
+            if first is not None:
+                return task, first
         return task, None
 
-    def _create_segments(self, block: _Block, task: SolveTask) -> bool:
-        """Give ``block`` its snapshot and result segments and hand them over (sender thread).
+    def _create_segments(self, block: _Block, task: SolveTask) -> SegmentRef | None:
+        """Give ``block`` its snapshot and result segments and hand them over (sender thread);
+        the ref of ``task`` written into the new snapshot segment, or None: use gRPC for it.
 
-        The new snapshot segment is written here once, before it is published to ``submit``;
-        from then on the training thread is its only writer. False: use gRPC for this block.
+        The new snapshot segment is written here once, *before* it is published to
+        ``submit``; from then on the training thread is its only writer. (Published first, a
+        snapshot taken meanwhile would go into it too: two writers under one seqlock.)
         """
         if block.shm_error:
-            return False
+            return None
         try:
             pair = self._segments.create(task)
         except SharedMemoryUnavailableError as exc:
             block.shm_error = str(exc)
-            return False
+            return None
         if pair is None:
-            return False
+            return None
+        snapshot = pair[0]
+        sequence = snapshot.segment.write(
+            snapshot_specs(task), [a for a in (task.matrix, task.basis) if a is not None]
+        )
         with self._lock:
             block.snapshot_seg, block.result_seg = pair
-        return self._segments.is_attached(pair[0])
+        return snapshot.ref(sequence) if self._segments.is_attached(snapshot) else None
 
     def _read_result(self, ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
         """Copy a result out of its segment (session thread); None when a newer one replaced it."""
@@ -621,7 +667,12 @@ class DaemonSource(PreconditionerSource):
                 block = self._blocks[name] = _Block(device=torch.device("cpu"), device_known=False)
             if result.version <= block.received_version:
                 return  # older than one received: versions never go back
-            problem = _result_problem(result, block.latest)
+            latest = block.latest
+        # n² reads: never under the lock the training thread's submit and take need
+        problem = _result_problem(result, latest)
+        with self._lock:
+            if result.version <= block.received_version:
+                return  # a newer one came meanwhile
             if problem is not None:
                 # Dropped, never installed: the block keeps its last good result, and nothing
                 # waits for this version any more, so the staleness budget computes it locally.
@@ -868,4 +919,11 @@ class DaemonSource(PreconditionerSource):
         self._session.close()
         self._sender.join(timeout=self.config.call_timeout_s)
         self._conn.close()
+        # Copies still landing in a segment (nothing waited for them: no session, or the
+        # sender gave up) complete before the segment is unregistered and unmapped.
+        with self._lock:
+            writes = [b.latest_write for b in self._blocks.values() if b.latest_write]
+        for write in writes:
+            write.finish()
+        self._transfer.drain()
         self._segments.close()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy, mark_host
 from asteria_client.transport.peer import UntrustedDaemonError, check_peer
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.handover import (
@@ -72,6 +72,8 @@ class ClientSegment:
     _views: dict[tuple[ArraySpec, ...], list[torch.Tensor]] = field(default_factory=dict)
     #: the transfer layer that page-locked the mapping for CUDA copies (None: not registered)
     _registered: DeviceTransfer | None = None
+    #: the registration was refused once: copies into the mapping go through a bounce buffer
+    _register_refused: bool = False
 
     @classmethod
     def create(cls, role: str, block: str, specs: Sequence[ArraySpec]) -> ClientSegment:
@@ -84,10 +86,7 @@ class ClientSegment:
     def write_tensors(self, specs: Sequence[ArraySpec], tensors: Sequence[torch.Tensor]) -> int:
         """Copy ``tensors`` (any device) into the segment through torch views of it, under the
         seqlock; returns the sequence that announces them."""
-        key = tuple(specs)
-        views = self._views.get(key)
-        if views is None:  # made once per layout: a block's snapshots keep theirs
-            views = self._views[key] = [torch.from_numpy(v) for v in self.segment.views(specs)]
+        views = self._tensor_views(specs)  # made once per layout: a block's snapshots keep theirs
         self.segment.begin_write()
         for view, tensor in zip(views, tensors, strict=True):
             if tensor.device.type == "cpu":  # NumPy's copy has less fixed cost than torch's
@@ -119,15 +118,28 @@ class ClientSegment:
         transfer layer's side stream, straight into the (CUDA-registered) mapping, so the
         training thread and the main stream do not wait. The seqlock stays odd — readers
         reject the bytes — until :meth:`PendingWrite.finish` closes it."""
-        key = tuple(specs)
-        views = self._views.get(key)
-        if views is None:
-            views = self._views[key] = [torch.from_numpy(v) for v in self.segment.views(specs)]
-        if self._registered is None and transfer.register(self._mapping_tensor()):
-            self._registered = transfer
+        views = self._tensor_views(specs)
+        if (
+            self._registered is None
+            and not self._register_refused
+            and any(transfer.on_device(t) for t in tensors)
+        ):
+            if transfer.register(self._mapping_tensor()):
+                self._registered = transfer
+            else:  # the transfer layer bounces copies into pageable memory (it said so once)
+                self._register_refused = True
         self.segment.begin_write()
         copies = [transfer.copy_into(t, view) for view, t in zip(views, tensors, strict=True)]
         return PendingWrite(self.segment, copies)
+
+    def _tensor_views(self, specs: Sequence[ArraySpec]) -> list[torch.Tensor]:
+        """Torch views of the arrays ``specs``, made once per layout (marked host memory)."""
+        key = tuple(specs)
+        views = self._views.get(key)
+        if views is None:
+            views = [mark_host(torch.from_numpy(v)) for v in self.segment.views(specs)]
+            self._views[key] = views
+        return views
 
     def _mapping_tensor(self) -> torch.Tensor:
         """The whole mapping as one byte tensor (what CUDA registers)."""
@@ -162,6 +174,16 @@ class PendingWrite:
 
     def ready(self) -> bool:
         return self._sequence is not None or all(c.ready() for c in self._copies)
+
+    @property
+    def finished(self) -> bool:
+        """:meth:`finish` has run: it returns at once from now on."""
+        return self._sequence is not None
+
+    @property
+    def on_host(self) -> bool:
+        """Every copy was a plain host copy, complete already (no device involved)."""
+        return all(c.event is None for c in self._copies)
 
     def finish(self) -> int:
         """The sequence that announces this write (waits for its copies the first time)."""

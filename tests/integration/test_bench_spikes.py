@@ -39,6 +39,10 @@ def test_spikes_writes_runs_with_step_time_statistics(
             assert math.isfinite(run[key]) and run[key] > 0
         assert run["step_time_median_s"] <= run["step_time_p99_s"] <= run["step_time_max_s"]
         assert len(run["step_times_s"]) == 14
+        energy = run["energy"]  # CPU-seconds at least, always; no GPU here
+        assert "cpu-seconds" in energy["sources"] and energy["cpu_s_per_step"] > 0
+        assert energy["gpu_j"] is None and energy["gpu_j_per_step"] is None
+    assert report["config"]["model"] == "tiny"
     for mode in ("embedded", "daemon"):
         run = runs[("soap", mode)]
         assert run["staleness"]["mode"] == mode
@@ -46,6 +50,7 @@ def test_spikes_writes_runs_with_step_time_statistics(
     assert runs[("soap", "daemon")]["staleness"]["source"]["transport"] == "shm"
     printed = capsys.readouterr().out
     assert "embedded p99/median" in printed and "daemon p99/median" in printed
+    assert "energy soap (daemon):" in printed and "CPU-s/step" in printed
     assert report["benchmark"] == "spikes" and report["quick"] is False
     assert report["command"] and report["machine"]["blas"] is not None
     assert report["figures"] == ["spikes-trace.png"]

@@ -35,7 +35,11 @@ UNIT = DEPLOY / "systemd" / "asteria-server.service"
 DROPINS = sorted((DEPLOY / "systemd" / "dropins").glob("*.conf"))
 CONTAINERFILE = DEPLOY / "container" / "Containerfile"
 K8S = DEPLOY / "kubernetes"
-SHELL_SCRIPTS = sorted([*DEPLOY.rglob("*.sh"), *DEPLOY.rglob("*.sbatch")])
+#: deploy's scripts, and the device check (scripts/device_check.sh: it must run unchanged on
+#: the first GPU machine lent, so it is linted here, where CI runs)
+SHELL_SCRIPTS = sorted(
+    [*DEPLOY.rglob("*.sh"), *DEPLOY.rglob("*.sbatch"), DEPLOY.parent / "scripts/device_check.sh"]
+)
 #: ASTERIA_TOKENS as the systemd tokens file or the Kubernetes Secret would give it.
 TOKENS_ENV = "team-a=token-a,team-b=token-b"
 TIMEOUT_S = 60.0
