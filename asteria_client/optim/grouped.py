@@ -44,8 +44,8 @@ class StorageSpec:
 
     ``tensors``: tensor fields shaped like the tile (moments). ``lists``: per-dim lists whose
     entries are all tensors or all ``None`` across a group (factors, eigenvalues). ``optional``:
-    per-dim lists of square matrices that a tile may not have yet (bases, roots): stored as the
-    identity until set.
+    per-dim lists of square matrices that a tile may not have yet (bases, roots), kept for the
+    preconditioned dims: stored as the identity until set.
     """
 
     tensors: tuple[str, ...]
@@ -133,25 +133,20 @@ class TileGroup:
                 if any(v is None for v in values):
                     raise ValueError(f"tiles of one group disagree on {name}[{dim}]")
                 self._bind_entries(name, dim, torch.stack(values))
+        like = next(iter(self.tensors.values()))  # the state's dtype and device
         for name in spec.optional:
-            any_set = None
+            any_set = [False] * len(self.tiles)
             for dim, size in enumerate(shape):
+                if not (dim < len(preconditioned) and preconditioned[dim]):
+                    continue  # an unpreconditioned dim has no basis or root to keep
                 values = [getattr(t, name)[dim] for t in self.tiles]
-                if not self._is_stored(dim):
-                    continue
-                like = self.entries[("factors", dim)]
                 eye = torch.eye(size, dtype=like.dtype, device=like.device)
                 stack = torch.stack([eye if v is None else v.to(like.dtype) for v in values])
                 self._bind_entries(name, dim, stack, keep_none=True)
                 self.present[(name, dim)] = any(v is not None for v in values)
-                flags = [v is not None for v in values]
-                any_set = (
-                    flags
-                    if any_set is None
-                    else [a or b for a, b in zip(any_set, flags, strict=True)]
-                )
-            if any_set is not None:
-                self.masks[name] = torch.tensor(any_set, device=self.device)
+                any_set = [a or v is not None for a, v in zip(any_set, values, strict=True)]
+            if self.has_blocks:
+                self.masks[name] = torch.tensor(any_set, device=like.device)
 
     @property
     def device(self) -> torch.device:
@@ -159,9 +154,6 @@ class TileGroup:
 
     def __len__(self) -> int:
         return len(self.tiles)
-
-    def _is_stored(self, dim: int) -> bool:
-        return ("factors", dim) in self.entries
 
     def _bind_entries(
         self, name: str, dim: int, stack: torch.Tensor, *, keep_none: bool = False
