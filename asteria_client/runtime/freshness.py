@@ -305,10 +305,7 @@ class FreshnessRuntime:
                     floor = self._pull_floor(install)
                 start = time.perf_counter()
                 extra = self._pull_extra(install, step_end=step_end)
-                elapsed = time.perf_counter() - start
-                self._overhead_s += elapsed
-                if extra:
-                    self._note_snapshot_cost(elapsed, extra)
+                self._overhead_s += time.perf_counter() - start
                 return floor + extra
         finally:
             self._pulling = False
@@ -340,6 +337,9 @@ class FreshnessRuntime:
             self.overhead_pauses += 1
 
     def _note_snapshot_cost(self, seconds: float, count: int) -> None:
+        """``count`` snapshots were taken in ``seconds`` (their copies and hand-over: the
+        choice and the installs around them are charged to the budget, not to this
+        estimate of what one more snapshot costs)."""
         per = seconds / count
         last = self._snapshot_cost_s
         self._snapshot_cost_s = per if last is None else last + 0.2 * (per - last)
@@ -376,9 +376,9 @@ class FreshnessRuntime:
             scheduler.pulled(entry.block, snapshot, floor=True)
             self.refresh_log.record_pull(entry.block, entry.version, floor=True)
             tiles[id(entry.tile)] = entry.tile
+        self._note_snapshot_cost(time.perf_counter() - start, len(due))
         for tile in tiles.values():
             self.install_ready(tile, install)
-        self._note_snapshot_cost(time.perf_counter() - start, len(due))
         return len(due)
 
     def _pull_extra(self, install: InstallFn, *, step_end: bool) -> int:
@@ -402,6 +402,7 @@ class FreshnessRuntime:
                         self._limited("overhead_budget")
                 return pulled
             tiles = {}
+            start = time.perf_counter()
             for entry in chosen:
                 snapshot = self._submit_block(
                     entry.tile, entry.dim, entry.block, entry.version, entry.request
@@ -409,6 +410,7 @@ class FreshnessRuntime:
                 scheduler.pulled(entry.block, snapshot)
                 self.refresh_log.record_pull(entry.block, entry.version)
                 tiles[id(entry.tile)] = entry.tile
+            self._note_snapshot_cost(time.perf_counter() - start, len(chosen))
             pulled += len(chosen)
             for tile in tiles.values():
                 self.install_ready(tile, install)
