@@ -14,13 +14,18 @@ or below it, interpolated), CPU seconds of the whole run including the engine's 
 staleness observed (max lag, barrier waits, local fallbacks).
 
 With ``--schedules`` it compares refresh schedules of SOAP instead (the report is then a
-``schedules`` benchmark): native at f = 1 (a synchronous refresh every step) and f = 10, the
-embedded engine at f = 10 (S = 1 interval), the embedded engine refreshing continuously at
-S = 1, 2, 4 steps, and a daemon refreshing continuously at S = 1 (the client pulls by the
-daemon's Credit messages). Besides the columns above it reports refreshes per block per 100
-steps, the drift of the bases at install, steps to target against native f = 1, and the median
-step time against the median of native f = 10's steps that refresh nothing (the step time
-continuous refresh aims at).
+``schedules`` benchmark), on several model shapes (``--shapes``; default: the `asteria train`
+GPT, a wider one and a deeper one, see :data:`SHAPES`), each with its own AdamW sweep and
+target: native at f = 1 (a synchronous refresh every step) and f = 5 (SOAP's default), the
+embedded engine at f = 5 (S = 1 interval: the amortized schedule), and the embedded engine and
+a daemon refreshing continuously at S = 1 step (the daemon's client pulls by its Credit
+messages), each with and without the optimizer's hooks on the model (``--no-attach``: as a
+user who leaves ``attach(model)`` out). f = 10 and continuous S = 2, 4 can be named too.
+Besides the columns above it reports refreshes per block per 100 steps (floor + extra on the
+continuous schedule), the drift of the bases at install, steps to target against native f = 1
+and against amortized embedded, and the median step time against amortized embedded's and
+against the median of native f = 5's steps that refresh nothing (the step time continuous
+refresh aims at).
 
 Each run is its own `asteria train` process, one at a time, with the same torch thread count;
 the engine (embedded, or a fresh daemon per run) gets --engine-workers solver processes. Every
@@ -66,6 +71,37 @@ class ConvergenceBenchError(AsteriaError):
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """A GPT shape the benchmark trains (`asteria train`'s --n-layer, --n-embd, --n-head;
+    the context and batch are `asteria train`'s defaults)."""
+
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.n_layer} layers, d {self.n_embd}, {self.n_head} heads)"
+
+
+def _shapes() -> dict[str, ModelShape]:
+    from asteria_client.train.config import TrainConfig
+
+    train = TrainConfig()
+    shapes = [
+        ModelShape("train", train.n_layer, train.n_embd, train.n_head),
+        ModelShape("wide", train.n_layer, 256, train.n_head),
+        ModelShape("deep", 6, train.n_embd, train.n_head),
+    ]
+    return {shape.name: shape for shape in shapes}
+
+
+#: Model shapes `--schedules` compares on: a setting tuned on one model can lose on the next.
+SHAPES = _shapes()
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One configuration compared: an optimizer, where its solves run, its staleness budget."""
 
@@ -75,13 +111,15 @@ class RunConfig:
     staleness_budget: int | None = None  # async modes only
     precondition_frequency: int | None = None  # None: the optimizer's own (10)
     refresh: str | None = None  # None: amortized; "continuous"
+    attach: bool = True  # False: trained without the optimizer's hooks (--no-attach)
 
     @property
     def label(self) -> str:
         if self.mode is None:
             return self.optimizer
         if self.refresh == "continuous":
-            return f"{self.optimizer} {self.mode} continuous S={self.staleness_budget}"
+            hooks = "" if self.attach else " no attach"
+            return f"{self.optimizer} {self.mode} continuous S={self.staleness_budget}{hooks}"
         freq = (
             f" f={self.precondition_frequency}" if self.precondition_frequency is not None else ""
         )
@@ -118,6 +156,8 @@ def _schedule_configs() -> dict[str, RunConfig]:
     configs = [
         RunConfig("adamw", "adamw"),
         RunConfig("soap-native-f1", "soap", "native", precondition_frequency=1),
+        RunConfig("soap-native-f5", "soap", "native", precondition_frequency=5),
+        RunConfig("soap-embedded-f5-s1", "soap", "embedded", 1, precondition_frequency=5),
         RunConfig("soap-native-f10", "soap", "native", precondition_frequency=10),
         RunConfig("soap-embedded-f10-s1", "soap", "embedded", 1, precondition_frequency=10),
     ]
@@ -126,13 +166,41 @@ def _schedule_configs() -> dict[str, RunConfig]:
         for s in (1, 2, 4)
     ]
     configs.append(
+        RunConfig(
+            "soap-continuous-s1-noattach", "soap", "embedded", 1, refresh="continuous", attach=False
+        )
+    )
+    configs.append(
         RunConfig("soap-daemon-continuous-s1", "soap", "daemon", 1, refresh="continuous")
+    )
+    configs.append(
+        RunConfig(
+            "soap-daemon-continuous-s1-noattach",
+            "soap",
+            "daemon",
+            1,
+            refresh="continuous",
+            attach=False,
+        )
     )
     return {c.name: c for c in configs}
 
 
 #: ``--schedules``: refresh schedules of SOAP compared on the same batches.
 SCHEDULES = _schedule_configs()
+#: What ``--schedules`` runs when given without names: issue 30's comparison (continuous with
+#: and without hooks, embedded and daemon, against amortized embedded at SOAP's default f and
+#: native f = 1).
+DEFAULT_SCHEDULES = (
+    "adamw",
+    "soap-native-f1",
+    "soap-native-f5",
+    "soap-embedded-f5-s1",
+    "soap-continuous-s1",
+    "soap-continuous-s1-noattach",
+    "soap-daemon-continuous-s1",
+    "soap-daemon-continuous-s1-noattach",
+)
 CONFIGS = {**_all_configs(), **SCHEDULES}
 QUICK_CONFIGS = ("adamw", "soap-native", "soap-embedded-s1", "soap-daemon-s1")
 
@@ -153,6 +221,8 @@ class ConvergenceConfig:
     flush_denormal: bool = True
     quick: bool = False
     schedules: bool = False  # the report compares refresh schedules (a "schedules" benchmark)
+    #: model shapes (names in SHAPES), each with its own AdamW sweep, target and table
+    shapes: tuple[str, ...] = ("train",)
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_denormal, bool):
@@ -169,6 +239,11 @@ class ConvergenceConfig:
             object.__setattr__(self, "configs", ("adamw", *self.configs))
         if not self.adamw_lrs or not all(0 < lr < math.inf for lr in self.adamw_lrs):
             raise ValueError(f"adamw_lrs must be positive finite numbers, got {self.adamw_lrs}")
+        unknown = [s for s in self.shapes if s not in SHAPES]
+        if not self.shapes or unknown or len(set(self.shapes)) != len(self.shapes):
+            raise ValueError(
+                f"shapes must be distinct names from {', '.join(SHAPES)}, got {self.shapes}"
+            )
 
 
 @dataclass
@@ -183,9 +258,16 @@ class _Process:
 
 
 def _train_command(
-    cfg: ConvergenceConfig, run: RunConfig, seed: int, lr: float | None
+    cfg: ConvergenceConfig,
+    run: RunConfig,
+    seed: int,
+    lr: float | None,
+    shape: ModelShape | None = None,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "asteria_client.cli", "train", "--optimizer", run.optimizer]
+    if shape is not None:
+        cmd += ["--n-layer", str(shape.n_layer), "--n-embd", str(shape.n_embd)]
+        cmd += ["--n-head", str(shape.n_head)]
     cmd += ["--steps", str(cfg.steps), "--seed", str(seed), "--device", cfg.device]
     cmd += ["--threads", str(cfg.threads), "--eval-interval", str(cfg.eval_interval)]
     cmd += ["--eval-batches", str(cfg.eval_batches), "--log-interval", str(cfg.steps)]
@@ -203,6 +285,8 @@ def _train_command(
         cmd += ["--precondition-frequency", str(run.precondition_frequency)]
     if run.refresh is not None:
         cmd += ["--refresh", run.refresh]
+    if not run.attach:
+        cmd += ["--no-attach"]
     return cmd
 
 
@@ -250,10 +334,15 @@ def _child_env() -> dict[str, str]:
 
 
 def run_one(
-    cfg: ConvergenceConfig, run: RunConfig, seed: int, lr: float | None, workdir: Path
+    cfg: ConvergenceConfig,
+    run: RunConfig,
+    seed: int,
+    lr: float | None,
+    workdir: Path,
+    shape: ModelShape | None = None,
 ) -> dict[str, Any]:
     """Train one configuration on one seed and return its measurements (see the module doc)."""
-    cmd = _train_command(cfg, run, seed, lr)
+    cmd = _train_command(cfg, run, seed, lr, shape)
     timeout_s = max(RUN_TIMEOUT_S, RUN_TIMEOUT_S_PER_STEP * cfg.steps)
     env = _child_env()
     daemon_cpu_s = None
@@ -271,6 +360,8 @@ def run_one(
         "staleness_budget": run.staleness_budget,
         "precondition_frequency": run.precondition_frequency,
         "refresh": run.refresh,
+        "attach": run.attach,
+        "shape": None if shape is None else shape.name,
         "seed": seed,
         "lr": lr,
         "ok": proc.returncode == 0 and proc.result is not None,
@@ -302,6 +393,9 @@ def run_one(
             step_times, run.amortized_frequency
         ),
         refreshes_per_100_steps=refreshes.get("refreshes_per_100_steps_mean"),
+        floor_per_100_steps=refreshes.get("floor_per_100_steps_mean"),
+        extra_per_100_steps=refreshes.get("extra_per_100_steps_mean"),
+        extra_limited_steps=refreshes.get("extra_limited_steps"),
         drift_at_install=refreshes.get("drift_at_install_mean"),
         runtime=result["optimizer"],
         train_batches_digest=result["data"]["train_batches_digest"],
@@ -326,11 +420,13 @@ class _Progress:
             else f"FAILED ({record['error'].strip().splitlines()[-1] if record['error'] else ''})"
         )
         lr = f" lr {record['lr']:g}" if record["lr"] is not None else ""
+        shape = f" [{record['shape']}]" if record.get("shape") else ""
         logger.info(
-            "convergence [%d/%d] %s seed %d%s: %s, %.0f s, %.0f CPU-s; about %.0f min left",
+            "convergence [%d/%d] %s%s seed %d%s: %s, %.0f s, %.0f CPU-s; about %.0f min left",
             self.done,
             self.total,
             record["label"],
+            shape,
             record["seed"],
             lr,
             outcome,
@@ -342,48 +438,85 @@ class _Progress:
 
 def plan_size(cfg: ConvergenceConfig) -> int:
     """How many training runs the benchmark makes (the sweep's best run doubles as a seed)."""
-    return len(cfg.adamw_lrs) + len(cfg.seeds) * len(cfg.configs) - 1
+    return len(cfg.shapes) * (len(cfg.adamw_lrs) + len(cfg.seeds) * len(cfg.configs) - 1)
 
 
 def run_convergence(
     cfg: ConvergenceConfig, *, progress: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    """Sweep AdamW's lr, then run every configuration on every seed (seed by seed, so slow
-    machine drifts spread over all configurations), then summarize."""
+    """Per model shape: sweep AdamW's lr, then run every configuration on every seed (seed by
+    seed, so slow machine drifts spread over all configurations), then summarize. One shape
+    (the default without ``--schedules``) reports at the top level as before; several report
+    one block each under ``"shapes"``."""
     started = time.time()
     configs = [CONFIGS[name] for name in cfg.configs]
     report_progress = progress if progress is not None else _Progress(plan_size(cfg))
     logger.info(
-        "convergence: %d runs of %d steps (%s; seeds %s)",
+        "convergence: %d runs of %d steps (%s; seeds %s; shapes %s)",
         plan_size(cfg),
         cfg.steps,
         ", ".join(c.name for c in configs),
         ",".join(map(str, cfg.seeds)),
+        ",".join(cfg.shapes),
     )
-    runs: list[dict[str, Any]] = []
+    several = len(cfg.shapes) > 1
+    blocks = []
     with tempfile.TemporaryDirectory(prefix="asteria-convergence-") as tmp:
-        workdir = Path(tmp)
+        for name in cfg.shapes:
+            shape = SHAPES[name] if several or name != "train" else None
+            block = _run_shape(cfg, configs, shape, Path(tmp), report_progress)
+            blocks.append({"shape": asdict(SHAPES[name]), **block})
+    config_dicts = [{**asdict(c), "label": c.label} for c in configs]
+    report: dict[str, Any] = {
+        "benchmark": "schedules" if cfg.schedules else "convergence",
+        "quick": cfg.quick,
+        "config": {
+            **asdict(cfg),
+            "seeds": list(cfg.seeds),
+            "configs": list(cfg.configs),
+            "shapes": list(cfg.shapes),
+        },
+        "started_unix_s": started,
+        "configs": config_dicts,
+    }
+    if several:
+        report["shapes"] = blocks
+    else:
+        report.update(blocks[0])
+    report["wall_time_s"] = time.time() - started
+    return report
 
-        def run(config: RunConfig, seed: int, lr: float | None) -> dict[str, Any]:
-            record = run_one(cfg, config, seed, lr, workdir)
-            report_progress(record)
-            return record
 
-        sweep = [run(CONFIGS["adamw"], cfg.seeds[0], lr) for lr in cfg.adamw_lrs]
-        finished = [r for r in sweep if r["ok"]]
-        if not finished:
-            raise ConvergenceBenchError(
-                "every AdamW run of the lr sweep failed, so there is no target; first error:\n"
-                + str(sweep[0]["error"])
-            )
-        best = min(finished, key=lambda r: r["final_val_loss"])
-        adamw_lr = best["lr"]
-        for seed in cfg.seeds:
-            for config in configs:
-                if config.name == "adamw" and seed == cfg.seeds[0]:
-                    runs.append(best)
-                else:
-                    runs.append(run(config, seed, adamw_lr if config.name == "adamw" else None))
+def _run_shape(
+    cfg: ConvergenceConfig,
+    configs: list[RunConfig],
+    shape: ModelShape | None,
+    workdir: Path,
+    report_progress: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """One shape's sweep, runs and summaries (``shape`` None: `asteria train`'s own model)."""
+
+    def run(config: RunConfig, seed: int, lr: float | None) -> dict[str, Any]:
+        record = run_one(cfg, config, seed, lr, workdir, shape)
+        report_progress(record)
+        return record
+
+    runs: list[dict[str, Any]] = []
+    sweep = [run(CONFIGS["adamw"], cfg.seeds[0], lr) for lr in cfg.adamw_lrs]
+    finished = [r for r in sweep if r["ok"]]
+    if not finished:
+        raise ConvergenceBenchError(
+            "every AdamW run of the lr sweep failed, so there is no target; first error:\n"
+            + str(sweep[0]["error"])
+        )
+    best = min(finished, key=lambda r: r["final_val_loss"])
+    adamw_lr = best["lr"]
+    for seed in cfg.seeds:
+        for config in configs:
+            if config.name == "adamw" and seed == cfg.seeds[0]:
+                runs.append(best)
+            else:
+                runs.append(run(config, seed, adamw_lr if config.name == "adamw" else None))
 
     tuned = [r["final_val_loss"] for r in runs if r["config"] == "adamw" and r["ok"]]
     target = sum(tuned) / len(tuned)
@@ -391,18 +524,12 @@ def run_convergence(
         summary.add_time_to_target(record, target)
     config_dicts = [{**asdict(c), "label": c.label} for c in configs]
     return {
-        "benchmark": "schedules" if cfg.schedules else "convergence",
-        "quick": cfg.quick,
-        "config": {**asdict(cfg), "seeds": list(cfg.seeds), "configs": list(cfg.configs)},
-        "started_unix_s": started,
-        "wall_time_s": time.time() - started,
         "adamw_sweep": [
             {"lr": r["lr"], "ok": r["ok"], "final_val_loss": r.get("final_val_loss")} for r in sweep
         ],
         "adamw_lr": adamw_lr,
         "target_val_loss": target,
         "batch_streams_identical": summary.batch_streams_identical([*sweep, *runs]),
-        "configs": config_dicts,
         "summaries": summary.summarize_configs(runs, config_dicts),
         "runs": runs,
         "adamw_sweep_runs": [r for r in sweep if r is not best],
@@ -459,11 +586,20 @@ def register(subparsers: Any) -> Any:
     parser.add_argument(
         "--schedules",
         nargs="?",
-        const=",".join(SCHEDULES),
+        const=",".join(DEFAULT_SCHEDULES),
         type=_csv(str, "names"),
         metavar="NAMES",
         help="compare SOAP's refresh schedules instead: a comma-separated subset of "
-        f"{','.join(SCHEDULES)} (default when given without names: all; adamw always runs)",
+        f"{','.join(SCHEDULES)} (default when given without names: "
+        f"{','.join(DEFAULT_SCHEDULES)}; adamw always runs)",
+    )
+    parser.add_argument(
+        "--shapes",
+        type=_csv(str, "names"),
+        metavar="NAMES",
+        help="model shapes, each with its own AdamW sweep, target and table: a comma-separated "
+        f"subset of {', '.join(s.label for s in SHAPES.values())} "
+        "(default: all with --schedules, else train)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument(
@@ -498,7 +634,11 @@ def config_from_args(args: argparse.Namespace) -> ConvergenceConfig:
     else:
         configs = args.configs
         quick_configs = QUICK_CONFIGS
+    shapes = getattr(args, "shapes", None)
+    if shapes is None:
+        shapes = tuple(SHAPES) if schedules is not None else ("train",)
     return ConvergenceConfig(
+        shapes=tuple(shapes),
         steps=pick(args.steps, 300, 40),
         eval_interval=pick(args.eval_interval, 25, 10),
         eval_batches=pick(args.eval_batches, 16, 8),

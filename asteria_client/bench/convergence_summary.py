@@ -85,6 +85,20 @@ def batch_streams_identical(runs: Sequence[dict[str, Any]]) -> bool:
     return same_val and all(len(digests) == 1 for digests in by_seed.values())
 
 
+#: The amortized runs whose quiet steps (no refresh) continuous refresh's step time is held
+#: to, and the amortized embedded runs it must not lose to in steps: the first present.
+QUIET_REFERENCES = ("soap-native-f5", "soap-native-f10")
+AMORTIZED_REFERENCES = ("soap-embedded-f5-s1", "soap-embedded-f10-s1")
+
+
+def _sum_limits(runs: Sequence[dict[str, Any]]) -> dict[str, int] | None:
+    """The continuous schedule's ``extra_limited_steps`` added over runs (None: none has)."""
+    found = [r["extra_limited_steps"] for r in runs if r.get("extra_limited_steps")]
+    if not found:
+        return None
+    return {key: sum(limits.get(key, 0) for limits in found) for key in found[0]}
+
+
 def summarize_configs(
     runs: Sequence[dict[str, Any]], configs: Sequence[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -125,6 +139,13 @@ def summarize_configs(
             "refreshes_per_100_steps": _mean(
                 [x for r in done if (x := r.get("refreshes_per_100_steps")) is not None]
             ),
+            "floor_per_100_steps": _mean(
+                [x for r in done if (x := r.get("floor_per_100_steps")) is not None]
+            ),
+            "extra_per_100_steps": _mean(
+                [x for r in done if (x := r.get("extra_per_100_steps")) is not None]
+            ),
+            "extra_limited_steps": _sum_limits(done),
             "drift_at_install": _mean(
                 [x for r in done if (x := r.get("drift_at_install")) is not None]
             ),
@@ -143,14 +164,29 @@ def summarize_configs(
         }
     adamw = summaries.get("adamw", {}).get("steps_to_target_mean")
     every_step = summaries.get("soap-native-f1", {}).get("steps_to_target_mean")
-    quiet = summaries.get("soap-native-f10", {}).get("median_quiet_step_time_s")
+    quiet_name = next((n for n in QUIET_REFERENCES if n in summaries), None)
+    quiet = summaries[quiet_name]["median_quiet_step_time_s"] if quiet_name else None
+    amortized_name = next((n for n in AMORTIZED_REFERENCES if n in summaries), None)
+    amortized = summaries[amortized_name] if amortized_name else {}
     for summary in summaries.values():
         second_order = summary["mode"] is not None
         summary["steps_to_target_vs_native_f1"] = (
             _ratio(summary["steps_to_target_mean"], every_step) if second_order else None
         )
+        summary["quiet_reference"] = quiet_name
         summary["step_time_vs_native_f10_quiet"] = (
             _ratio(summary["median_step_time_s"], quiet) if second_order else None
+        )
+        summary["amortized_reference"] = amortized_name
+        summary["steps_to_target_vs_amortized"] = (
+            _ratio(summary["steps_to_target_mean"], amortized.get("steps_to_target_mean"))
+            if second_order
+            else None
+        )
+        summary["step_time_vs_amortized"] = (
+            _ratio(summary["median_step_time_s"], amortized.get("median_step_time_s"))
+            if second_order
+            else None
         )
         summary["steps_to_target_vs_adamw"] = _ratio(summary["steps_to_target_mean"], adamw)
         native = summaries.get(f"{summary['optimizer']}-native")
@@ -191,9 +227,12 @@ _SCHEDULE_COLUMNS = (
     "steps→target",
     "train s→target",
     "steps vs f=1",
+    "steps vs amortized",
     "ms/step",
-    "vs f=10 quiet",
-    "refreshes/100",
+    "vs amortized",
+    "vs quiet",
+    "refreshes/100 (floor+extra)",
+    "extras stopped: credit/budget/no hook",
     "drift@install",
     "CPU s",
     "max lag",
@@ -213,6 +252,16 @@ def schedule_rows(summaries: Sequence[dict[str, Any]]) -> list[list[str]]:
         waits = _fmt(s["barrier_waits_mean"], ".1f")
         if s["barrier_wait_s_mean"] is not None:
             waits += f" ({s['barrier_wait_s_mean']:.2f})"
+        refreshes = _fmt(s.get("refreshes_per_100_steps"), ".1f")
+        if s.get("floor_per_100_steps") is not None and s.get("extra_per_100_steps") is not None:
+            refreshes += f" ({s['floor_per_100_steps']:.1f}+{s['extra_per_100_steps']:.1f})"
+        limits = s.get("extra_limited_steps")
+        stopped = (
+            "—"
+            if not limits
+            else f"{limits['credit']}/{limits['overhead_budget']}/{limits['no_pull_point']}"
+            f" of {limits['steps']}"
+        )
         rows.append(
             [
                 base[0],
@@ -220,9 +269,12 @@ def schedule_rows(summaries: Sequence[dict[str, Any]]) -> list[list[str]]:
                 base[2],
                 base[3],
                 _fmt(s.get("steps_to_target_vs_native_f1"), ".2f", "x"),
+                _fmt(s.get("steps_to_target_vs_amortized"), ".2f", "x"),
                 _fmt(ms, ".1f"),
+                _fmt(s.get("step_time_vs_amortized"), ".2f", "x"),
                 _fmt(s.get("step_time_vs_native_f10_quiet"), ".2f", "x"),
-                _fmt(s.get("refreshes_per_100_steps"), ".1f"),
+                refreshes,
+                stopped,
                 _fmt(s.get("drift_at_install"), ".1e"),
                 base[7],
                 base[9],
@@ -314,16 +366,21 @@ def _notes(data: dict[str, Any]) -> list[str]:
 
 def _schedule_notes() -> list[str]:
     return [
-        "Schedules: native f=1 refreshes every basis synchronously every step; f=10 every 10 "
-        "steps; continuous S=k pulls, whenever the engine's worker is free, the blocks whose "
-        "basis drifted most from their factor (per solve-second), a snapshot in flight for "
-        "at most k steps.",
-        "steps vs f=1: steps to target over native f=1's; vs f=10 quiet: median step time over "
-        "the median of native f=10's steps that refresh nothing; refreshes/100: installs per "
-        "block per 100 steps (mean over blocks); drift@install: the replaced basis's "
-        "off-diagonal energy of QᵀLQ over ‖L‖², mean over installs sampled at most one per "
-        "block every 4 steps; waits (s): barrier waits per run "
-        "(seconds).",
+        "Schedules: native f=k refreshes every basis synchronously every k steps; embedded "
+        "f=k S=1 is the amortized schedule; continuous S=k snapshots every block at least every "
+        "f steps (the floor, f = SOAP's default 5) and, whenever the engine's worker is free, "
+        "the blocks whose basis drifted most from their factor (per solve-second), an extra "
+        "snapshot in flight for at most k steps; 'no attach': trained without the optimizer's "
+        "hooks on the model, so step ends are the only pull points.",
+        "steps vs f=1 / vs amortized: steps to target over native f=1's / amortized embedded's "
+        "(f=5, else f=10); ms/step vs amortized: median step time over amortized embedded's; "
+        "vs quiet: over the median of native f=5's (else f=10's) steps that refresh nothing; "
+        "refreshes/100: installs per block per 100 steps (mean over blocks; floor + extra on "
+        "the continuous schedule); extras stopped: steps (all seeds) in which credit, the "
+        "overhead budget or the lack of a pull point (no hooks) stopped extra pulls; "
+        "drift@install: the replaced basis's off-diagonal energy of QᵀLQ over ‖L‖², mean over "
+        "installs sampled at most one per block every 4 steps; waits (s): barrier waits per "
+        "run (seconds).",
     ]
 
 
@@ -344,9 +401,42 @@ def cpu_note(data: dict[str, Any]) -> str:
     )
 
 
+def shape_blocks(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report once per model shape: a report of several shapes (``"shapes"``) gives each
+    shape's block merged into the report's common fields; a report of one, itself."""
+    if "shapes" not in data:
+        return [data]
+    common = {k: v for k, v in data.items() if k != "shapes"}
+    blocks = []
+    for block in data["shapes"]:
+        mark = f"-{block['shape']['name']}-loss-"
+        figures = [f for f in data.get("figures", []) if mark in Path(f).name]
+        blocks.append({**common, **block, "figures": figures})
+    return blocks
+
+
+def _shape_title(block: dict[str, Any]) -> str:
+    shape = block["shape"]
+    return (
+        f"Shape {shape['name']}: {shape['n_layer']} layers, d {shape['n_embd']}, "
+        f"{shape['n_head']} heads"
+    )
+
+
 def report_section(data: dict[str, Any]) -> str:
     """The body of the convergence section of ``asteria bench report`` (which adds the
-    heading): notes, the summary table, the figures."""
+    heading): notes, the summary table, the figures; per model shape when there are
+    several."""
+    if "shapes" in data:
+        parts = [
+            f"### {_shape_title(block)}\n\n{_one_report_section(block)}"
+            for block in shape_blocks(data)
+        ]
+        return "\n".join(parts)
+    return _one_report_section(data)
+
+
+def _one_report_section(data: dict[str, Any]) -> str:
     columns, rows = _columns_and_rows(data)
     lines = [f"- {note}" for note in _notes(data)]
     lines += ["", *markdown_table(columns, rows, align=NAME_THEN_NUMBERS)]
@@ -356,7 +446,15 @@ def report_section(data: dict[str, Any]) -> str:
 
 
 def format_report(data: dict[str, Any]) -> str:
-    """The terminal summary: the table, then the notes."""
+    """The terminal summary: the table, then the notes (per model shape when several)."""
+    if "shapes" in data:
+        return "\n\n".join(
+            f"{_shape_title(block)}\n{_one_format_report(block)}" for block in shape_blocks(data)
+        )
+    return _one_format_report(data)
+
+
+def _one_format_report(data: dict[str, Any]) -> str:
     schedules = data.get("benchmark") == "schedules"
     table = format_table(data["summaries"], schedules=schedules)
     return "\n".join([table, "", *_notes(data)])
@@ -380,12 +478,22 @@ _LINESTYLE = {None: "-", "native": "-", "embedded": "--", "daemon": ":"}
 
 
 def write_figures(data: dict[str, Any], json_path: Path) -> list[Path]:
-    """Loss vs step and loss vs training seconds, mean over seeds per configuration."""
+    """Loss vs step and loss vs training seconds, mean over seeds per configuration (per
+    model shape when there are several)."""
+    if "shapes" not in data:
+        return _write_figures(data, json_path, "")
+    paths = []
+    for block in shape_blocks(data):
+        paths += _write_figures(block, json_path, f"{block['shape']['name']}-")
+    return paths
+
+
+def _write_figures(data: dict[str, Any], json_path: Path, prefix: str) -> list[Path]:
     target = data["target_val_loss"]
     paths = []
     for key, suffix, xlabel in (
-        ("step", "loss-step", "step"),
-        ("elapsed_s", "loss-time", "training time (s, sum of step times)"),
+        ("step", f"{prefix}loss-step", "step"),
+        ("elapsed_s", f"{prefix}loss-time", "training time (s, sum of step times)"),
     ):
         fig, ax = output.new_figure()
         lowest, highest = math.inf, -math.inf

@@ -49,7 +49,7 @@ TITLES = {
     "convergence": "Convergence: validation loss against steps and wall-clock time",
     "peers": "Peers: Asteria against HeavyBall, Emerging-Optimizers and distributed_shampoo",
     "defaults": "Defaults: SOAP's and KL-Shampoo's β1 × precondition frequency",
-    "schedules": "Refresh schedules: every step, every 10 steps, and continuous",
+    "schedules": "Refresh schedules: every step, every f steps, and continuous, per model shape",
     "spikes": "Step-time spikes: AdamW vs native, embedded and daemon second-order",
     "step": "Step: host time and dispatched operations of one optimizer.step()",
     "transport": "Transport: moving snapshots and results",

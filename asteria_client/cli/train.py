@@ -198,6 +198,14 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         "that drift upward; the default flushes them)",
     )
     run_group.add_argument(
+        "--no-attach",
+        action="store_false",
+        dest="attach",
+        default=None,
+        help="do not register the optimizer's hooks on the model (optimizer.attach(model)): "
+        "train as a user who leaves attach out does (default: attach)",
+    )
+    run_group.add_argument(
         "--eval-interval",
         type=positive_int,
         metavar="STEPS",
@@ -275,6 +283,7 @@ TRAIN_FIELDS = (
     "device",
     "num_threads",
     "flush_denormal",
+    "attach",
     "eval_interval",
     "eval_batches",
     "log_interval",
@@ -291,6 +300,7 @@ _FLAG_FOR_FIELD = {
     "json_path": "--json",
     "num_threads": "--threads",
     "flush_denormal": "--no-flush-denormal",
+    "attach": "--no-attach",
 }
 
 
@@ -352,7 +362,30 @@ def run(args: argparse.Namespace) -> int:
             f"barrier waits {stats['barrier_waits']} ({stats['barrier_wait_s']:.2f} s), "
             f"local fallbacks {stats['local_fallbacks']}, failures {stats['failures']}"
         )
+        refreshes = stats.get("refreshes") or {}
+        if "extra_limited_steps" in refreshes:
+            print(continuous_summary(refreshes))
     return EXIT_OK
+
+
+def continuous_summary(refreshes: dict[str, Any]) -> str:
+    """One line on what the continuous schedule refreshed and what limited it: refreshes per
+    block per 100 steps, floor (every precondition_frequency steps) + extra, and the steps in
+    which credit, the overhead budget or the lack of a pull point (no hooks) stopped extras."""
+    limits = refreshes["extra_limited_steps"]
+
+    def rate(key: str) -> str:
+        value = refreshes.get(key)
+        return "—" if value is None else f"{value:.1f}"
+
+    hooks = "hooks attached" if refreshes.get("hooks_attached") else "no hooks (step ends only)"
+    return (
+        f"continuous refresh: {rate('floor_per_100_steps_mean')} floor + "
+        f"{rate('extra_per_100_steps_mean')} extra refreshes/block/100 steps; extra pulls "
+        f"stopped by credit in {limits['credit']}, by the overhead budget "
+        f"({refreshes.get('refresh_overhead', 0):g}) in {limits['overhead_budget']}, for want "
+        f"of a pull point in {limits['no_pull_point']} of {limits['steps']} steps; {hooks}"
+    )
 
 
 def _refresh_rate(stats: dict[str, Any]) -> str:

@@ -13,8 +13,9 @@ the rules of DESIGN.md "The runtime":
 - **degrade, never crash** — a source that raises costs results, not the training run;
 - **hooks** — forward/backward hooks pump results into place while the model computes;
 - **continuous refresh** — with ``refresh="continuous"`` the optimizer *offers* its tiles after
-  each step instead of submitting them every f steps, and the runtime *pulls* the blocks that
-  need a new basis most, as many as the source has credit for (see :mod:`.refresh`).
+  each step instead of submitting them every f steps, and the runtime *pulls* at each step end
+  every block whose floor is due (the amortized schedule's f), then the blocks that need a new
+  basis most, as many as the source has credit for (see :mod:`.refresh`).
 
 The optimizer describes each block through two callbacks, so the runtime never knows the math:
 ``request(dim, version)`` builds the snapshot request of one block of a tile, and
@@ -23,8 +24,10 @@ The optimizer describes each block through two callbacks, so the runtime never k
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -183,14 +186,17 @@ class FreshnessRuntime:
         self._warned: set[str] = set()
         #: block -> how to snapshot it (its factor and basis in use, uncopied): drift at install
         self._requests: dict[str, tuple[RequestFn, int, weakref.ref[TileBlocks]]] = {}
-        self.refresh_log = RefreshLog()
-        #: continuous schedule: training-thread seconds spent on snapshots and installs since
-        #: the step began, when it began, and the step period (a moving average)
+        self.refresh_log = RefreshLog(continuous=policy.continuous)
+        #: continuous schedule: training-thread seconds spent on extra snapshots and their
+        #: installs since the step began, when it began, the step period and the cost of one
+        #: snapshot (moving averages)
         self._overhead_s = 0.0
         self._step_began: float | None = None
         self._step_period_s: float | None = None
+        self._snapshot_cost_s: float | None = None
         self.overhead_pauses = 0  # steps whose pulls paused for the overhead budget
-        self._paused = False
+        #: what stopped extra pulls in the step now running (each counted once a step)
+        self._step_limits: set[str] = set()
         self._pulling = False
         self._continuous = (
             ContinuousScheduler(seconds_per_n3=source.seconds_per_n3())
@@ -214,8 +220,9 @@ class FreshnessRuntime:
         return self._continuous is not None
 
     def deadline_step(self, version: int, frequency: int) -> int:
-        """The step at which a snapshot of ``version`` would exceed the budget."""
-        return version + self.policy.budget_steps(frequency)
+        """The step at which a snapshot of ``version`` would exceed the budget (on the
+        continuous schedule: an extra snapshot's; a floor snapshot gets S*f when pulled)."""
+        return version + self.policy.budget_steps(1 if self.continuous else frequency)
 
     def needs_first(self) -> bool:
         """Whether a block must wait for its first result before the tile can step.
@@ -247,9 +254,18 @@ class FreshnessRuntime:
         self.install_ready(tile, install)
 
     def _submit_block(
-        self, tile: TileBlocks, dim: int, block: str, version: int, request: RequestFn
+        self,
+        tile: TileBlocks,
+        dim: int,
+        block: str,
+        version: int,
+        request: RequestFn,
+        *,
+        deadline_step: int | None = None,
     ) -> PreconditionerRequest:
         snapshot = request(dim, version)
+        if deadline_step is not None:
+            snapshot = dataclasses.replace(snapshot, deadline_step=deadline_step)
         tile.submitted[dim] = version
         try:
             self.source.submit(snapshot)
@@ -268,26 +284,31 @@ class FreshnessRuntime:
         self._continuous.offer(tile, version, request)
 
     def pull(self, install: InstallFn, *, step_end: bool = False) -> int:
-        """Continuous schedule: snapshot the blocks that need it most, as many as the source
-        has credit for (none while every worker is busy); returns how many were copied.
+        """Continuous schedule: snapshot the blocks that need it; returns how many were copied.
 
-        ``step_end``: a step just ended (the optimizer's call): a new overhead budget begins
-        and this pull is always made. Other pulls (from hooks) pause for the rest of the step
-        once the step's snapshots and installs took ``refresh_overhead`` of the step period:
-        each refresh costs the training thread a copy, a drift estimate and a rotation of
-        the moments, and a free worker alone must not decide how many of them a step pays."""
+        ``step_end``: a step just ended (the optimizer's call): a new overhead budget begins,
+        and every block whose floor is due is snapshotted, whatever the credit and the budget
+        (the amortized schedule would publish it now). Then, here and at the hooks' pulls,
+        *extra* snapshots of the blocks that need it most: as many as the source has credit
+        for (none while every worker is busy) and the step's overhead budget still covers.
+        Each refresh costs the training thread a copy, a drift estimate and a rotation of the
+        moments, and a free worker alone must not decide how many of them a step pays; the
+        floor's are the amortized schedule's own cost, not charged to the budget."""
         if self._continuous is None:
             return 0
-        if step_end:
-            self._new_step()
-        elif self._over_budget():
-            return 0
-        start, self._pulling = time.perf_counter(), True
+        self._pulling = True
         try:
-            return self._pull(install)
+            with torch.no_grad():
+                floor = 0
+                if step_end:
+                    self._new_step()
+                    floor = self._pull_floor(install)
+                start = time.perf_counter()
+                extra = self._pull_extra(install, step_end=step_end)
+                self._overhead_s += time.perf_counter() - start
+                return floor + extra
         finally:
             self._pulling = False
-            self._overhead_s += time.perf_counter() - start
 
     def _new_step(self) -> None:
         now = time.perf_counter()
@@ -295,37 +316,104 @@ class FreshnessRuntime:
             period = now - self._step_began
             last = self._step_period_s
             self._step_period_s = period if last is None else last + 0.2 * (period - last)
-        self._step_began, self._overhead_s, self._paused = now, 0.0, False
+            self.refresh_log.extra_limits.steps += 1
+        self._step_began, self._overhead_s = now, 0.0
+        self._step_limits.clear()
+        scheduler = self._continuous
+        assert scheduler is not None
+        if not self._hooks:  # the step end is the only pull point
+            credit = self.source.credit()
+            if credit is not None and credit > 0 and scheduler.pullable():
+                self._limited("no_pull_point")
 
-    def _over_budget(self) -> bool:
-        period = self._step_period_s
-        if period is None or self._overhead_s < self.policy.refresh_overhead * period:
-            return False
-        if not self._paused:
-            self._paused = True
+    def _limited(self, reason: str) -> None:
+        """Extra pulls of this step were stopped by ``reason`` (counted once a step)."""
+        if reason in self._step_limits:
+            return
+        self._step_limits.add(reason)
+        limits = self.refresh_log.extra_limits
+        setattr(limits, reason, getattr(limits, reason) + 1)
+        if reason == "overhead_budget":
             self.overhead_pauses += 1
-        return True
 
-    def _pull(self, install: InstallFn) -> int:
+    def _note_snapshot_cost(self, seconds: float, count: int) -> None:
+        """``count`` snapshots were taken in ``seconds`` (their copies and hand-over: the
+        choice and the installs around them are charged to the budget, not to this
+        estimate of what one more snapshot costs)."""
+        per = seconds / count
+        last = self._snapshot_cost_s
+        self._snapshot_cost_s = per if last is None else last + 0.2 * (per - last)
+
+    def _affordable(self) -> int | None:
+        """How many more extra snapshots this step's overhead budget covers (None: no
+        estimate yet, no limit)."""
+        period, cost = self._step_period_s, self._snapshot_cost_s
+        if period is None or cost is None:
+            return None
+        left = self.policy.refresh_overhead * period - self._overhead_s
+        return max(0, math.floor(left / max(cost, 1e-9)))
+
+    def _pull_floor(self, install: InstallFn) -> int:
+        """Snapshot every block whose floor is due (see :mod:`.refresh`); their snapshots
+        may be in flight S*f steps, the amortized budget."""
+        scheduler = self._continuous
+        assert scheduler is not None
+        due = scheduler.floor_due()
+        if not due:
+            return 0
+        start = time.perf_counter()
+        tiles = {}
+        for entry in due:
+            frequency = entry.floor_steps or 1
+            snapshot = self._submit_block(
+                entry.tile,
+                entry.dim,
+                entry.block,
+                entry.version,
+                entry.request,
+                deadline_step=entry.version + self.policy.budget_steps(frequency),
+            )
+            scheduler.pulled(entry.block, snapshot, floor=True)
+            self.refresh_log.record_pull(entry.block, entry.version, floor=True)
+            tiles[id(entry.tile)] = entry.tile
+        self._note_snapshot_cost(time.perf_counter() - start, len(due))
+        for tile in tiles.values():
+            self.install_ready(tile, install)
+        return len(due)
+
+    def _pull_extra(self, install: InstallFn, *, step_end: bool) -> int:
+        """Extra snapshots by credit, priority and the overhead budget; a source without a
+        credit limit gets every block at a step end (native: every block, every step)."""
         scheduler = self._continuous
         assert scheduler is not None
         pulled = 0
-        with torch.no_grad():
-            while True:
-                chosen = scheduler.choose(self.source.credit())
-                if not chosen:
-                    return pulled
-                tiles = {}
-                for entry in chosen:
-                    snapshot = self._submit_block(
-                        entry.tile, entry.dim, entry.block, entry.version, entry.request
-                    )
-                    scheduler.pulled(entry.block, snapshot)
-                    self.refresh_log.record_pull(entry.block)
-                    tiles[id(entry.tile)] = entry.tile
-                pulled += len(chosen)
-                for tile in tiles.values():
-                    self.install_ready(tile, install)
+        while True:
+            credit = self.source.credit()
+            allowed = credit
+            affordable = None if credit is None and step_end else self._affordable()
+            if affordable is not None:
+                allowed = affordable if credit is None else min(credit, affordable)
+            chosen = scheduler.choose(allowed)
+            if not chosen:
+                if scheduler.pullable():
+                    if credit is not None and credit <= 0:
+                        self._limited("credit")
+                    elif affordable is not None and affordable <= 0:
+                        self._limited("overhead_budget")
+                return pulled
+            tiles = {}
+            start = time.perf_counter()
+            for entry in chosen:
+                snapshot = self._submit_block(
+                    entry.tile, entry.dim, entry.block, entry.version, entry.request
+                )
+                scheduler.pulled(entry.block, snapshot)
+                self.refresh_log.record_pull(entry.block, entry.version)
+                tiles[id(entry.tile)] = entry.tile
+            self._note_snapshot_cost(time.perf_counter() - start, len(chosen))
+            pulled += len(chosen)
+            for tile in tiles.values():
+                self.install_ready(tile, install)
 
     def _install(
         self, tile: TileBlocks, dim: int, result: PreconditionerResult, install: InstallFn
@@ -339,11 +427,13 @@ class FreshnessRuntime:
         request = None
         if known is not None and known[2]() is tile and self.refresh_log.wants_drift(block):
             request = known[0](known[1], tile.versions[dim])
-        self.refresh_log.record_install(block, request)
+        floor = self.refresh_log.record_install(block, request, result.version)
         if self._continuous is not None:
             self._continuous.installed(block, result)
         install(tile, dim, result)
-        if not self._pulling:  # a pull counts its installs (a synchronous source's) itself
+        # A pull counts its installs (a synchronous source's) itself; a floor result's install
+        # is the amortized schedule's own cost, not the extra refreshes' budget.
+        if not self._pulling and not floor:
             self._overhead_s += time.perf_counter() - start
 
     def install_ready(self, tile: TileBlocks, install: InstallFn) -> None:
@@ -392,13 +482,17 @@ class FreshnessRuntime:
             self._requests[block] = (request, dim, weakref.ref(tile))
             self.refresh_log.record_step(block, step)
         self.install_ready(tile, install)
-        if self._continuous is not None:
-            frequency = 1  # the budget counts steps
+        scheduler = self._continuous
         for dim, block in tile.preconditioned():
-            self._frequency[block] = frequency
             newest = tile.submitted[dim]
+            interval, floor = frequency, False
+            if scheduler is not None:  # the budget counts steps; the amortized one for a floor
+                scheduler.set_floor(block, frequency)
+                floor = scheduler.floor_snapshot(block, newest)
+                interval = frequency if floor else 1
+            self._frequency[block] = interval
             required = self.policy.required_version(
-                newest, frequency, self.needs_first(), step=step
+                newest, interval, self.needs_first(), step=step, floor=floor
             )
             installed = tile.versions[dim]
             if installed >= required:
@@ -574,10 +668,13 @@ class FreshnessRuntime:
 
     def refresh_stats(self) -> dict[str, Any]:
         """Per block: installs, refreshes per 100 steps, drift at install (and their means);
-        on the continuous schedule also the overhead budget and the steps whose pulls it
-        paused."""
+        on the continuous schedule also, per block, floor and extra pulls and installs, the
+        steps in which credit, the overhead budget or the lack of a pull point (no hooks)
+        stopped extra pulls (``extra_limited_steps``), whether hooks are attached, the
+        overhead budget and the steps whose pulls it paused."""
         summary = self.refresh_log.summary()
         if self._continuous is not None:
+            summary["hooks_attached"] = bool(self._hooks)
             summary["refresh_overhead"] = self.policy.refresh_overhead
             summary["overhead_pauses"] = self.overhead_pauses
         return summary

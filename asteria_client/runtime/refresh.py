@@ -7,11 +7,26 @@ snapshots it would start promptly: its free solver workers plus one for the work
 next, and none at all while every worker is busy — and copies that many factors, no more. So a
 factor is copied only when a worker will take it, and nothing queues behind a busy pool.
 
+**The floor.** Those pulls alone can starve: without the model's hooks (``attach``) the only pull
+point is the step end, where the credit lets one worker take two snapshots, so a model of 38
+blocks had each refreshed every ~19 steps where the amortized schedule at f = 5 refreshes every
+5 (issue 30). So every block also has a floor, the amortized schedule's own rule: at the step
+end, each block whose newest snapshot is ``precondition_frequency`` (f) steps old or more (or
+that has none yet) is snapshotted whatever the credit, as the amortized schedule publishes every
+due block at once. Such a *floor* snapshot may then be in flight S*f steps, the amortized
+budget; an *extra* one (by credit and priority, as above) S steps. Floor snapshots come first
+and take the credit they use; extra ones get what is left, so continuous refresh never refreshes
+a block less often than amortized at the same f, and extra refreshes come on top.
+
 Each refresh costs the training thread a snapshot copy and, when its result is installed, a
 rotation of the moments. A fast worker would otherwise let refreshes eat the step it was meant
 to spare, so the runtime keeps an *overhead budget*: once the snapshots and installs of a step
 took ``refresh_overhead`` of the step period (4% by default), the hooks pull nothing more until
-the step ends; the pull at the end of each step is always made.
+the step ends. The budget is for extra refreshes only: floor snapshots and their installs are
+the amortized schedule's own cost, never refused and not charged to it; an extra pull is made
+only while the budget left covers the measured cost of a snapshot, at the step end too (there
+it starts afresh). A source without a credit limit (native: it solves at once) refreshes every
+block at every step end, whatever the budget: deterministic on every rank.
 
 Which factors: the blocks whose basis fits their current factor worst, per CPU-second of solve.
 The fit is the off-diagonal energy of QᵀLQ relative to ‖L‖²_F, for the basis Q in use and the
@@ -36,7 +51,9 @@ are refreshed rarely, blocks that move fast often.
 install replaced (measured against the current factor just before the install, on at most one
 install per block every :data:`DRIFT_INTERVAL_STEPS` steps) — what ``refresh_stats()`` and the
 benchmarks report as refreshes per 100 steps and drift at install. Drift values stay on the
-device until a report asks for them: no step waits on them.
+device until a report asks for them: no step waits on them. On the continuous schedule it also
+splits each block's pulls and installs into floor and extra ones, and counts the steps in which
+something stopped extra pulls (:class:`ExtraLimits`).
 """
 
 from __future__ import annotations
@@ -124,15 +141,43 @@ class BlockRefreshes:
     last_drift: torch.Tensor | None = None
     pulls: int = 0
     drift_step: int | None = None  # the step of the last drift sample
+    floor_pulls: int = 0
+    floor_installs: int = 0
+    #: versions of floor snapshots not installed (nor passed by a newer install) yet
+    floor_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ExtraLimits:
+    """Steps of the continuous schedule in which something stopped extra pulls while a block
+    could have been pulled: ``credit`` (every worker busy or spoken for), ``overhead_budget``
+    (the step's refresh budget was spent), ``no_pull_point`` (no hooks attached, and the step
+    end found a worker free: it may have waited since its last result for the step end, the
+    only pull point). A step may count under several."""
+
+    credit: int = 0
+    overhead_budget: int = 0
+    no_pull_point: int = 0
+    steps: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "credit": self.credit,
+            "overhead_budget": self.overhead_budget,
+            "no_pull_point": self.no_pull_point,
+            "steps": self.steps,
+        }
 
 
 class RefreshLog:
     """Installs and drift at install per block; see the module docstring."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, *, continuous: bool = False) -> None:
         self.blocks: dict[str, BlockRefreshes] = {}
         self.generators = DeviceGenerators(seed)
         self.step = 0
+        self.continuous = continuous
+        self.extra_limits = ExtraLimits()
 
     def record_step(self, block: str, step: int) -> None:
         entry = self.blocks.setdefault(block, BlockRefreshes())
@@ -140,19 +185,27 @@ class RefreshLog:
             entry.first_step = step
         self.step = max(self.step, step)
 
-    def record_install(self, block: str, request: PreconditionerRequest | None) -> None:
+    def record_install(
+        self, block: str, request: PreconditionerRequest | None, version: int | None = None
+    ) -> bool:
         """Count an install; ``request`` (the block's factor and the basis about to be
         replaced, uncopied) gives the drift at install, for a computed basis only (not the
         identity a tile starts in), sampled: at most one install per block every
         :data:`DRIFT_INTERVAL_STEPS` steps is measured (measuring each of the 15 installs a
         step of continuous refresh makes cost 3% of the step), so the reported drift at
-        install is the mean over the sampled installs."""
+        install is the mean over the sampled installs. Returns whether the installed
+        ``version`` was a floor snapshot's."""
         entry = self.blocks.setdefault(block, BlockRefreshes())
         entry.installs += 1
+        floor = False
+        if version is not None and entry.floor_versions:
+            floor = version in entry.floor_versions
+            entry.floor_installs += floor
+            entry.floor_versions = [v for v in entry.floor_versions if v > version]
         if request is None or request.kind is not SolveKind.EIGENBASIS or request.basis is None:
-            return
+            return floor
         if not self.wants_drift(block):
-            return
+            return floor
         entry.drift_step = self.step
         with torch.no_grad():
             generator = self.generators.on(request.matrix.device)
@@ -160,6 +213,7 @@ class RefreshLog:
         entry.drift_sum = drift if entry.drift_sum is None else entry.drift_sum + drift
         entry.drift_count += 1
         entry.last_drift = drift
+        return floor
 
     def wants_drift(self, block: str) -> bool:
         """Whether the next install of ``block`` is one whose drift is sampled (the caller
@@ -171,8 +225,12 @@ class RefreshLog:
             or self.step - entry.drift_step >= DRIFT_INTERVAL_STEPS
         )
 
-    def record_pull(self, block: str) -> None:
-        self.blocks.setdefault(block, BlockRefreshes()).pulls += 1
+    def record_pull(self, block: str, version: int, *, floor: bool = False) -> None:
+        entry = self.blocks.setdefault(block, BlockRefreshes())
+        entry.pulls += 1
+        if floor:
+            entry.floor_pulls += 1
+            entry.floor_versions.append(version)
 
     def rows(self) -> dict[str, dict[str, Any]]:
         """Per block: installs, refreshes per 100 steps, mean and last drift at install."""
@@ -183,7 +241,7 @@ class RefreshLog:
             if entry.drift_count and entry.drift_sum is not None and entry.last_drift is not None:
                 mean = float(entry.drift_sum) / entry.drift_count
                 last = float(entry.last_drift)
-            out[block] = {
+            row = {
                 "installs": entry.installs,
                 "pulls": entry.pulls,
                 "steps": steps,
@@ -191,6 +249,17 @@ class RefreshLog:
                 "drift_at_install_mean": mean,
                 "drift_at_install_last": last,
             }
+            if self.continuous:
+                extra = entry.installs - entry.floor_installs
+                row.update(
+                    floor_pulls=entry.floor_pulls,
+                    extra_pulls=entry.pulls - entry.floor_pulls,
+                    floor_installs=entry.floor_installs,
+                    extra_installs=extra,
+                    floor_per_100_steps=100.0 * entry.floor_installs / steps if steps else 0.0,
+                    extra_per_100_steps=100.0 * extra / steps if steps else 0.0,
+                )
+            out[block] = row
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -198,13 +267,28 @@ class RefreshLog:
         rates = [r["refreshes_per_100_steps"] for r in rows.values()]
         drifts = [r["drift_at_install_mean"] for r in rows.values()]
         drifts = [d for d in drifts if d is not None]
-        return {
-            "refreshes_per_100_steps_mean": sum(rates) / len(rates) if rates else None,
+        out: dict[str, Any] = {
+            "refreshes_per_100_steps_mean": _mean(rates),
             "refreshes_per_100_steps_min": min(rates) if rates else None,
             "refreshes_per_100_steps_max": max(rates) if rates else None,
-            "drift_at_install_mean": sum(drifts) / len(drifts) if drifts else None,
-            "blocks": rows,
+            "drift_at_install_mean": _mean(drifts),
         }
+        if self.continuous:
+            out["floor_per_100_steps_mean"] = _mean(
+                [r["floor_per_100_steps"] for r in rows.values()]
+            )
+            out["extra_per_100_steps_mean"] = _mean(
+                [r["extra_per_100_steps"] for r in rows.values()]
+            )
+            out["floor_installs_mean"] = _mean([r["floor_installs"] for r in rows.values()])
+            out["extra_installs_mean"] = _mean([r["extra_installs"] for r in rows.values()])
+            out["extra_limited_steps"] = self.extra_limits.as_dict()
+        out["blocks"] = rows
+        return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 @dataclass
@@ -230,6 +314,22 @@ class Candidate:
     #: versions it was measured at)
     drift_reading: bool = False
     drift_reading_versions: tuple[int, int] = (-1, -1)
+    #: the floor: at most this many steps between snapshots (the group's
+    #: precondition_frequency; None until the runtime has seen it)
+    floor_steps: int | None = None
+    #: the version of the newest floor snapshot taken (-1: none)
+    floor_version: int = -1
+
+    def floor_due(self) -> bool:
+        """Its factor is newer than its newest snapshot, which is ``floor_steps`` old or more
+        (or there is none): the amortized schedule would snapshot it now. In flight or not
+        (latest wins, as on the amortized schedule)."""
+        last = self.tile.submitted[self.dim]
+        if self.version <= last:
+            return False
+        return last < 0 or (
+            self.floor_steps is not None and self.version - last >= self.floor_steps
+        )
 
     def drift_stale(self) -> bool:
         """The estimate is of another basis, or DRIFT_INTERVAL_STEPS old."""
@@ -289,11 +389,34 @@ class ContinuousScheduler:
             entry.request = request
             entry.version = version
 
-    def pulled(self, block: str, request: PreconditionerRequest) -> None:
-        """A snapshot of ``block`` was taken: keep its ‖L‖²_F (no host read) for
-        :meth:`installed`."""
+    def set_floor(self, block: str, frequency: int) -> None:
+        """``block`` is to be snapshotted at least every ``frequency`` steps."""
         entry = self.candidates.get(block)
-        if entry is None or request.kind is not SolveKind.EIGENBASIS:
+        if entry is not None:
+            entry.floor_steps = frequency
+
+    def floor_snapshot(self, block: str, version: int) -> bool:
+        """Whether the snapshot of ``block`` at ``version`` was a floor snapshot."""
+        entry = self.candidates.get(block)
+        return entry is not None and version >= 0 and entry.floor_version == version
+
+    def floor_due(self) -> list[Candidate]:
+        """The blocks whose floor is due (see :meth:`Candidate.floor_due`), by name."""
+        return sorted((c for c in self.candidates.values() if c.floor_due()), key=lambda c: c.block)
+
+    def pullable(self) -> int:
+        """How many blocks an extra pull could take now."""
+        return sum(1 for c in self.candidates.values() if c.pullable())
+
+    def pulled(self, block: str, request: PreconditionerRequest, *, floor: bool = False) -> None:
+        """A snapshot of ``block`` was taken (a floor one: ``floor``): keep its ‖L‖²_F (no
+        host read) for :meth:`installed`."""
+        entry = self.candidates.get(block)
+        if entry is None:
+            return
+        if floor:
+            entry.floor_version = request.version
+        if request.kind is not SolveKind.EIGENBASIS:
             return
         entry.pulled_version = request.version
         entry.pulled_norm2 = torch.linalg.vector_norm(request.matrix).square()

@@ -18,7 +18,12 @@ when a solver worker is free to take it, and S counts steps. A snapshot taken at
 v may be in flight while steps v+1 .. v+S run; step v+S+1 must use it (or a newer result). The
 *lag* at a step t is then ``t - v`` while snapshot v is in flight (0 once it is installed), and
 the budget bounds it the same way: ``lag <= S``. With one snapshot a step this is exactly the
-amortized rule at f = 1.
+amortized rule at f = 1. A *floor* snapshot of the continuous schedule (one the amortized
+schedule would have taken, see :mod:`.refresh`) follows the amortized rule instead (the callers
+say so with ``floor=True`` and ``frequency`` = f): the result in use may lag it by S*f steps,
+so it may be in flight S*f steps while no newer floor snapshot is taken, and a block whose
+results do not come is waited for, as on the amortized schedule, however often it is
+snapshotted again (a rule by time alone would restart its clock at each new snapshot).
 """
 
 from __future__ import annotations
@@ -82,7 +87,13 @@ class StalenessPolicy:
         return self.refresh is Refresh.CONTINUOUS
 
     def required_version(
-        self, newest_snapshot: int, frequency: int, needs_first: bool, *, step: int = 0
+        self,
+        newest_snapshot: int,
+        frequency: int,
+        needs_first: bool,
+        *,
+        step: int = 0,
+        floor: bool = False,
     ) -> int:
         """The oldest version the optimizer may use at ``step``; below 0 means "none is fine
         too".
@@ -90,12 +101,13 @@ class StalenessPolicy:
         ``needs_first``: the block cannot be used without some result (a SOAP or KL-Shampoo
         basis), so at least version 0 is required even inside the budget. On the continuous
         schedule the newest snapshot is required once it has been in flight for more than S
-        steps (``step`` is then needed), else nothing newer than what is in use.
+        steps (``step`` is then needed), else nothing newer than what is in use; unless it is
+        a ``floor`` snapshot, which follows the amortized rule (``frequency`` = f).
         """
         if newest_snapshot < 0:
             return -1
-        if self.continuous:
-            late = step - newest_snapshot > self.budget_intervals
+        if self.continuous and not floor:
+            late = step - newest_snapshot > self.budget_intervals * frequency
             required = newest_snapshot if late else -1
         else:
             required = newest_snapshot - self.budget_intervals * frequency
@@ -110,8 +122,9 @@ class StalenessPolicy:
         return newest_snapshot - installed
 
     def budget_steps(self, frequency: int) -> int:
-        """The largest lag the budget allows, in steps."""
-        return self.budget_intervals * (1 if self.continuous else frequency)
+        """The largest lag the budget allows, in steps: S * ``frequency`` (on the continuous
+        schedule ``frequency`` is 1 but for a floor snapshot)."""
+        return self.budget_intervals * frequency
 
 
 def freshness(installed: int, newest_snapshot: int) -> Freshness:

@@ -99,6 +99,9 @@ class TrainConfig:
     engine_workers: int | None = None
     engine_cpu_affinity: tuple[int, ...] | None = None
     flush_denormal: bool = True
+    #: Register the optimizer's hooks on the model (``optimizer.attach(model)``); False trains
+    #: without them, as a user who leaves ``attach`` out does.
+    attach: bool = True
     #: Under torchrun: shard the model with FSDP2 (fully_shard) instead of replicating it (DDP).
     fsdp: bool = False
     lr_sweep: tuple[float, ...] | None = None
@@ -159,6 +162,8 @@ class TrainConfig:
             _require_positive_float("lr", self.lr)
         if not isinstance(self.flush_denormal, bool):
             _fail("flush_denormal", self.flush_denormal, "must be True or False")
+        if not isinstance(self.attach, bool):
+            _fail("attach", self.attach, "must be True or False")
         self._check_lr_sweep()
         if self.engine_cpu_affinity is not None:
             _require_cpus("engine_cpu_affinity", self.engine_cpu_affinity)

@@ -304,7 +304,7 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(self.model, settings)
         attach = getattr(self.optimizer, "attach", None)
-        if attach is not None:
+        if attach is not None and cfg.attach:
             attach(self.model)  # hooks install finished results during forward and backward
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,

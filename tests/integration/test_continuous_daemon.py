@@ -100,11 +100,13 @@ def test_no_snapshot_is_sent_while_every_worker_is_busy(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SOAP in daemon mode, continuous: while the daemon's only worker is held by a hung solve,
-    the steps send no snapshot (the embedded test's twin, counted at the client's transport).
-    Once the worker is back, pulls resume and every block gets its basis."""
+    the steps send no snapshot, though the other blocks' factors move (no floor is due at
+    f = 1000: every pull would be an extra one, by credit) — the embedded test's twin, counted
+    at the client's transport. Once the worker is back, pulls resume and every block gets its
+    basis."""
     monkeypatch.setenv("ASTERIA_JOB", "t")
     gen = torch.Generator().manual_seed(0)
-    params = {  # "xhang-once:w" sorts first, so it is the first block pulled
+    params = {
         "xhang-once:w": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
         "y": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
         "z": torch.nn.Parameter(torch.randn(6, 6, generator=gen)),
@@ -115,13 +117,16 @@ def test_no_snapshot_is_sent_while_every_worker_is_busy(
         address=daemon.target,
         refresh="continuous",
         staleness_budget=1000,  # no barrier: this test is about what is sent
+        precondition_frequency=1000,  # after a block's first snapshot, extra pulls alone
     )
     source = opt.source
     assert isinstance(source, DaemonSource)
+    hang = {"on": False}
 
     def step() -> None:
-        for p in params.values():
-            p.grad = torch.randn(6, 6, generator=gen)
+        for name, p in params.items():
+            # without a gradient a parameter takes no step: the hanging one starts later
+            p.grad = torch.randn(6, 6, generator=gen) if hang["on"] or name[0] != "x" else None
         opt.step()
 
     def busy() -> bool:
@@ -130,8 +135,12 @@ def test_no_snapshot_is_sent_while_every_worker_is_busy(
 
     try:
         _until(lambda: source.stats()["credit_messages"] > 0, "the first credit message")
-        step()  # pulls the hanging block and one more: credit = 1 idle worker + 1
-        _until(lambda: _sent(source) == 2, "the first two snapshots were sent")
+        rows = step_until_every_block_has_a_result(opt, step, WAIT_S)  # y and z's 4 blocks
+        assert len(rows) == 4 and all(r["version"] >= 0 for r in rows), rows
+        hang["on"] = True
+        before = _sent(source)
+        step()  # the hanging parameter's first step: its 2 blocks by the floor; one hangs
+        _until(lambda: _sent(source) >= before + 2, "the hanging parameter's snapshots were sent")
         busy_steps = 0
         for _ in range(60):
             before, busy_before = _sent(source), busy()
@@ -144,8 +153,8 @@ def test_no_snapshot_is_sent_while_every_worker_is_busy(
         rows = step_until_every_block_has_a_result(opt, step, WAIT_S)
     finally:
         opt.close()
-    assert all(r["version"] >= 0 for r in rows), rows
-    assert _sent(source) > 2
+    assert len(rows) == 6 and all(r["version"] >= 0 for r in rows), rows
+    assert _sent(source) > 6
 
 
 @pytest.mark.parametrize("optimizer", [SOAP, KLShampoo])

@@ -13,7 +13,9 @@ import torch
 from asteria_client import SOAP
 from asteria_client.bench.convergence import (
     CONFIGS,
+    DEFAULT_SCHEDULES,
     SCHEDULES,
+    SHAPES,
     ConvergenceConfig,
     _train_command,
     config_from_args,
@@ -35,7 +37,13 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_schedules_flag_picks_the_schedule_rows() -> None:
     cfg = config_from_args(_args("--schedules"))
-    assert cfg.schedules and cfg.configs == tuple(SCHEDULES)
+    assert cfg.schedules and cfg.configs == DEFAULT_SCHEDULES
+    assert cfg.shapes == ("train", "wide", "deep")  # every shape unless --shapes says
+    assert "soap-continuous-s1-noattach" in cfg.configs and "soap-embedded-f5-s1" in cfg.configs
+    assert config_from_args(_args("--schedules", "--shapes", "wide")).shapes == ("wide",)
+    assert config_from_args(_args()).shapes == ("train",)
+    with pytest.raises(ValueError, match="shapes"):
+        config_from_args(_args("--schedules", "--shapes", "tall"))
     cfg = config_from_args(_args("--schedules", "soap-continuous-s2"))
     assert cfg.configs == ("adamw", "soap-continuous-s2")
     cfg = config_from_args(_args())
@@ -145,3 +153,70 @@ def test_schedule_summary_takes_the_two_target_ratios() -> None:
     text = report_section(data)
     assert "| soap embedded continuous S=1 |" in text
     assert "refreshes/100" in text and "1.05x" in text and "30.0" in text
+
+
+def test_shapes_and_attach_reach_the_training_commands() -> None:
+    cfg = ConvergenceConfig(configs=DEFAULT_SCHEDULES, shapes=tuple(SHAPES))
+    wide = _train_command(cfg, SCHEDULES["soap-continuous-s1"], 0, None, SHAPES["wide"])
+    assert wide[wide.index("--n-embd") + 1] == "256" and "--no-attach" not in wide
+    deep = _train_command(cfg, SCHEDULES["soap-continuous-s1-noattach"], 0, None, SHAPES["deep"])
+    assert int(deep[deep.index("--n-layer") + 1]) >= 6 and "--no-attach" in deep
+    assert SHAPES["wide"].n_embd >= 256 and SHAPES["deep"].n_layer >= 6
+    plain = _train_command(cfg, SCHEDULES["soap-daemon-continuous-s1-noattach"], 0, None)
+    assert "--n-layer" not in plain and "--no-attach" in plain  # train's own model
+    assert SCHEDULES["soap-daemon-continuous-s1-noattach"].label.endswith("no attach")
+    embedded = _train_command(cfg, SCHEDULES["soap-embedded-f5-s1"], 0, None)
+    assert embedded[embedded.index("--precondition-frequency") + 1] == "5"
+
+
+def test_several_shapes_report_every_row_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_convergence over three shapes (its training runs replaced by made-up records):
+    one block per shape with its own sweep, target and summaries, and the report and the
+    terminal table give every configuration's row under each shape's heading."""
+    from asteria_client.bench import convergence
+
+    calls: list[tuple[str, str | None]] = []
+    loss_of_shape = {None: 2.0, "train": 2.0, "wide": 1.8, "deep": 1.9}
+
+    def fake_run_one(cfg: Any, run: Any, seed: int, lr: Any, workdir: Any, shape: Any) -> Any:
+        name = None if shape is None else shape.name
+        calls.append((run.name, name))
+        base = loss_of_shape[name]
+        record = _run(run.name, [base + 2, base + 1, base], 0.1, seed=seed, lr=lr or 1e-3)
+        record.update(label=run.label, shape=name)
+        if run.refresh == "continuous":
+            record.update(
+                floor_per_100_steps=20.0,
+                extra_per_100_steps=5.0,
+                refreshes_per_100_steps=25.0,
+                extra_limited_steps={
+                    "credit": 3,
+                    "overhead_budget": 1,
+                    "no_pull_point": 0 if run.attach else 9,
+                    "steps": 9,
+                },
+            )
+        return record
+
+    monkeypatch.setattr(convergence, "run_one", fake_run_one)
+    cfg = ConvergenceConfig(
+        configs=DEFAULT_SCHEDULES,
+        shapes=("train", "wide", "deep"),
+        seeds=(0,),
+        adamw_lrs=(1e-3,),
+        schedules=True,
+    )
+    data = convergence.run_convergence(cfg, progress=lambda record: None)
+    assert [b["shape"]["name"] for b in data["shapes"]] == ["train", "wide", "deep"]
+    assert {shape for _, shape in calls} == {"train", "wide", "deep"}
+    assert len(calls) == convergence.plan_size(cfg) == 3 * len(DEFAULT_SCHEDULES)
+    for block in data["shapes"]:
+        assert [s["config"] for s in block["summaries"]] == list(DEFAULT_SCHEDULES)
+    assert data["shapes"][1]["target_val_loss"] == pytest.approx(1.8)
+    text = report_section(data)
+    assert text.count("### Shape ") == 3 and "### Shape wide: 2 layers, d 256" in text
+    for label in ("soap embedded continuous S=1 no attach", "soap daemon continuous S=1"):
+        assert text.count(f"| {label} |") == 3, label
+    assert "25.0 (20.0+5.0)" in text and "3/1/9 of 9" in text
+    terminal = convergence.summary.format_report(data)
+    assert terminal.count("Shape deep: 6 layers") == 1

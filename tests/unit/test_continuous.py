@@ -8,6 +8,7 @@ the same schedule on the real embedded engine.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,8 +53,8 @@ class DelayedSource(NativeSource):
     steps; the test calls :meth:`tick` once a step), queued jobs wait for a free worker, and a
     result is ready only when its job is done. Like the engine's dispatcher, workers take jobs
     between steps (at a tick), not inside ``submit``. The math is the real native solve.
-    ``wait`` (the barrier) finishes the job it waits for at once. Counts submits made without
-    credit."""
+    ``wait`` (the barrier) finishes the job it waits for at once. Logs each block's snapshot
+    versions, and the (block, version) of each submit made without credit."""
 
     synchronous = False
 
@@ -64,6 +65,8 @@ class DelayedSource(NativeSource):
         self.jobs: list[_Job] = []
         self.submits = 0
         self.submits_without_credit = 0
+        self.without_credit: list[tuple[str, int]] = []
+        self.snapshots: dict[str, list[int]] = {}
         self.waits = 0
 
     def _busy(self) -> int:
@@ -80,6 +83,8 @@ class DelayedSource(NativeSource):
         credit = self.credit()
         if credit is not None and credit <= 0:
             self.submits_without_credit += 1
+            self.without_credit.append((request.block, request.version))
+        self.snapshots.setdefault(request.block, []).append(request.version)
         delay = self.delays[self.submits % len(self.delays)]
         self.submits += 1
         result = compute_locally(request)
@@ -127,8 +132,19 @@ class DelayedSource(NativeSource):
         return max(versions) if versions else None
 
 
+def is_floor_snapshot(snapshots: list[int], version: int, frequency: int) -> bool:
+    """Whether the snapshot at ``version`` in a block's ``snapshots`` (versions in order) is
+    one the amortized schedule at ``frequency`` would take: the block's first, or
+    ``frequency`` steps or more after the one before (an extra pull never takes one such: the
+    step end's floor comes first). Worked out here, apart from the runtime's own record."""
+    index = snapshots.index(version)
+    return index == 0 or version - snapshots[index - 1] >= frequency
+
+
 class CheckedSOAP(SOAP):
-    """SOAP that checks, at every use of a block, the budget and the version order."""
+    """SOAP that checks, at every use of a block, the budget and the version order: a floor
+    snapshot (see :func:`is_floor_snapshot`, from the source's log) may be in flight S*f steps,
+    an extra one S."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -142,8 +158,12 @@ class CheckedSOAP(SOAP):
     def _sync_tile(self, tile: Any, step: int, group: dict[str, Any]) -> None:
         super()._sync_tile(tile, step, group)
         budget = self.staleness.budget_intervals
+        frequency = int(group["precondition_frequency"])
+        log = self.source.snapshots  # type: ignore[attr-defined]
         for dim, block in tile.preconditioned():
             newest, used = tile.submitted[dim], tile.versions[dim]
+            if newest > used and is_floor_snapshot(log[block], newest, frequency):
+                budget = self.staleness.budget_intervals * frequency
             if newest > used and step - newest > budget:
                 self.violations.append(
                     f"step {step}: {block} uses v{used}, snapshot v{newest} in flight "
@@ -216,37 +236,62 @@ def test_instantaneous_continuous_differs_from_native_f10() -> None:
     budget=st.integers(min_value=0, max_value=4),
     num_workers=st.integers(min_value=1, max_value=3),
     delays=st.lists(st.integers(min_value=0, max_value=8), min_size=1, max_size=12),
+    frequency=st.integers(min_value=1, max_value=6),
 )
-def test_continuous_keeps_budget_versions_and_credit(
-    budget: int, num_workers: int, delays: list[int]
+def test_continuous_keeps_budget_versions_credit_and_floor(
+    budget: int, num_workers: int, delays: list[int], frequency: int
 ) -> None:
-    """Over random solve delays: a snapshot in flight is never used past S steps, versions only
-    grow, and no snapshot is copied without credit (while every worker is busy)."""
+    """Over random solve delays and precondition frequencies f: a snapshot in flight is never
+    used past its budget (S steps; S*f for a floor snapshot), versions only grow, only floor
+    snapshots are copied without credit, and every block is snapshotted at step 1 and then at
+    least every f steps (the floor)."""
+    steps = 16
     model = _model()
     source = DelayedSource(num_workers, delays)
     opt = CheckedSOAP(
-        model.named_parameters(), source=source, refresh="continuous", staleness_budget=budget
+        model.named_parameters(),
+        source=source,
+        refresh="continuous",
+        staleness_budget=budget,
+        precondition_frequency=frequency,
     )
-    _train(model, opt, 16, tick=source.tick)
+    _train(model, opt, steps, tick=source.tick)
     assert not opt.violations, opt.violations[:3]
     for block, versions in opt.installs.items():
         assert versions == sorted(set(versions)), f"{block}: installs {versions}"
     assert source.submits > 0
-    assert source.submits_without_credit == 0
-    assert opt.runtime_stats()["max_lag_steps"] <= budget
-    assert opt.runtime_stats()["local_fallbacks"] == 0  # the barrier always had the job
+    for block, version in source.without_credit:
+        assert is_floor_snapshot(source.snapshots[block], version, frequency), (block, version)
+    assert len(source.snapshots) == 4
+    for block, versions in source.snapshots.items():
+        gaps = [b - a for a, b in itertools.pairwise(versions)]
+        assert versions[0] == 1 and max(gaps, default=0) <= frequency, (block, versions)
+        assert steps - versions[-1] < frequency, (block, versions)
+    stats = opt.runtime_stats()
+    assert stats["max_lag_steps"] <= budget * frequency
+    assert stats["local_fallbacks"] == 0  # the barrier always had the job
 
 
-def test_no_snapshot_is_taken_while_every_worker_is_busy() -> None:
-    """One worker on a 50-step solve: after the first pulls, the steps copy nothing."""
-    model = _model()
-    source = DelayedSource(1, [50])
-    opt = SOAP(model.named_parameters(), source=source, refresh="continuous", staleness_budget=100)
-    _train(model, opt, 1, tick=source.tick)
-    assert source.submits == 2  # the free worker's block, and one queued for it (credit 1 + 1)
-    _train(model, opt, 20, tick=source.tick)
-    assert source.submits == 2
-    assert source.submits_without_credit == 0
+def test_no_extra_snapshot_is_taken_while_every_worker_is_busy() -> None:
+    """One worker on a 50-step solve: after the first step's floor (every block, as the
+    amortized schedule's first step), the steps copy nothing while no floor is due (f = 1000);
+    at f = 5 the floor keeps snapshotting every 5 steps, busy workers or not (latest wins)."""
+    for frequency, submits in ((1000, 4), (5, 4 * 5)):
+        model = _model()
+        source = DelayedSource(1, [50])
+        opt = SOAP(
+            model.named_parameters(),
+            source=source,
+            refresh="continuous",
+            staleness_budget=100,
+            precondition_frequency=frequency,
+        )
+        _train(model, opt, 1, tick=source.tick)
+        assert source.submits == 4  # the floor: every block at step 1, whatever the credit
+        _train(model, opt, 20, tick=source.tick)  # steps 2-21: floor at 6, 11, 16, 21 (f=5)
+        assert source.submits == submits, frequency
+        stats = opt.refresh_stats()
+        assert all(r["extra_pulls"] == 0 for r in stats["blocks"].values())
 
 
 def test_unchecked_source_would_have_copied() -> None:
@@ -275,6 +320,8 @@ def test_fast_moving_blocks_are_refreshed_more_often() -> None:
         refresh="continuous",
         staleness_budget=4,
         lr=1e-3,
+        precondition_frequency=1000,  # no floor after the first step: priority alone
+        refresh_overhead=1.0,  # this source solves in submit: a step's worth of budget
     )
     fixed = torch.randn(6, 6)
     gen = torch.Generator().manual_seed(1)
@@ -387,12 +434,16 @@ def test_continuous_is_refused_in_a_distributed_job(tmp_path: Any) -> None:
 
 def test_continuous_budget_is_in_steps() -> None:
     policy = StalenessPolicy(budget_intervals=2, refresh=Refresh.CONTINUOUS)
-    # snapshot of step 10 in flight: usable without it at steps 11 and 12, required at 13
-    assert policy.required_version(10, 10, False, step=12) == -1
-    assert policy.required_version(10, 10, False, step=13) == 10
+    # extra snapshot of step 10 in flight: usable without it at steps 11 and 12, required at 13
+    assert policy.required_version(10, 1, False, step=12) == -1
+    assert policy.required_version(10, 1, False, step=13) == 10
     assert policy.lag_steps(10, 4, step=12) == 2
     assert policy.lag_steps(10, 10, step=12) == 0
-    assert policy.budget_steps(10) == 2
+    assert policy.budget_steps(1) == 2
+    # a floor snapshot at f = 5 follows the amortized rule: a lag of S*f = 10 versions
+    assert policy.required_version(10, 5, False, step=11, floor=True) == 0
+    assert policy.required_version(15, 5, False, step=16, floor=True) == 5
+    assert policy.budget_steps(5) == 10
 
 
 # --------------------------------------------------------------------------- drift from results
@@ -442,7 +493,7 @@ class SlowInstallSOAP(SOAP):
         SOAP._install(tile, dim, result)
 
 
-def _hook_pulls(overhead: float) -> tuple[int, int]:
+def _hook_pulls(overhead: float) -> tuple[int, int, dict[str, Any]]:
     """Pulls made by hooks and by step ends in steps 3-12 (two step ends measure the step
     period first) of a model with four Linear layers, whose one (simulated) worker finishes
     every job by the next hook, with 2 ms installs."""
@@ -483,17 +534,19 @@ def _hook_pulls(overhead: float) -> tuple[int, int]:
         model(x).square().mean().backward()
         time.sleep(0.01)  # the rest of a step: the budget is a share of the step period
         opt.step()
-    return pulls["hook"], pulls["step"]
+    return pulls["hook"], pulls["step"], opt.refresh_stats()
 
 
 def test_hooks_pull_while_the_overhead_budget_lasts() -> None:
     """With the whole step as budget the hooks keep the free worker fed between steps; with
-    a budget below one install they pull nothing, and the step ends still pull (the floor)."""
-    hook_free, step_free = _hook_pulls(1.0)
-    hook_tight, step_tight = _hook_pulls(1e-6)
+    a budget below one install they pull nothing, and the step ends pull the floor alone."""
+    hook_free, step_free, _ = _hook_pulls(1.0)
+    hook_tight, step_tight, stats = _hook_pulls(1e-6)
     assert hook_free >= 20, (hook_free, step_free)
     assert hook_tight == 0, (hook_tight, step_tight)
-    assert step_tight >= 10  # every step end pulled
+    # the step ends pulled the floor alone (steps 6 and 11 of 3-12 at f = 5: 8 blocks each)
+    assert step_tight == 16, stats
+    assert stats["extra_limited_steps"]["overhead_budget"] >= 9, stats
 
 
 def test_refresh_overhead_is_checked() -> None:

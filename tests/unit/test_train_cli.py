@@ -418,3 +418,21 @@ def test_config_fields_and_cli_flags_stay_in_step() -> None:
     untouched_by_cli = {"min_lr_ratio", "grad_clip", "dropout"}  # fixed for fair comparisons
     set_by_benchmarks = {"engine_cpu_affinity"}  # bench spikes pins the solver workers
     assert set(train_cli.TRAIN_FIELDS) == fields - untouched_by_cli - set_by_benchmarks
+
+
+def test_continuous_run_without_attach_says_what_limited_its_refreshes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--no-attach trains without the optimizer's hooks, and the summary's continuous line
+    says so, with the floor and extra refresh rates and what stopped the extras."""
+    argv = ["train", "--optimizer", "soap", "--mode", "embedded", "--engine-workers", "1"]
+    argv += ["--refresh", "continuous", "--no-attach", "--steps", "12", *TINY_ARGS]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("continuous refresh:"))
+    assert "floor +" in line and "extra refreshes/block/100 steps" in line, line
+    assert "of 11 steps; no hooks (step ends only)" in line, line
+    with Trainer(tiny_config(optimizer="soap", mode="native", attach=False)) as trainer:
+        assert not trainer.optimizer.runtime._hooks  # type: ignore[union-attr]
+    with Trainer(tiny_config(optimizer="soap", mode="native")) as trainer:
+        assert trainer.optimizer.runtime._hooks  # type: ignore[union-attr]

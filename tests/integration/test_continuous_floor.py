@@ -1,0 +1,132 @@
+"""The continuous schedule's floor on the real embedded engine: real worker processes, no hooks.
+
+Without ``attach(model)`` the continuous schedule's only pull point is the step end, where the
+credit (free workers + 1) let one worker take two snapshots a step: a model of 38 blocks was
+refreshed far less often than the amortized schedule at the same f (issue 30). The floor
+snapshots every block at least every f steps, as the amortized schedule does; these tests count
+what was installed, per block, on a model of 24 blocks and one solver worker.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from asteria_client import SOAP
+from asteria_client.runtime.source import PreconditionerResult
+from asteria_server.engine import EngineConfig
+
+FREQUENCY = 5
+BUDGET = 1  # S: refresh intervals on the amortized schedule (and for floor snapshots)
+STEPS = 41
+LAYERS = 12  # Linear(6, 6) each: 2 blocks a layer
+#: The rest of a training step (a model's forward and backward), so that one worker solves a
+#: round of 24 tiny blocks well within f steps, as it does beside a real model: without it the
+#: steps take a millisecond, and on either schedule a snapshot is replaced by the next before
+#: it is solved. No assertion is on time.
+STEP_REST_S = 0.05
+
+
+class CountingSOAP(SOAP):
+    """SOAP that records, per block, the step of each install and the version in use after
+    each step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_count = 0
+        self.installs: dict[str, list[tuple[int, int]]] = {}  # block -> [(step, version)]
+        self.in_use: dict[str, list[int]] = {}  # block -> version in use after each step
+
+    def _install(self, tile: Any, dim: int, result: PreconditionerResult) -> None:  # type: ignore[override]
+        self.installs.setdefault(tile.blocks[dim], []).append((self.step_count, result.version))
+        SOAP._install(tile, dim, result)
+
+    def step(self, closure: Any = None) -> Any:
+        self.step_count += 1
+        loss = super().step(closure)
+        for row in self.preconditioner_status():
+            self.in_use.setdefault(row["block"], []).append(row["version"])
+        return loss
+
+
+def _wait_for_workers(opt: SOAP, timeout_s: float = 60.0) -> None:
+    """Until the engine's worker process has started: the first snapshots of both schedules
+    are then solved alike, not replaced while a process starts."""
+    engine = opt.source.engine  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while any(w.state == "starting" for w in engine.stats().workers):
+        assert time.monotonic() < deadline, "the engine's worker did not start"
+        time.sleep(0.02)
+
+
+def _train(**options: Any) -> CountingSOAP:
+    """STEPS steps of a 12-layer MLP (24 blocks of 6 x 6) on one solver worker, no hooks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(LAYERS)))
+    opt = CountingSOAP(
+        model.named_parameters(),
+        mode="embedded",
+        engine_config=EngineConfig(num_workers=1, calibrate=False),
+        precondition_frequency=FREQUENCY,
+        staleness_budget=BUDGET,
+        lr=1e-3,
+        **options,
+    )
+    gen = torch.Generator().manual_seed(1)
+    try:
+        _wait_for_workers(opt)
+        for _ in range(STEPS):
+            x = torch.randn(16, 6, generator=gen)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            time.sleep(STEP_REST_S)
+            opt.step()
+    finally:
+        opt.close()
+    return opt
+
+
+def test_floor_refreshes_every_block_every_f_steps_without_hooks_or_budget() -> None:
+    """A refresh budget too small for any extra pull, no hooks: every block is still
+    snapshotted every f steps and used with a basis no older than the amortized schedule's
+    bound (a snapshot at most f - 1 steps before the step's start, lagging by at most S*f: a
+    version at least step - (S + 1) * f), so it installs at least the amortized schedule's
+    count; none of it is an extra refresh."""
+    opt = _train(refresh="continuous", refresh_overhead=1e-6)
+    blocks = opt.in_use
+    assert len(blocks) == 2 * LAYERS
+    bound = (BUDGET + 1) * FREQUENCY
+    for block, versions in blocks.items():
+        for step, version in enumerate(versions, start=1):
+            if step > bound:
+                assert step - version <= bound, (block, step, versions)
+    # floor snapshots at 1, 6, ..., 41; each but the last is solved before the next one
+    for block, installs in opt.installs.items():
+        versions = {version for _, version in installs}
+        assert versions >= set(range(1, STEPS, FREQUENCY)), (block, installs)
+    stats = opt.refresh_stats()
+    rows = stats["blocks"]
+    slots = len(range(1, STEPS + 1, FREQUENCY))
+    assert all(r["floor_pulls"] == slots for r in rows.values()), rows
+    assert all(r["extra_pulls"] == 0 for r in rows.values()), rows
+    assert all(r["floor_installs"] == r["installs"] for r in rows.values()), rows
+    limits = stats["extra_limited_steps"]
+    assert limits["overhead_budget"] > 0 and limits["no_pull_point"] > 0, limits
+    assert not stats["hooks_attached"]
+
+
+def test_continuous_without_attach_installs_at_least_what_amortized_does() -> None:
+    """The same model, batches and f, no hooks: continuous refresh (its default overhead
+    budget) installs at least as many results per block as the amortized schedule."""
+    amortized = _train()
+    continuous = _train(refresh="continuous")
+    assert set(continuous.installs) == set(amortized.installs)
+    assert len(amortized.installs) == 2 * LAYERS
+    short = {
+        block: (len(continuous.installs[block]), len(installs))
+        for block, installs in amortized.installs.items()
+        if len(continuous.installs[block]) < len(installs)
+    }
+    assert not short, f"continuous installed fewer results than amortized: {short}"
