@@ -781,6 +781,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             )
         self._plans.clear()
         self.state.clear()
+        self._tile_groups.clear()  # the old groups' stacks go with the state they held
         report = ReshardReport()
         resubmit: list[tuple[Any, int, dict[str, Any]]] = []
         for name, p, group in self.named_params():
