@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from asteria_client.distributed import JobLayout, distributed_job, job_source
+from asteria_client.optim import grouped as batched
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
 from asteria_client.optim.grouped import (
     GroupCache,
     GroupKernels,
     GroupStep,
     ParamStep,
+    StepMask,
     StorageSpec,
 )
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
@@ -119,6 +121,17 @@ def block_name(param_name: str, tile: int, dim: int) -> str:
     return f"{param_name}/tile{tile}/dim{dim}"
 
 
+@dataclasses.dataclass
+class _DeviceCheck:
+    """A usual step's finite check on its way to the host: ``[all finite, max |g| per tile]``,
+    the tiles' parameter names, the states that stepped and the step."""
+
+    copy: Any  # the runtime's PendingCopy
+    names: list[str]
+    states: list[dict[str, Any]]
+    step: int
+
+
 class AsteriaOptimizer(torch.optim.Optimizer):
     """Base class; see the module docstring. Not used directly."""
 
@@ -183,6 +196,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         #: the per-group math, compiled with ``torch.compile`` when ``compile`` asks for it
         self.kernels = GroupKernels(self._compile_backend(compile))
         self._any_dtensor: bool | None = None
+        #: the last usual step's finite check, on its way to the host (see _check_on_device)
+        self._pending_check: _DeviceCheck | None = None
+        self._pending_error: NonFiniteGradientError | None = None
+        self._skipped_steps = 0
+        self.finite_check_waits = 0  # reads of a check that had not landed (a host wait)
         super().__init__(named_param_groups(params, self._namer), defaults)
         #: Where results come from and how fresh they are: the only thing the math talks to.
         if source is None:
@@ -385,9 +403,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             stepping.append(ParamStep(key, local, tiles, state, group, plan, step, position))
         return stepping
 
-    def _first_bad_gradient(
-        self, stepping: list[ParamStep], stacks: list[torch.Tensor] | None = None
-    ) -> str | None:
+    def _first_bad_gradient(self, stepping: list[ParamStep]) -> str | None:
         """The name of the first parameter whose gradient holds NaN or Inf (None: all finite).
 
         One max-abs reduction per tensor of ``stacks`` (the tile groups' stacked gradients,
@@ -395,7 +411,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         ord = inf propagates NaN and Inf), not one check per parameter; only a bad step looks
         for which parameter it was. Across FSDP2 ranks every rank holds other rows: all skip
         (or raise) together, or none does."""
-        tensors = stacks if stacks is not None else [g for e in stepping for g in e.grads]
+        tensors = [g for e in stepping for g in e.grads]
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for tensor in tensors:
             by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -428,30 +444,111 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self._any_dtensor = any(is_dtensor(p) for _, p, _ in self.named_params())
         return self._any_dtensor
 
+    def _check_on_device(self, stepping: list[ParamStep], steps: list[GroupStep]) -> None:
+        """The usual step's finite check, without reading anything on the host: each tile's
+        max |gradient| (a NaN or Inf stays one) goes to the host on the side, and every update
+        of the step is masked by the flag "all finite" (:class:`~.grouped.StepMask`), so a bad
+        step changes nothing. The next step (or ``skipped_steps``, ``state_dict()``) reads the
+        copy, by then long landed: a bad step is then counted (``"skip"``) or raised
+        (``"raise"``), naming the parameter, and its step counts are taken back."""
+        norms: list[torch.Tensor] = []
+        names: list[str] = []
+        for work in steps:
+            dims = batched.tile_dims(work.grads)
+            norms.append(torch.linalg.vector_norm(work.grads, ord=math.inf, dim=dims))
+            names.extend(entry.name for entry, _ in work.owners)
+        first = norms[0]
+        if any(n.dtype != first.dtype or n.device != first.device for n in norms):
+            # float64 holds every float's maximum exactly: no finite one turns into an Inf
+            norms = [n.to(device=first.device, dtype=torch.float64) for n in norms]
+        norms_all = torch.cat(norms)
+        finite = torch.isfinite(norms_all).all()
+        if self._sharded():  # every rank holds other rows: all skip (or raise) together
+            agreed = finite.to(torch.int64)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            finite = agreed.bool()
+        record = torch.cat([finite.to(norms_all.dtype).reshape(1), norms_all])
+        self._pending_check = _DeviceCheck(
+            self.runtime.copy_to_host(record),
+            names,
+            [entry.state for entry in stepping],
+            steps[0].step,
+        )
+        masks: dict[tuple[torch.dtype, torch.device], StepMask] = {}
+        for work in steps:
+            kind = (work.grads.dtype, work.grads.device)
+            if kind not in masks:
+                masks[kind] = StepMask(finite.to(device=kind[1], dtype=kind[0]))
+            work.mask = masks[kind]
+            work.grads.nan_to_num_(0.0, 0.0, 0.0)  # a masked step must not bring NaN in
+
+    def _settle_checks(self, *, raise_now: bool) -> None:
+        """Read the last usual step's finite check (see :meth:`_check_on_device`); a bad
+        step's counts go back, and it is counted or its error kept to raise."""
+        check, self._pending_check = self._pending_check, None
+        if check is not None:
+            if not check.copy.ready():
+                self.finite_check_waits += 1  # the host waits for the device here (rare)
+            check.copy.wait()
+            values = check.copy.host.numpy()
+            if values[0] == 0.0:  # not all finite
+                for state in check.states:
+                    state["step"] -= 1
+                bad = [n for n, v in zip(check.names, values[1:], strict=True) if not v < math.inf]
+                name = bad[0] if bad else "(one on another rank)"
+                if self.nonfinite is NonFinitePolicy.RAISE:
+                    self._pending_error = NonFiniteGradientError(
+                        f"gradient of parameter {name!r} held NaN or Inf at step {check.step}; "
+                        "that step was not applied (its weights and state are unchanged) and "
+                        "neither is this one (lower the learning rate, check the loss, or pass "
+                        "nonfinite='skip' to skip such steps)"
+                    )
+                else:
+                    self._skipped_steps += 1
+                    self._warn_once(
+                        "skip", f"skipping steps with non-finite gradients (first: {name!r})"
+                    )
+        if raise_now and self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient (``nonfinite="skip"``)."""
+        self._settle_checks(raise_now=False)
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._settle_checks(raise_now=True)
         stepping = self._stepping()
         steps: list[GroupStep] | None = None
-        if all(entry.state for entry in stepping):
-            # the usual step: group first, then check the few stacked gradients
+        if stepping and all(entry.state for entry in stepping):
+            # the usual step: checked on the device, its updates masked by the result
             steps = self._tile_groups.steps(stepping, self.storage_spec)
-            bad = self._first_bad_gradient(stepping, [work.grads for work in steps])
-        else:  # a first step: check each gradient, then create the state
+            self._check_on_device(stepping, steps)
+        else:  # a first step: check each gradient on the host, then create the state
             bad = self._first_bad_gradient(stepping)
-        if bad is not None:
-            if self.nonfinite is NonFinitePolicy.RAISE:
-                raise NonFiniteGradientError(
-                    f"gradient of parameter {bad!r} holds NaN or Inf; the step was not applied "
-                    "and the weights are unchanged (lower the learning rate, check the loss, or "
-                    "pass nonfinite='skip' to skip such steps)"
+            if bad is not None:
+                if self.nonfinite is NonFinitePolicy.RAISE:
+                    raise NonFiniteGradientError(
+                        f"gradient of parameter {bad!r} holds NaN or Inf; the step was not "
+                        "applied and the weights are unchanged (lower the learning rate, check "
+                        "the loss, or pass nonfinite='skip' to skip such steps)"
+                    )
+                self._skipped_steps += 1
+                self._warn_once(
+                    "skip", f"skipping steps with non-finite gradients (first: {bad!r})"
                 )
-            self.skipped_steps += 1
-            self._warn_once("skip", f"skipping steps with non-finite gradients (first: {bad!r})")
-            return loss
+                return loss
         regular = []
         for entry in stepping:
             state = entry.state
@@ -504,8 +601,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         after it), one ``_foreach`` operation per (alpha, decay) for all the groups' tiles. A
         parameter cut into several tiles, or reshaped into one, is assembled first. Half-
         precision parameters are updated in float32 and rounded once."""
-        buckets: dict[tuple[float, float, bool], tuple[list[torch.Tensor], list[torch.Tensor]]]
-        buckets = {}
+        Bucket = tuple[float, float, bool, StepMask | None]
+        buckets: dict[Bucket, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         partial: dict[int, list[Any]] = {}
         for work, update, alpha, decay in updates:
             for (entry, index), row in zip(work.owners, update.unbind(0), strict=True):
@@ -518,16 +615,22 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                         continue
                     full = entry.plan.merge(pieces)
                 exact = entry.param.dtype == full.dtype
-                params, rows = buckets.setdefault((alpha, decay, exact), ([], []))
+                key = (alpha, decay, exact, work.mask)
+                params, rows = buckets.setdefault(key, ([], []))
                 params.append(entry.param)
                 rows.append(full)
-        for (alpha, decay, exact), (params, rows) in buckets.items():
+        for (alpha, decay, exact, mask), (params, rows) in buckets.items():
+            if mask is not None:
+                torch._foreach_mul_(rows, mask.keep)  # a step that does not count moves nothing
             work_on = params if exact else [p.to(rows[0].dtype) for p in params]
             if decay > 0 and decay_first:
-                torch._foreach_mul_(work_on, 1 - decay)
+                torch._foreach_mul_(work_on, 1 - decay if mask is None else 1 - mask.scaled(decay))
             torch._foreach_add_(work_on, rows, alpha=alpha)
             if decay > 0 and not decay_first:
-                torch._foreach_add_(work_on, work_on, alpha=-decay)
+                if mask is None:
+                    torch._foreach_add_(work_on, work_on, alpha=-decay)
+                else:
+                    torch._foreach_mul_(work_on, 1 - mask.scaled(decay))
             if not exact:
                 torch._foreach_copy_(params, work_on)
 
@@ -707,6 +810,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         (``fc.weight@rows0:12``) and says where the shard lies (``"shard"``): every rank's
         entries are distinct, replicas' entries are equal, so ``torch.distributed.checkpoint``
         saves each once; see :mod:`asteria_client.optim.checkpoint` for loading."""
+        self._settle_checks(raise_now=False)  # a bad last step's counts go back first
         state = {}
         for name, p, _ in self.named_params():
             if self.state.get(p):
@@ -780,6 +884,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 LargeDimPolicy, group["large_dim_policy"], "large_dim_policy"
             )
         self._plans.clear()
+        self._pending_check, self._pending_error = None, None  # of the state being replaced
         self.state.clear()
         self._tile_groups.clear()  # the old groups' stacks go with the state they held
         report = ReshardReport()
@@ -865,6 +970,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         """Release the preconditioner source (worker processes, connections). Idempotent.
 
         Also done when the optimizer is garbage-collected, and at interpreter exit."""
+        self._settle_checks(raise_now=False)
+        if self._pending_error is not None:  # the last step was bad and no step came after
+            logger.warning("%s", self._pending_error)
+            self._pending_error = None
         self.runtime.close()
 
     def __enter__(self) -> AsteriaOptimizer:

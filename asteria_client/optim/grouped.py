@@ -207,10 +207,82 @@ class GroupStep:
     hyper: dict[str, Any]
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
+    #: whether this step's gradients are all finite, on the device (None: known on the host to
+    #: be): every state update of the step is masked by it, so a bad step changes nothing
+    mask: StepMask | None = None
 
     @property
     def tiles(self) -> list[Any]:
         return self.group.tiles
+
+
+# ---------------------------------------------------------------------- masked updates
+class StepMask:
+    """A step's "all gradients finite" flag on the device, as the coefficients that mask its
+    updates: with ``keep`` = 1 an EMA is the usual one, with 0 it leaves its state as it was,
+    and nothing reads the flag on the host (no sync). Coefficients are made once per step."""
+
+    def __init__(self, keep: torch.Tensor) -> None:
+        self.keep = keep  # 0-d, 1.0 or 0.0, in the state's dtype and on its device
+        self._discard: torch.Tensor | None = None  # 1 - keep
+        self._retain: dict[float, torch.Tensor] = {}  # beta -> beta or 1
+        self._scaled: dict[float, torch.Tensor] = {}  # value -> value or 0
+
+    def ema(self, beta: float, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b, c)`` such that ``x * b + new * c`` is ``beta x + (1 - beta) scale new`` where
+        the step counts, and ``x`` where it does not."""
+        b = self._retain.get(beta)
+        if b is None:
+            if self._discard is None:
+                self._discard = 1 - self.keep
+            b = self._retain[beta] = self.keep * beta + self._discard  # exactly beta, or 1
+        return b, self.scaled((1 - beta) * scale)
+
+    def scaled(self, value: float) -> torch.Tensor:
+        """``value`` where the step counts, else 0."""
+        c = self._scaled.get(value)
+        if c is None:
+            c = self._scaled[value] = self.keep * value
+        return c
+
+
+Coefficients = tuple[torch.Tensor, torch.Tensor]
+
+
+def coefficients(mask: StepMask | None, beta: float, scale: float = 1.0) -> Coefficients | None:
+    """``mask.ema(beta, scale)``, or None (plain arithmetic) without a mask."""
+    return None if mask is None else mask.ema(beta, scale)
+
+
+def weight(mask: StepMask | None, value: float) -> float | torch.Tensor:
+    """``value`` as an interpolation weight: 0 where a masked step does not count."""
+    return value if mask is None else mask.scaled(value)
+
+
+def ema_(
+    state: torch.Tensor,
+    new: torch.Tensor,
+    beta: float,
+    coef: Coefficients | None,
+    *,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """``state <- beta * state + (1 - beta) * scale * new``, in place; with ``coef`` (from
+    :meth:`StepMask.ema`) the same where the step counts and no change where it does not."""
+    if coef is None:
+        return state.mul_(beta).add_(new, alpha=(1 - beta) * scale)
+    b, c = coef
+    return state.mul_(b).addcmul_(new, c)
+
+
+def ema_square_(
+    state: torch.Tensor, new: torch.Tensor, beta: float, coef: Coefficients | None
+) -> torch.Tensor:
+    """``state <- beta * state + (1 - beta) * new**2``, in place (masked as :func:`ema_`)."""
+    if coef is None:
+        return state.mul_(beta).addcmul_(new, new, value=1 - beta)
+    b, c = coef
+    return state.mul_(b).addcmul_(new, new * c)
 
 
 # ---------------------------------------------------------------------- batched tensor ops

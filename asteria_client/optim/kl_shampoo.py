@@ -159,8 +159,8 @@ class KLShampoo(AsteriaOptimizer):
             decay = group["lr"] * group["weight_decay"]
             if isinstance(work.tiles[0], AdamTile):
                 exp_avg, exp_avg_sq = stacks.tensors["exp_avg"], stacks.tensors["exp_avg_sq"]
-                exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                batched.ema_(exp_avg, g, beta1, batched.coefficients(work.mask, beta1))
+                batched.ema_square_(exp_avg_sq, g, beta2, batched.coefficients(work.mask, beta2))
                 direction = adam_direction(
                     exp_avg, exp_avg_sq, work.step, group["betas"], group["eps"]
                 )
@@ -169,17 +169,19 @@ class KLShampoo(AsteriaOptimizer):
             for tile in work.tiles:
                 self._sync_tile(tile, work.step, group)
             self._update_statistics(work, beta2, group["eps"], group["damping"])
-            exp_avg = stacks.tensors["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-            m_hat = exp_avg / (1 - beta1 ** (work.step - 1))
+            exp_avg = stacks.tensors["exp_avg"]
+            batched.ema_(exp_avg, g, beta1, batched.coefficients(work.mask, beta1))
+            # the direction is linear in the momentum: its bias correction goes into the step
+            bias_correction = 1 - beta1 ** (work.step - 1)
             bases = stacks.stacked_all("bases")
-            rotated = batched.project(m_hat, bases)
+            rotated = batched.project(exp_avg, bases)
             order = len(stacks.shape)
             for dim in range(order):
                 lam = stacks.entries[("eigenvalues", dim)]
                 scale = regularized(lam, group["eps"], group["damping"]).rsqrt()
                 rotated = rotated * batched.along(scale, dim, order)
             direction = batched.project(rotated, bases, back=True)
-            updates.append((work, direction, -group["lr"], decay))
+            updates.append((work, direction, -group["lr"] / bias_correction, decay))
         self._apply_updates(updates, decay_first=True)
         for work in steps:
             if isinstance(work.tiles[0], AdamTile):
@@ -231,7 +233,7 @@ class KLShampoo(AsteriaOptimizer):
             norm = stacks.shape[dim] / numel
             others = [d + 1 for d in range(order) if d != dim]
             squared = whitened.square()
-            new_terms.append((squared.sum(dim=others) if others else squared) * norm)
+            new_terms.append(squared.sum(dim=others) if others else squared)
             factor = stacks.stacked("factors", dim)
             if factor is not None:
                 basis = bases[dim]
@@ -239,9 +241,12 @@ class KLShampoo(AsteriaOptimizer):
                     whitened if basis is None else batched.mode_product(whitened, basis, dim)
                 )
                 statistic = batched.factor_statistic(unrotated, dim)
-                factor.mul_(beta).add_(statistic, alpha=(1 - beta) * norm)
-        for lam, term in zip(eigenvalues, new_terms, strict=True):
-            lam.mul_(beta).add_(term, alpha=1 - beta)
+                coef = batched.coefficients(work.mask, beta, norm)
+                batched.ema_(factor, statistic, beta, coef, scale=norm)
+        for dim, (lam, term) in enumerate(zip(eigenvalues, new_terms, strict=True)):
+            norm = stacks.shape[dim] / numel  # each term's 1 / N_i, applied with the EMA
+            coef = batched.coefficients(work.mask, beta, norm)
+            batched.ema_(lam, term, beta, coef, scale=norm)
 
     # ------------------------------------------------------------------ bases
     _make_request = AsteriaOptimizer._eigenbasis_request

@@ -140,11 +140,13 @@ class Shampoo(AsteriaOptimizer):
         for work in steps:
             group, stacks, g = work.hyper, work.group, work.grads
             beta1, beta2 = group["betas"]
-            stacks.tensors["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-            stacks.tensors["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            first = batched.coefficients(work.mask, beta1)
+            second = batched.coefficients(work.mask, beta2)
+            batched.ema_(stacks.tensors["exp_avg"], g, beta1, first)
+            batched.ema_square_(stacks.tensors["exp_avg_sq"], g, beta2, second)
             for dim, factor in enumerate(stacks.stacked_all("factors")):
                 if factor is not None:
-                    factor.mul_(beta2).add_(batched.factor_statistic(g, dim), alpha=1 - beta2)
+                    batched.ema_(factor, batched.factor_statistic(g, dim), beta2, second)
             if not stacks.has_blocks:
                 continue
             due = (work.step - 1) % group["precondition_frequency"] == 0

@@ -167,9 +167,9 @@ class SOAP(AsteriaOptimizer):
                 stacks.tensors["exp_avg"],
                 stacks.tensors["exp_avg_sq"],
                 tuple(stacks.stacked_all("bases")),
-                beta1,
-                beta2,
                 group["eps"],
+                (beta1, batched.coefficients(work.mask, beta1)),
+                (beta2, batched.coefficients(work.mask, beta2)),
             )
             step_size = group["lr"]
             if group["correct_bias"]:
@@ -179,7 +179,9 @@ class SOAP(AsteriaOptimizer):
         for work in steps:  # the factors after the parameter step, with the same gradient
             update_factors = self.kernels(work.group, soap_factors)
             factors = tuple(work.group.stacked_all("factors"))
-            update_factors(work.grads, factors, 1 - _shampoo_beta(work.hyper))
+            update_factors(
+                work.grads, factors, batched.weight(work.mask, 1 - _shampoo_beta(work.hyper))
+            )
             if not work.group.has_blocks:
                 continue
             due = (work.step - 1) % work.hyper["precondition_frequency"] == 0
@@ -260,21 +262,23 @@ def soap_direction(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     bases: tuple[torch.Tensor | None, ...],
-    beta1: float,
-    beta2: float,
     eps: float,
+    first: tuple[float, batched.Coefficients | None],
+    second: tuple[float, batched.Coefficients | None],
 ) -> torch.Tensor:
     """One group's Adam step in its eigenbases: update the moments (in place) from the rotated
-    gradients and return the direction, rotated back (bias correction is the caller's)."""
+    gradients and return the direction, rotated back (bias correction is the caller's).
+    ``first`` and ``second`` are each moment's beta and, for a step masked by a finite flag on
+    the device, its coefficients (:class:`~asteria_client.optim.grouped.StepMask`)."""
     g_rot = batched.project(grads, bases)
-    exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
+    batched.ema_(exp_avg, g_rot, first[0], first[1])
+    batched.ema_square_(exp_avg_sq, g_rot, second[0], second[1])
     denom = exp_avg_sq.sqrt().add_(eps)
     return batched.project(exp_avg / denom, bases, back=True)
 
 
 def soap_factors(
-    grads: torch.Tensor, factors: tuple[torch.Tensor | None, ...], weight: float
+    grads: torch.Tensor, factors: tuple[torch.Tensor | None, ...], weight: float | torch.Tensor
 ) -> None:
     """One group's factor EMAs: ``L_i <- L_i + weight * (G_(i) G_(i)^T - L_i)``, in place."""
     for dim, factor in enumerate(factors):

@@ -45,6 +45,7 @@ from asteria_client.runtime.source import (
     compute_locally,
 )
 from asteria_client.runtime.staleness import BarrierStats, StalenessPolicy, freshness
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
 from asteria_server.errors import AsteriaError, InvalidInputError, SolverError
 
 if TYPE_CHECKING:
@@ -171,6 +172,7 @@ class FreshnessRuntime:
     ) -> None:
         self.source = source
         self.policy = policy
+        self._transfer: DeviceTransfer | None = None  # the optimizer's own small host copies
         self.mode = mode
         #: a SOAP / KL-Shampoo basis: the block cannot be used before its first result at S = 0
         self.needs_first_result = needs_first_result
@@ -210,6 +212,14 @@ class FreshnessRuntime:
     @property
     def synchronous(self) -> bool:
         return self.source.synchronous
+
+    def copy_to_host(self, tensor: torch.Tensor) -> PendingCopy:
+        """Start a copy of a (small) device tensor into host memory, on the side stream: its
+        ``host`` is valid once ``ready()`` (or after ``wait()``). How the optimizer's
+        device-side checks reach the host without a sync in the step."""
+        if self._transfer is None:
+            self._transfer = DeviceTransfer()
+        return self._transfer.to_host(tensor)
 
     def seconds_per_n3(self) -> float:
         return self.source.seconds_per_n3()

@@ -371,9 +371,10 @@ class Trainer:
         try:
             optimizer.step()
         except NonFiniteGradientError as exc:
+            # the optimizer reads its device-side check a step late: its message names the step
             raise TrainingDivergedError(
-                f"a gradient became NaN or infinite at step {step} "
-                f"({cfg.optimizer.value}, lr {lr:.3g}); try a lower --lr"
+                f"a gradient became NaN or infinite ({cfg.optimizer.value}, lr {lr:.3g}, "
+                f"found at step {step}): {exc}; try a lower --lr"
             ) from exc
         _synchronize(self.device)
         step_time_s = time.perf_counter() - t0

@@ -13,8 +13,9 @@
 - **close() with a copy in flight**: the copy completes before the segment is unregistered;
 - **bf16**: a bfloat16 model trains in every mode.
 
-The cases that only the finite check fails are xfail(strict): they flip when the grouped step
-removes it (optim/base.py ``_first_bad_gradient``).
+The finite check runs on the device since ``_check_on_device`` (a step's updates are masked by
+its flag, read on the host a step later), so the quiet-step cases expect no sync at all; they
+have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ CUDA = torch.device("cuda")
 WAIT_S = 30.0
 #: GPU clock cycles of the kernel queued ahead of a step (about 0.5 s at the H200's 1.98 GHz)
 SLEEP_CYCLES = 1_000_000_000
-FINITE_CHECK = "optim/base.py _first_bad_gradient syncs; removed by the grouped step"
 ASYNC_MODES = ("embedded", "daemon-shm", "daemon-grpc")
 
 
@@ -150,7 +150,6 @@ def test_a_quiet_step_syncs_nowhere_but_the_finite_check(mode: str, daemon: Daem
         opt.close()
 
 
-@pytest.mark.xfail(strict=True, reason=FINITE_CHECK)
 @pytest.mark.parametrize("mode", ASYNC_MODES)
 def test_a_quiet_step_runs_under_sync_debug_mode_error(mode: str, daemon: Daemon) -> None:
     model, opt = _settled(mode, daemon)
@@ -166,7 +165,6 @@ def test_a_quiet_step_runs_under_sync_debug_mode_error(mode: str, daemon: Daemon
         opt.close()
 
 
-@pytest.mark.xfail(strict=True, reason=FINITE_CHECK)
 @pytest.mark.parametrize("mode", ASYNC_MODES)
 def test_the_host_runs_ahead_of_the_device_through_a_quiet_step(mode: str, daemon: Daemon) -> None:
     model, opt = _settled(mode, daemon)

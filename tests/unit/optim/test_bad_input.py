@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -22,23 +23,71 @@ def step_with(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad
     opt.step()
 
 
+def _snapshot(opt: Any, *params: torch.nn.Parameter) -> list[torch.Tensor]:
+    """The weights and every tensor of the optimizer state, copied."""
+    tensors = [p.detach().clone() for p in params]
+    for entry in opt.state_dict()["state"].values():
+        for tile in entry["tiles"]:
+            for value in tile.values():
+                values = value if isinstance(value, list) else [value]
+                tensors += [v.clone() for v in values if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 @pytest.mark.parametrize("cls", OPTIMIZERS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_gradient_raises_naming_the_parameter(cls, bad: float) -> None:  # type: ignore[no-untyped-def]
+    """A usual step checks its gradients on the device: the bad step applies nothing (weights
+    and state unchanged, no host read), and the next step() raises, naming the parameter,
+    before it applies anything either."""
     w = torch.nn.Parameter(torch.randn(4, 3))
     b = torch.nn.Parameter(torch.randn(3))
     opt = cls([("encoder.w", w), ("encoder.b", b)])
     step_with(opt, [w, b], [torch.randn(4, 3), torch.randn(3)])
     step_with(opt, [w, b], [torch.randn(4, 3), torch.randn(3)])
-    before_w, before_b = w.detach().clone(), b.detach().clone()
-    before_state = {k: v for k, v in opt.state_dict()["state"]["encoder.w"].items() if k == "step"}
+    before = _snapshot(opt, w, b)
+    steps = opt.state_dict()["state"]["encoder.w"]["step"]
     g = torch.randn(3)
     g[1] = bad
-    with pytest.raises(NonFiniteGradientError, match=r"encoder\.b"):
-        step_with(opt, [w, b], [torch.randn(4, 3), g])
-    # nothing changed: neither weights (also the finite one) nor the step count
-    assert torch.equal(w.detach(), before_w) and torch.equal(b.detach(), before_b)
-    assert opt.state_dict()["state"]["encoder.w"]["step"] == before_state["step"]
+    step_with(opt, [w, b], [torch.randn(4, 3), g])
+    with pytest.raises(NonFiniteGradientError, match=r"encoder\.b.*step 3"):
+        step_with(opt, [w, b], [torch.randn(4, 3), torch.randn(3)])
+    # nothing changed: neither weights (also the finite one) nor state nor the step count
+    assert _same(_snapshot(opt, w, b), before)
+    assert opt.state_dict()["state"]["encoder.w"]["step"] == steps
+    step_with(opt, [w, b], [torch.randn(4, 3), torch.randn(3)])  # training goes on
+    assert opt.state_dict()["state"]["encoder.w"]["step"] == steps + 1
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_first_step_with_a_nonfinite_gradient_raises_at_once(cls) -> None:  # type: ignore[no-untyped-def]
+    """A parameter's first step is checked on the host, before its state is created."""
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = cls([("w", w)])
+    with pytest.raises(NonFiniteGradientError, match="w"):
+        step_with(opt, [w], [torch.full((4, 3), float("inf"))])
+    assert not opt.state_dict()["state"]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_usual_step_with_a_nonfinite_gradient_is_skipped_and_counted(cls) -> None:  # type: ignore[no-untyped-def]
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = cls([("w", w)], nonfinite="skip")
+    for _ in range(2):
+        step_with(opt, [w], [torch.randn(4, 3)])
+    before = _snapshot(opt, w)
+    steps = opt.state_dict()["state"]["w"]["step"]
+    step_with(opt, [w], [torch.full((4, 3), float("nan"))])
+    assert opt.skipped_steps == 1  # read on the host only when asked (or by the next step)
+    assert _same(_snapshot(opt, w), before)
+    assert opt.state_dict()["state"]["w"]["step"] == steps
+    step_with(opt, [w], [torch.randn(4, 3)])
+    assert opt.skipped_steps == 1 and not _same(_snapshot(opt, w), before)
+    assert torch.isfinite(w).all()
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
