@@ -43,6 +43,7 @@ from asteria_server.service.servicer import (
     add_servicer_to_server,
 )
 from asteria_server.sync.manager import GatedEngine, SyncManager
+from asteria_server.sync.push import PushTimeouts
 from asteria_server.sync.service import PeerServicer
 
 if TYPE_CHECKING:
@@ -288,6 +289,11 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             max_message_bytes=config.max_message_bytes,
             max_matrix_n=config.max_matrix_n,
             tls_root=None if config.tls_cert is None else Path(config.tls_cert).read_bytes(),
+            push_timeouts=PushTimeouts(
+                wait_s=config.upload_wait_s,
+                idle_s=config.upload_idle_s,
+                max_s=config.upload_max_s,
+            ),
         )
         servicer = PreconditionerServicer(
             cast(PreconditionerEngine, GatedEngine(engine, sync)),
@@ -318,6 +324,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             max_sessions=config.max_sessions,
             handover=handover,
         )
+        sync.uploads = servicer.uploads  # a peer's push holds upload budget as a client's does
         add_servicer_to_server(servicer, server)
         jobs_pb2_grpc.add_JobsServicer_to_server(
             JobsServicer(servicer.session_tenant, engine.incarnation_id, sync.job_registered),

@@ -47,16 +47,19 @@ from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.limits import AuthThrottle, Session, SessionTable, peer_host
-from asteria_server.types import Credit, SharedArrays, SubmitOutcome, TransportStats
+from asteria_server.types import (
+    MAX_VERSION,
+    MAX_VERSION_JUMP,
+    Credit,
+    SharedArrays,
+    SubmitOutcome,
+    TransportStats,
+)
 
 logger = logging.getLogger(__name__)
 
 #: The tenant of anonymous sessions (no tokens configured, Unix socket only).
 ANONYMOUS_TENANT = "local"
-#: The largest version a snapshot may carry, and the most a block's version may jump at once:
-#: a client's bug (or malice) cannot put a block out of reach of every later version.
-MAX_VERSION = 1 << 48
-MAX_VERSION_JUMP = 1 << 30
 #: Blocks in one Status answer unless the request asks for fewer.
 STATUS_PAGE_BLOCKS = 10_000
 #: Shared-memory copies larger than this run in a thread, off the event loop.
@@ -263,6 +266,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._handover = handover
         share = max(1, int(limits.max_upload_bytes * limits.tenant_upload_share))
         self._uploads = UploadBudget(limits.max_upload_bytes, share)
+
+    @property
+    def uploads(self) -> UploadBudget:
+        """The daemon's upload budget (peers' pushes hold their share of it too)."""
+        return self._uploads
 
     def has_session(self, session_id: str) -> bool:
         """Whether ``session_id`` is open (the segment handover asks, from its threads)."""

@@ -53,20 +53,22 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 import grpc
 
 from asteria_server.engine import PreconditionerEngine
 from asteria_server.errors import AuthenticationError, InvalidInputError
-from asteria_server.protocol import framing
+from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
-from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.shm import private_result
+from asteria_server.service.budget import UploadBudget
 from asteria_server.sync.owners import block_cost, owner_map
-from asteria_server.types import SolveResult, SolveTask, SubmitOutcome
+from asteria_server.sync.push import BlockUse, PushStream, PushTimeouts, check_header
+from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +238,7 @@ class JobSync:
             m: _Peer(m, a) for m, a in enumerate(addresses) if m != self.me
         }
         self.known: dict[str, int] = {}  # replicated blocks the local ranks use
+        self.kinds: dict[str, SolveKind] = {}  # ... and what they need of each
         self.digest = ""
         self.stats: dict[str, _BlockStats] = {}
         self.held: dict[str, _Held] = {}
@@ -399,6 +402,7 @@ class JobSync:
             self.digest = blocks_digest(self.known)
             self.stats.setdefault(task.block, _BlockStats(task.n))
         self.deadlines[task.block] = task.deadline
+        self.kinds[task.block] = task.kind
         if not self.syncing:  # a job on this daemon alone: the engine's own rules
             return self.manager.engine.submit(task, job=job)
         stats = self.stats[task.block]
@@ -745,6 +749,16 @@ class JobSync:
     def node_of(self, member: int) -> int:
         return self.member_of_node.index(member)
 
+    def use(self, block: str) -> BlockUse | None:
+        """How the ranks here use ``block`` (None: not at all): what a push of it must match."""
+        n = self.known.get(block)
+        if n is None:
+            return None
+        _, submitted = self.manager.engine.block_versions(block, self.tenant)
+        stats = self.stats.get(block)
+        newest = max(submitted, -1 if stats is None else stats.version)
+        return BlockUse(n, self.kinds.get(block), newest)
+
     def next_push(self, peer: _Peer) -> list[SolveResult]:
         """The queued results for ``peer``, the most urgent first (newest of each block)."""
         blocks = sorted(peer.queued, key=lambda b: (self.deadlines.get(b, math.inf), b))
@@ -864,6 +878,8 @@ class SyncManager:
         max_matrix_n: int,
         config: SyncConfig | None = None,
         tls_root: bytes | None = None,
+        uploads: UploadBudget | None = None,
+        push_timeouts: PushTimeouts | None = None,
     ) -> None:
         self.engine = engine
         self.config = config or SyncConfig.from_env()
@@ -883,6 +899,9 @@ class SyncManager:
         self.job_sessions: Callable[[str, str], int] | None = None
         self._idle_since: dict[tuple[str, str], float] = {}
         self.groups_removed = 0
+        #: the daemon's upload budget, which pushes share with clients' uploads (None: none)
+        self.uploads: UploadBudget | None = uploads
+        self.push_timeouts = push_timeouts or PushTimeouts()
         engine.add_result_listener(self._on_result)
 
     # ------------------------------------------------------------------ life
@@ -966,6 +985,7 @@ class SyncManager:
         js = JobSync(self, tenant, layout, node_rank)
         if old is not None:  # what its ranks use and what it holds stay known
             js.known, js.digest, js.stats = old.known, old.digest, old.stats
+            js.kinds = old.kinds
         self.jobs[key] = js
         if js.syncing:
             unreachable = [a for a in js.addresses if a.startswith("unix:")]
@@ -1200,7 +1220,11 @@ class SyncManager:
     async def receive(
         self, requests: AsyncIterator[ppb.PushResultsRequest]
     ) -> ppb.PushResultsResponse:
-        first = await anext(requests, None)
+        """A peer's push (see :mod:`asteria_server.sync.push`): authenticated, then each result
+        checked by its header before its arrays are allocated, held in the upload budget while
+        it arrives, and validated as a local result once complete."""
+        stream = PushStream(requests, self.push_timeouts)
+        first = await stream.next_request()
         if first is None or first.WhichOneof("part") != "hello":
             raise InvalidInputError("PushResults: the first message must be a hello")
         js, peer = self.authenticate(first.hello.credentials)
@@ -1208,34 +1232,44 @@ class SyncManager:
             max_chunk_bytes=self.chunk_bytes, max_matrix_n=self.max_matrix_n
         )
         kept = dropped = 0
-        size = 0
-        async for request in requests:
-            if request.WhichOneof("part") != "frame":
-                raise InvalidInputError("PushResults: only frames may follow the hello")
-            size += len(request.frame)
-            message = pb.StreamResultsResponse.FromString(request.frame)
-            result = receiver.feed(message)
-            if result is None:
-                continue
-            if result.tenant != js.tenant or not replicated(result.block, js.prefix):
-                raise InvalidInputError(
-                    f"PushResults: block {result.block[:64]!r} is not a replicated block of "
-                    f"job {js.job!r}"
-                )
-            if result.block not in js.known:  # its ranks do not use it (yet): nothing to serve
+        while (frame := await stream.next_frame()) is not None:
+            frames_before = stream.frame_bytes - stream.last_frame_bytes
+            if frame.WhichOneof("part") != "header":
+                raise InvalidInputError("PushResults: a chunk arrived before any result header")
+            header = frame.header
+            announced = convert.result_arrays_announced(header, max_matrix_n=self.max_matrix_n)
+            num_bytes = sum(array.num_bytes for array in announced)
+            what = f"PushResults: result of block {header.block[:128]!r} version {header.version}"
+            if not check_header(
+                header, tenant=js.tenant, prefix=js.prefix, job=js.job, use=js.use(header.block)
+            ):  # its ranks do not use it (yet): nothing to serve
+                await stream.skip(num_bytes, what)
                 dropped += 1
-                size = 0
                 continue
+            async with self._upload_hold(num_bytes, what, js.tenant):
+                result = receiver.feed(frame)
+                while result is None:
+                    chunk = await stream.next_frame()
+                    if chunk is None:
+                        raise InvalidInputError(f"{what}: the stream ended inside the result")
+                    result = receiver.feed(chunk)
             if not result.is_finite():
-                dropped += 1
-                continue
-            if js.received(peer, result, size):
+                raise InvalidInputError(f"{what}: it holds non-finite values")
+            if js.received(peer, result, stream.frame_bytes - frames_before):
                 kept += 1
             else:
                 dropped += 1
-            size = 0
         receiver.close()
         return ppb.PushResultsResponse(kept=kept, dropped=dropped)
+
+    def _upload_hold(
+        self, num_bytes: int, what: str, tenant: str
+    ) -> AbstractAsyncContextManager[None]:
+        if self.uploads is None:
+            return contextlib.nullcontext()
+        return self.uploads.hold(
+            num_bytes, wait_s=self.push_timeouts.wait_s, what=what, tenant=tenant
+        )
 
     def status(self, tenant: str) -> ppb.PeerStatusResponse:
         now = time.monotonic()

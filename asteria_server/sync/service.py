@@ -7,7 +7,12 @@ from typing import Any, NoReturn
 
 import grpc
 
-from asteria_server.errors import AuthenticationError, InvalidInputError, UnknownSessionError
+from asteria_server.errors import (
+    AuthenticationError,
+    DaemonBusyError,
+    InvalidInputError,
+    UnknownSessionError,
+)
 from asteria_server.protocol.errors import abort_call
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
@@ -43,7 +48,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
     ) -> ppb.PushResultsResponse:
         try:
             return await self._manager.receive(request_iterator)
-        except (AuthenticationError, InvalidInputError, LookupError) as exc:
+        except (AuthenticationError, InvalidInputError, DaemonBusyError, LookupError) as exc:
             await _abort(context, exc)
 
     async def Claim(

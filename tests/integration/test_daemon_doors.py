@@ -1,0 +1,226 @@
+"""Issue 28: the daemon's newer doors (the Peer and Jobs services, the metrics endpoint, the
+spill directory) under the Preconditioner service's discipline, each finding provoked for real.
+
+Every test attacks a real ``asteria-server`` subprocess with raw gRPC stubs, the way another
+daemon of a job or a hostile tenant would: a peer push is a ``PushResults`` stream with the
+job token (HMAC of the job id under the tenant's token), sent to the daemon's own socket. The
+limits and timings are lowered by flags or ``ASTERIA_SYNC_*`` so that each test takes seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from asteria_server.engine import SolveKind, SolveResult, SolveTask, SubmitOutcome
+from asteria_server.protocol import framing
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
+from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc as jpb_grpc
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+from asteria_server.sync.manager import job_token
+from tests.integration.test_daemon import (
+    CALL_TIMEOUT_S,
+    LaunchedDaemon,
+    block_status,
+    expect_code,
+    spd,
+    stop_daemon,
+    submit,
+)
+from tests.integration.test_daemon_limits import TOKENS, start_tenants_daemon
+
+JOB = "doors"
+#: a port nothing listens on: the job's second daemon, never up
+CLOSED = "127.0.0.1:9"
+
+
+def job_session(d: LaunchedDaemon, tenant: str = "alice", job: str = JOB) -> str:
+    reply = d.stub().OpenSession(
+        pb.OpenSessionRequest(tenant=tenant, token=TOKENS[tenant], job=job),
+        timeout=CALL_TIMEOUT_S,
+    )
+    return reply.session_id
+
+
+def register_two_node_job(d: LaunchedDaemon, session: str, job: str = JOB) -> None:
+    """``job`` on two nodes: node 0 served by ``d``, node 1 by a daemon that is never up."""
+    layout = jpb.JobLayout(
+        job=job,
+        world_size=2,
+        nodes=[
+            jpb.JobNode(host="a", ranks=[0], daemon_address=d.target),
+            jpb.JobNode(host="b", ranks=[1], daemon_address=CLOSED),
+        ],
+    )
+    jobs = jpb_grpc.JobsStub(grpc.insecure_channel(d.target))
+    jobs.RegisterJob(
+        jpb.RegisterJobRequest(session_id=session, layout=layout, node_rank=0),
+        timeout=CALL_TIMEOUT_S,
+    )
+
+
+def peer_credentials(tenant: str = "alice", job: str = JOB, node: int = 1) -> ppb.PeerCredentials:
+    return ppb.PeerCredentials(
+        tenant=tenant,
+        job=job,
+        job_token=job_token(TOKENS[tenant], job),
+        node=node,
+        incarnation_id="peer-incarnation",
+    )
+
+
+def pushed(block: str, version: int, n: int, kind: SolveKind, tenant: str = "alice") -> SolveResult:
+    q = np.linalg.qr(np.random.default_rng(version % 1000).standard_normal((n, n)))[0]
+    eigenbasis = kind is SolveKind.EIGENBASIS
+    return SolveResult(
+        tenant=tenant,
+        block=block,
+        version=version,
+        kind=kind,
+        matrix=(q if eigenbasis else np.eye(n)).astype(np.float32),
+        eigenvalues=np.ones(n, np.float32) if eigenbasis else None,
+        permutation=None,
+        base_version=-1,
+        epsilon_used=1e-12,
+        solve_time_s=0.01,
+        attempts=1,
+    )
+
+
+def push_messages(
+    results: list[SolveResult], creds: ppb.PeerCredentials | None = None
+) -> Iterator[ppb.PushResultsRequest]:
+    yield ppb.PushResultsRequest(hello=ppb.PushHello(credentials=creds or peer_credentials()))
+    for result in results:
+        for message in framing.result_messages(result, chunk_bytes=1 << 16):
+            yield ppb.PushResultsRequest(frame=message.SerializeToString())
+
+
+def peer_stub(d: LaunchedDaemon) -> ppb_grpc.PeerStub:
+    return ppb_grpc.PeerStub(grpc.insecure_channel(d.target))
+
+
+def inverse_root_task(block: str, version: int, n: int) -> SolveTask:
+    matrix = spd(n, version).astype(np.float32)
+    return SolveTask(block=block, version=version, kind=SolveKind.INVERSE_ROOT, matrix=matrix)
+
+
+# ----------------------------------------------------------------------- 4. pushed results
+
+
+def test_a_peer_push_is_validated_like_a_local_result(tmp_path: Path) -> None:
+    """A push far ahead in version, of the wrong kind or shape is refused naming what is
+    wrong; the block is not pinned: the next local snapshot is still taken, not a DUPLICATE."""
+    d = start_tenants_daemon(tmp_path)
+    try:
+        stub = d.stub()
+        sid = job_session(d)
+        register_two_node_job(d, sid)
+        block = f"{JOB}:w.L"
+        assert submit(stub, sid, inverse_root_task(block, 1, 8)) is SubmitOutcome.QUEUED
+        peer = peer_stub(d)
+        narrow = pushed(block, 3, 8, SolveKind.INVERSE_ROOT)
+        wider = dataclasses.replace(narrow, matrix=narrow.matrix.astype(np.float64))
+        bad = [
+            (pushed(block, 1 << 62, 8, SolveKind.INVERSE_ROOT), "version"),
+            (pushed(block, 1 << 31, 8, SolveKind.INVERSE_ROOT), "version"),
+            (pushed(block, 3, 8, SolveKind.EIGENBASIS), "kind"),
+            (pushed(block, 3, 6, SolveKind.INVERSE_ROOT), "n="),
+            (wider, "float32"),
+        ]
+        for result, named in bad:
+            details = expect_code(
+                grpc.StatusCode.INVALID_ARGUMENT, peer.PushResults, push_messages([result])
+            )
+            assert named in details and block in details, details
+        status = block_status(stub, sid)[block]
+        assert status.version < 3, status
+        accepted = (SubmitOutcome.QUEUED, SubmitOutcome.SUPERSEDED_QUEUED)
+        assert submit(stub, sid, inverse_root_task(block, 2, 8)) in accepted
+        # A good push is kept.
+        reply = peer.PushResults(
+            push_messages([pushed(block, 4, 8, SolveKind.INVERSE_ROOT)]), timeout=CALL_TIMEOUT_S
+        )
+        assert reply.kept == 1, reply
+        assert block_status(stub, sid)[block].version == 4
+    finally:
+        stop_daemon(d)
+
+
+# ----------------------------------------------------------------------- 2. stalled pushes
+
+
+def stalled_push(
+    result: SolveResult, release: threading.Event, creds: ppb.PeerCredentials | None = None
+) -> Iterator[ppb.PushResultsRequest]:
+    """A push that sends its hello, the result's header and first chunk, then stalls until
+    ``release`` is set."""
+    messages = list(push_messages([result], creds))
+    yield from messages[:3]
+    release.wait(60)
+
+
+def uploads_in_flight(d: LaunchedDaemon, session: str) -> int:
+    reply = d.stub().Status(pb.StatusRequest(session_id=session), timeout=CALL_TIMEOUT_S)
+    return reply.transport.upload_bytes_in_flight
+
+
+def test_a_push_holds_upload_budget_is_checked_first_and_a_stalled_one_ends(
+    tmp_path: Path,
+) -> None:
+    """With a 1 MiB upload budget and --upload-idle-s 1: a stalled push of a known n=370 block
+    holds its 535 KiB in the budget (upload_bytes_in_flight), so a second one finds no room and
+    is refused naming max_upload_bytes; the stalled one ends RESOURCE_EXHAUSTED naming
+    upload_idle_s, and so does a stalled push of a block unknown here."""
+    d = start_tenants_daemon(
+        tmp_path,
+        *("--max-upload-bytes", str(1 << 20), "--tenant-upload-share", "1.0"),
+        *("--upload-wait-s", "0.5", "--upload-idle-s", "1", "--upload-max-s", "5"),
+    )
+    release = threading.Event()
+    n = 370
+    try:
+        stub = d.stub()
+        sid = job_session(d)
+        register_two_node_job(d, sid)
+        block = f"{JOB}:w.L"
+        assert submit(stub, sid, inverse_root_task(block, 1, n)) is SubmitOutcome.QUEUED
+        peer = peer_stub(d)
+        stalled = peer.PushResults.future(
+            stalled_push(pushed(block, 2, n, SolveKind.INVERSE_ROOT), release), timeout=8
+        )
+        time.sleep(0.3)
+        held = uploads_in_flight(d, sid)
+        details = expect_code(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            peer.PushResults,
+            push_messages([pushed(block, 3, n, SolveKind.INVERSE_ROOT)]),
+        )
+        assert "max_upload_bytes" in details, details
+        unknown = peer.PushResults.future(
+            stalled_push(pushed(f"{JOB}:unknown", 2, 1024, SolveKind.INVERSE_ROOT), release),
+            timeout=8,
+        )
+        for call in (stalled, unknown):
+            with pytest.raises(grpc.RpcError) as ended:
+                call.result()
+            assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, ended.value.details()
+            assert "upload_idle_s" in (ended.value.details() or "")
+        assert held >= n * n * 4, f"a stalled {n * n * 4}-byte push holds {held} upload bytes"
+        assert uploads_in_flight(d, sid) == 0
+        reply = peer.PushResults(
+            push_messages([pushed(block, 4, n, SolveKind.INVERSE_ROOT)]), timeout=CALL_TIMEOUT_S
+        )
+        assert reply.kept == 1, reply
+    finally:
+        release.set()
+        stop_daemon(d)
