@@ -325,6 +325,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             handover=handover,
         )
         sync.uploads = servicer.uploads  # a peer's push holds upload budget as a client's does
+        sync.auth_throttle = servicer.auth_throttle  # one guesser meets one throttle everywhere
         add_servicer_to_server(servicer, server)
         jobs_pb2_grpc.add_JobsServicer_to_server(
             JobsServicer(servicer.session_tenant, engine.incarnation_id, sync.job_registered),

@@ -46,7 +46,13 @@ from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc
 from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
-from asteria_server.service.limits import AuthThrottle, Session, SessionTable, peer_host
+from asteria_server.service.limits import (
+    AuthThrottle,
+    RefusalLog,
+    Session,
+    SessionTable,
+    peer_host,
+)
 from asteria_server.types import (
     MAX_VERSION,
     MAX_VERSION_JUMP,
@@ -241,6 +247,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         )
         self._reaper: asyncio.TimerHandle | None = None
         self._auth_throttle = AuthThrottle()
+        self._refusals = RefusalLog(logger)
         #: (tenant, block) -> the frames of the result streams are sending now
         self._frames: weakref.WeakValueDictionary[tuple[str, str], _Frames] = (
             weakref.WeakValueDictionary()
@@ -266,6 +273,12 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._handover = handover
         share = max(1, int(limits.max_upload_bytes * limits.tenant_upload_share))
         self._uploads = UploadBudget(limits.max_upload_bytes, share)
+
+    @property
+    def auth_throttle(self) -> AuthThrottle:
+        """Failed authentications per peer host and tenant (the Peer service counts its own
+        refused calls in it too, so one guesser meets one throttle at every door)."""
+        return self._auth_throttle
 
     @property
     def uploads(self) -> UploadBudget:
@@ -448,12 +461,28 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CloseSessionResponse:
+        # Guesses (of a session's token, or of session ids) are throttled as OpenSession's are,
+        # per peer host and the tenant of the session named (or "session ids" for unknown ones).
+        host = peer_host(context.peer() or "")
+        named = self._sessions.peek(request.session_id)
+        key = f"{host} for " + ("session ids" if named is None else f"tenant {named.tenant!r}")
         try:
-            session = self._session(request.session_id)
-            if not self._auth.allows_anonymous:
-                # A session id alone does not end a session: its tenant's token must come too.
-                self._auth.tenant_of(session.tenant, request.token)
-        except (UnknownSessionError, InvalidInputError, AuthenticationError) as exc:
+            self._auth_throttle.check(key)
+            try:
+                session = self._session(request.session_id)
+                if not self._auth.allows_anonymous:
+                    # A session id alone does not end a session: its tenant's token must come too.
+                    self._auth.tenant_of(session.tenant, request.token)
+            except (UnknownSessionError, AuthenticationError) as exc:
+                self._auth_throttle.failed(key)
+                self._refusals.refused("CloseSession", f"from {key}: {type(exc).__name__}")
+                raise
+        except (
+            UnknownSessionError,
+            InvalidInputError,
+            AuthenticationError,
+            DaemonBusyError,
+        ) as exc:
             await abort_call(context, exc)
         self._sessions.end(request.session_id, "was closed by CloseSession")
         self._ended(request.session_id)

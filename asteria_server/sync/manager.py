@@ -66,6 +66,7 @@ from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
 from asteria_server.protocol.shm import private_result
 from asteria_server.service.budget import UploadBudget
+from asteria_server.service.limits import AuthThrottle, RefusalLog
 from asteria_server.sync.owners import block_cost, owner_map
 from asteria_server.sync.push import BlockUse, PushStream, PushTimeouts, check_header
 from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
@@ -902,6 +903,9 @@ class SyncManager:
         #: the daemon's upload budget, which pushes share with clients' uploads (None: none)
         self.uploads: UploadBudget | None = uploads
         self.push_timeouts = push_timeouts or PushTimeouts()
+        #: failed authentications (the daemon sets the one its OpenSession uses)
+        self.auth_throttle = AuthThrottle()
+        self._refusals = RefusalLog(logger)
         engine.add_result_listener(self._on_result)
 
     # ------------------------------------------------------------------ life
@@ -1091,8 +1095,9 @@ class SyncManager:
                     grpc.StatusCode.UNAUTHENTICATED,
                     grpc.StatusCode.PERMISSION_DENIED,
                 ):
-                    logger.warning(
-                        "job %r: peer %s refused us: %s", js.job, peer.address, exc.details()
+                    self._refusals.refused(
+                        "heartbeat of ours by a peer",
+                        f"job {js.job!r}, {peer.address}: {exc.details()}",
                     )
             except asyncio.CancelledError:
                 raise
@@ -1187,14 +1192,26 @@ class SyncManager:
 
     # ------------------------------------------------------------------ calls in
 
-    def authenticate(self, creds: ppb.PeerCredentials) -> tuple[JobSync, _Peer]:
-        """The caller's job and peer record; AuthenticationError or LookupError otherwise."""
+    def authenticate(self, creds: ppb.PeerCredentials, caller: str = "") -> tuple[JobSync, _Peer]:
+        """The caller's job and peer record; AuthenticationError or LookupError otherwise.
+
+        ``caller`` is the peer host the call came from: its failures count in the daemon's
+        authentication throttle (per host and claimed tenant, shared with OpenSession), which
+        refuses it with DaemonBusyError once used up; each class of refusal is logged, at most
+        one line per class every few seconds. The message for an unknown tenant is the one
+        for a wrong token: a caller cannot learn which tenants exist."""
+        key = f"{caller or 'unknown peer'} for tenant {creds.tenant[:64]!r}"
+        self.auth_throttle.check(key)
         token = self._tokens.get(creds.tenant)
-        if token is None and self._tokens:
-            raise AuthenticationError(f"unknown tenant {creds.tenant[:64]!r}")
         expected = job_token(token or "", creds.job)
-        if not hmac.compare_digest(expected.encode(), creds.job_token.encode()):
-            raise AuthenticationError(f"wrong job token for job {creds.job[:64]!r}")
+        wrong = not hmac.compare_digest(expected.encode(), creds.job_token.encode())
+        if (token is None and self._tokens) or wrong:
+            self.auth_throttle.failed(key)
+            self._refusals.refused("peer call with a wrong job token", f"from {key}")
+            raise AuthenticationError(
+                f"unknown tenant or wrong job token for job {creds.job[:64]!r}; the daemons of "
+                "a job must share the tenant's token"
+            )
         js = self.jobs.get((creds.tenant, creds.job))
         if js is None:
             raise LookupError(f"job {creds.job[:64]!r} is not registered on this daemon yet")
@@ -1206,19 +1223,19 @@ class SyncManager:
             raise InvalidInputError(f"node {creds.node} is served by this daemon itself")
         return js, peer
 
-    def claim(self, request: ppb.ClaimRequest) -> ppb.ClaimResponse:
-        js, peer = self.authenticate(request.credentials)
+    def claim(self, request: ppb.ClaimRequest, caller: str = "") -> ppb.ClaimResponse:
+        js, peer = self.authenticate(request.credentials, caller)
         return js.claim(peer, request.block, request.version)
 
-    def heartbeat(self, request: ppb.HeartbeatRequest) -> ppb.HeartbeatResponse:
-        js, peer = self.authenticate(request.credentials)
+    def heartbeat(self, request: ppb.HeartbeatRequest, caller: str = "") -> ppb.HeartbeatResponse:
+        js, peer = self.authenticate(request.credentials, caller)
         js.heard(peer, request.state)
         return ppb.HeartbeatResponse(
             state=js.my_state(request.known_digest), known_digest=peer.digest
         )
 
     async def receive(
-        self, requests: AsyncIterator[ppb.PushResultsRequest]
+        self, requests: AsyncIterator[ppb.PushResultsRequest], caller: str = ""
     ) -> ppb.PushResultsResponse:
         """A peer's push (see :mod:`asteria_server.sync.push`): authenticated, then each result
         checked by its header before its arrays are allocated, held in the upload budget while
@@ -1227,7 +1244,7 @@ class SyncManager:
         first = await stream.next_request()
         if first is None or first.WhichOneof("part") != "hello":
             raise InvalidInputError("PushResults: the first message must be a hello")
-        js, peer = self.authenticate(first.hello.credentials)
+        js, peer = self.authenticate(first.hello.credentials, caller)
         receiver = framing.ResultReceiver(
             max_chunk_bytes=self.chunk_bytes, max_matrix_n=self.max_matrix_n
         )

@@ -224,3 +224,61 @@ def test_a_push_holds_upload_budget_is_checked_first_and_a_stalled_one_ends(
     finally:
         release.set()
         stop_daemon(d)
+
+
+# ----------------------------------------------------------------------- 5. token guesses
+
+
+def heartbeat(creds: ppb.PeerCredentials) -> ppb.HeartbeatRequest:
+    return ppb.HeartbeatRequest(credentials=creds, state=ppb.PeerState(node=1))
+
+
+def codes_of(call: object, requests: list[object]) -> list[grpc.StatusCode]:
+    codes = []
+    for request in requests:
+        with pytest.raises(grpc.RpcError) as info:
+            call(request, timeout=CALL_TIMEOUT_S)  # type: ignore[operator]
+        codes.append(info.value.code())
+    return codes
+
+
+def test_wrong_token_peer_calls_and_close_session_guesses_are_throttled(tmp_path: Path) -> None:
+    """Peer calls with a wrong job token meet OpenSession's throttle (shared: guesses at one
+    door count at the others), CloseSession guesses too; an unknown tenant gets the answer a
+    wrong token gets; the refusals are logged in a few lines, not one per guess."""
+    d = start_tenants_daemon(tmp_path)
+    try:
+        stub = d.stub()
+        bob = job_session(d, "bob")
+        alice = job_session(d, "alice")
+        register_two_node_job(d, alice)
+        peer = peer_stub(d)
+        # The same answer whether the tenant exists or not.
+        answers = []
+        for tenant in ("alice", "nobody"):
+            creds = ppb.PeerCredentials(tenant=tenant, job=JOB, job_token="0" * 64, node=1)
+            details = expect_code(grpc.StatusCode.UNAUTHENTICATED, peer.Heartbeat, heartbeat(creds))
+            answers.append(details.replace(repr(tenant), "TENANT"))
+        assert answers[0] == answers[1], answers
+        # 30 wrong-token heartbeats for Alice: throttled after the burst.
+        guesses = [
+            heartbeat(ppb.PeerCredentials(tenant="alice", job=JOB, job_token=f"{i:064x}", node=1))
+            for i in range(30)
+        ]
+        codes = codes_of(peer.Heartbeat, guesses)
+        limited = [c for c in codes if c is grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert len(limited) >= 15, codes
+        # ... and the throttle is OpenSession's: a guess there is refused unanswered too.
+        request = pb.OpenSessionRequest(tenant="alice", token="guess")
+        assert codes_of(stub.OpenSession, [request]) == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+        # CloseSession guesses at Bob's session's token.
+        closes = [pb.CloseSessionRequest(session_id=bob, token=f"g{i}") for i in range(30)]
+        codes = codes_of(stub.CloseSession, closes)
+        assert len([c for c in codes if c is grpc.StatusCode.RESOURCE_EXHAUSTED]) >= 15, codes
+        assert block_status(stub, bob) == {}  # Bob's session is still open
+    finally:
+        _, err = stop_daemon(d)
+    refusals = [line for line in err.splitlines() if "refused peer call" in line]
+    assert 1 <= len(refusals) <= 3, refusals
+    closes_logged = [line for line in err.splitlines() if "refused CloseSession" in line]
+    assert 1 <= len(closes_logged) <= 3, closes_logged
