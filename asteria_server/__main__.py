@@ -278,6 +278,13 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
         help="an upload that sends nothing for this long fails (default 30)",
     )
     add("--upload-max-s", type=float, metavar="S", help="longest one upload may take (default 300)")
+    add("--tenant-max-jobs", type=int, metavar="N", help="registered jobs per tenant (default 64)")
+    add(
+        "--job-idle-s",
+        type=float,
+        metavar="S",
+        help="a registered job with no session for this long is forgotten (default 120)",
+    )
     add(
         "--tenant-shm-segments",
         type=int,

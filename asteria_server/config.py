@@ -189,6 +189,11 @@ class DaemonConfig:
         tenant_upload_share: the fraction of ``max_upload_bytes`` one tenant's uploads may hold.
         upload_idle_s: an upload that sends no message for this long fails RESOURCE_EXHAUSTED.
         upload_max_s: the most time one upload may take, however it trickles.
+        tenant_max_jobs: jobs (RegisterJob layouts) one tenant may have in the job registry;
+            beyond it RegisterJob fails RESOURCE_EXHAUSTED (a job is dropped after ``job_idle_s``
+            without a session, or at once by ``asteria forget --job``).
+        job_idle_s: a registered job with no open session of its job for this long leaves the
+            registry.
         tenant_shm_segments: shared-memory segments (one descriptor each) one tenant may have
             handed over, all its connections together. 0: half of the daemon's descriptor
             budget (all of it when there are no tenant tokens).
@@ -233,6 +238,8 @@ class DaemonConfig:
     tenant_upload_share: float = 0.5
     upload_idle_s: float = 30.0
     upload_max_s: float = 300.0
+    tenant_max_jobs: int = 64
+    job_idle_s: float = 120.0
     tenant_shm_segments: int = 0
     solve_timeout_s: float = 600.0
     solve_timeout_floor_s: float = 30.0
@@ -355,9 +362,16 @@ class DaemonConfig:
             "max_block_name_bytes",
             "tenant_max_sessions",
             "tenant_max_streams",
+            "tenant_max_jobs",
         ):
             _check_int(name, getattr(self, name), 1)
-        for name in ("session_ttl_s", "stream_stall_s", "upload_idle_s", "upload_max_s"):
+        for name in (
+            "session_ttl_s",
+            "stream_stall_s",
+            "upload_idle_s",
+            "upload_max_s",
+            "job_idle_s",
+        ):
             _check_seconds(name, getattr(self, name))
         share = self.tenant_upload_share
         if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share <= 1:
@@ -537,6 +551,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "tenant_upload_share": _as_float,
     "upload_idle_s": _as_float,
     "upload_max_s": _as_float,
+    "tenant_max_jobs": int,
+    "job_idle_s": _as_float,
     "tenant_shm_segments": int,
     "solve_timeout_s": _as_float,
     "solve_timeout_floor_s": _as_float,

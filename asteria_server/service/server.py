@@ -327,10 +327,21 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         sync.uploads = servicer.uploads  # a peer's push holds upload budget as a client's does
         sync.auth_throttle = servicer.auth_throttle  # one guesser meets one throttle everywhere
         add_servicer_to_server(servicer, server)
-        jobs_pb2_grpc.add_JobsServicer_to_server(
-            JobsServicer(servicer.session_tenant, engine.incarnation_id, sync.job_registered),
-            server,
+        jobs = JobsServicer(
+            servicer.session_tenant,
+            engine.incarnation_id,
+            sync.job_registered,
+            job_sessions=servicer.job_sessions,
+            max_jobs_per_tenant=config.tenant_max_jobs,
+            job_idle_s=config.job_idle_s,
         )
+        jobs_pb2_grpc.add_JobsServicer_to_server(jobs, server)
+
+        def forget_job(tenant: str, job: str) -> None:
+            jobs.forget(tenant, job)
+            sync.forget_job(tenant, job)
+
+        servicer.on_forget_job = forget_job
         peer_pb2_grpc.add_PeerServicer_to_server(
             PeerServicer(sync, servicer.session_tenant), server
         )

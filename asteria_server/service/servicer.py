@@ -248,6 +248,9 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._reaper: asyncio.TimerHandle | None = None
         self._auth_throttle = AuthThrottle()
         self._refusals = RefusalLog(logger)
+        #: told (tenant, job) when CloseSession forgets a job's blocks (the job registry, the
+        #: sync's peer group of the job)
+        self.on_forget_job: Callable[[str, str], None] | None = None
         #: (tenant, block) -> the frames of the result streams are sending now
         self._frames: weakref.WeakValueDictionary[tuple[str, str], _Frames] = (
             weakref.WeakValueDictionary()
@@ -490,6 +493,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             registered = self._registered.get(session.tenant, {})
             for block in self._engine.forget(session.tenant, session.job):
                 registered.pop(block, None)
+            if self.on_forget_job is not None:  # ... and its entry in the job registry
+                self.on_forget_job(session.tenant, session.job)
         return pb.CloseSessionResponse()
 
     async def RegisterBlocks(

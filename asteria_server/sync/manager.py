@@ -969,6 +969,21 @@ class SyncManager:
             await _cancel(js._tasks)
             await _close_channels(js)
 
+    def forget_job(self, tenant: str, job: str) -> None:
+        """End the job's peer group now (its blocks were forgotten here); on the event loop."""
+        js = self.jobs.pop((tenant, job), None)
+        self._idle_since.pop((tenant, job), None)
+        if js is None or self._loop is None:
+            return
+        self.groups_removed += 1
+        task = self._loop.create_task(self._end_group(js))
+        self._claims.add(task)
+        task.add_done_callback(self._claims.discard)
+
+    async def _end_group(self, js: JobSync) -> None:
+        await _cancel(js._tasks)
+        await _close_channels(js)
+
     # ------------------------------------------------------------------ jobs
 
     def job_registered(self, tenant: str, layout: jpb.JobLayout, node_rank: int) -> None:

@@ -19,6 +19,8 @@ import grpc
 import numpy as np
 import pytest
 
+from asteria_client.cli import main as cli_main
+from asteria_client.daemon_process import DaemonProcess, DaemonStartError
 from asteria_server.engine import SolveKind, SolveResult, SolveTask, SubmitOutcome
 from asteria_server.protocol import framing
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
@@ -36,7 +38,7 @@ from tests.integration.test_daemon import (
     stop_daemon,
     submit,
 )
-from tests.integration.test_daemon_limits import TOKENS, start_tenants_daemon
+from tests.integration.test_daemon_limits import TOKENS, start_tenants_daemon, tokens_config
 
 JOB = "doors"
 #: a port nothing listens on: the job's second daemon, never up
@@ -282,3 +284,87 @@ def test_wrong_token_peer_calls_and_close_session_guesses_are_throttled(tmp_path
     assert 1 <= len(refusals) <= 3, refusals
     closes_logged = [line for line in err.splitlines() if "refused CloseSession" in line]
     assert 1 <= len(closes_logged) <= 3, closes_logged
+
+
+# ----------------------------------------------------------------------- 6. the job registry
+
+
+def start_env_daemon(tmp_path: Path, env: dict[str, str], *extra: str) -> LaunchedDaemon:
+    """A tenants daemon with ``ASTERIA_*`` settings from ``env`` (a daemon that does not know
+    a setting ignores it, so a test of a new limit still runs against the old code)."""
+    launcher = DaemonProcess(
+        workers=1,
+        extra_args=("--config", str(tokens_config(tmp_path)), *extra),
+        socket_dir=tmp_path / "d",
+        env=env,
+    )
+    try:
+        launcher.start()
+    except DaemonStartError as exc:
+        pytest.fail(str(exc))
+    assert launcher.socket_path is not None
+    return LaunchedDaemon(
+        launcher.process, launcher.socket_path, launcher.address, launcher.serving_line, launcher
+    )
+
+
+def register_job(d: LaunchedDaemon, session: str, job: str) -> None:
+    layout = jpb.JobLayout(
+        job=job,
+        world_size=1,
+        nodes=[jpb.JobNode(host="a", ranks=[0], daemon_address=d.target)],
+    )
+    jpb_grpc.JobsStub(grpc.insecure_channel(d.target)).RegisterJob(
+        jpb.RegisterJobRequest(session_id=session, layout=layout, node_rank=0),
+        timeout=CALL_TIMEOUT_S,
+    )
+
+
+def listed_jobs(d: LaunchedDaemon, session: str) -> set[str]:
+    reply = jpb_grpc.JobsStub(grpc.insecure_channel(d.target)).ListJobs(
+        jpb.ListJobsRequest(session_id=session), timeout=CALL_TIMEOUT_S
+    )
+    return {j.layout.job for j in reply.jobs}
+
+
+def close(d: LaunchedDaemon, session: str, tenant: str = "alice") -> None:
+    d.stub().CloseSession(
+        pb.CloseSessionRequest(session_id=session, token=TOKENS[tenant]), timeout=CALL_TIMEOUT_S
+    )
+
+
+def test_the_job_registry_forgets_idle_jobs_and_asteria_forget_drops_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tenant_max_jobs 4, job_idle_s 1: a fifth job while four have sessions is refused naming
+    the quota and what frees it; a job with no session for job_idle_s leaves the registry;
+    ``asteria forget --job`` drops a job from it at once."""
+    env = {"ASTERIA_TENANT_MAX_JOBS": "4", "ASTERIA_JOB_IDLE_S": "1"}
+    d = start_env_daemon(tmp_path, env)
+    try:
+        sessions = {f"j{i}": job_session(d, job=f"j{i}") for i in range(5)}
+        for i in range(4):
+            register_job(d, sessions[f"j{i}"], f"j{i}")
+        details = expect_code(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            jpb_grpc.JobsStub(grpc.insecure_channel(d.target)).RegisterJob,
+            jpb.RegisterJobRequest(
+                session_id=sessions["j4"],
+                layout=jpb.JobLayout(
+                    job="j4",
+                    world_size=1,
+                    nodes=[jpb.JobNode(host="a", ranks=[0], daemon_address=d.target)],
+                ),
+            ),
+        )
+        assert "tenant_max_jobs" in details and "job_idle_s" in details, details
+        close(d, sessions.pop("j0"))
+        close(d, sessions.pop("j1"))
+        time.sleep(1.5)  # past job_idle_s: j0 and j1 have no session any more
+        register_job(d, sessions["j4"], "j4")
+        assert listed_jobs(d, sessions["j4"]) == {"j2", "j3", "j4"}
+        argv = ["forget", "--job", "j3", "--address", d.target, "--tenant", "alice"]
+        assert cli_main([*argv, "--token", TOKENS["alice"]]) == 0
+        assert listed_jobs(d, sessions["j4"]) == {"j2", "j4"}
+    finally:
+        stop_daemon(d)
