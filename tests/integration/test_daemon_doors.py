@@ -9,7 +9,10 @@ limits and timings are lowered by flags or ``ASTERIA_SYNC_*`` so that each test 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -32,13 +35,18 @@ from asteria_server.sync.manager import job_token
 from tests.integration.test_daemon import (
     CALL_TIMEOUT_S,
     LaunchedDaemon,
+    _children,
     block_status,
     expect_code,
+    open_session,
+    receive,
     spd,
+    start_daemon,
     stop_daemon,
     submit,
 )
 from tests.integration.test_daemon_limits import TOKENS, start_tenants_daemon, tokens_config
+from tests.protocol_readers import read_results
 
 JOB = "doors"
 #: a port nothing listens on: the job's second daemon, never up
@@ -366,5 +374,43 @@ def test_the_job_registry_forgets_idle_jobs_and_asteria_forget_drops_one(
         argv = ["forget", "--job", "j3", "--address", d.target, "--tenant", "alice"]
         assert cli_main([*argv, "--token", TOKENS["alice"]]) == 0
         assert listed_jobs(d, sessions["j4"]) == {"j2", "j4"}
+    finally:
+        stop_daemon(d)
+
+
+# ----------------------------------------------------------------------- 9. a stopped idle worker
+
+
+def test_a_stopped_idle_worker_is_replaced_before_the_next_block_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    """The only worker, idle, is stopped with SIGSTOP: the next block is solved by a fresh
+    worker long before the 60 s timeout floor (within the 20 s this test waits), and the
+    stopped process is gone."""
+    d = start_daemon(tmp_path, "--solve-timeout-floor-s", "60")
+    try:
+        stub = d.stub()
+        sid = open_session(stub)
+        assert submit(stub, sid, inverse_root_task("warm", 1, 8)) is SubmitOutcome.QUEUED
+        assert receive(stub, sid, ["warm"])  # the worker is up, and idle now
+        (worker,) = _children(d.proc.pid)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            while Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                time.sleep(0.01)  # stopped (as status shows it) before the next block comes
+            assert submit(stub, sid, inverse_root_task("next", 1, 8)) is SubmitOutcome.QUEUED
+            stream = stub.StreamResults(
+                pb.StreamResultsRequest(session_id=sid, blocks=["next"]), timeout=20
+            )
+            try:
+                got = next(read_results(stream))
+            except grpc.RpcError as exc:
+                pytest.fail(f"the block waited for the stopped worker: {exc.code()}")
+            assert got.block == "next"
+            stream.cancel()
+            assert worker not in _children(d.proc.pid)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
     finally:
         stop_daemon(d)
