@@ -280,6 +280,27 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
     add("--upload-max-s", type=float, metavar="S", help="longest one upload may take (default 300)")
     add("--tenant-max-jobs", type=int, metavar="N", help="registered jobs per tenant (default 64)")
     add(
+        "--max-job-daemons",
+        type=int,
+        metavar="N",
+        help="distinct daemons one job's layout may list (default 64)",
+    )
+    add(
+        "--tenant-max-peers",
+        type=int,
+        metavar="N",
+        help="peer daemons one tenant's peer groups may contact together (default 256)",
+    )
+    add(
+        "--peer-allow",
+        metavar="PATTERNS",
+        help=(
+            "comma-separated networks (10.0.0.0/8) or host patterns (node-*.cluster) of the "
+            "peer daemons a job's peer group may contact (default: loopback only for a daemon "
+            "on loopback or a Unix socket, any for one on another interface)"
+        ),
+    )
+    add(
         "--job-idle-s",
         type=float,
         metavar="S",

@@ -194,6 +194,12 @@ class DaemonConfig:
             without a session, or at once by ``asteria forget --job``).
         job_idle_s: a registered job with no open session of its job for this long leaves the
             registry.
+        max_job_daemons: distinct daemons one job's layout may list (its peer group's size).
+        tenant_max_peers: peer daemons one tenant's peer groups may contact together.
+        peer_allow: comma-separated patterns of the peer daemons a peer group may contact: IP
+            networks (``10.0.0.0/8``) or host-name patterns (``node-*.cluster``). Empty: a
+            daemon on loopback or a Unix socket contacts loopback peers only, one on another
+            interface (with TLS) any.
         tenant_shm_segments: shared-memory segments (one descriptor each) one tenant may have
             handed over, all its connections together. 0: half of the daemon's descriptor
             budget (all of it when there are no tenant tokens).
@@ -240,6 +246,9 @@ class DaemonConfig:
     upload_max_s: float = 300.0
     tenant_max_jobs: int = 64
     job_idle_s: float = 120.0
+    max_job_daemons: int = 64
+    tenant_max_peers: int = 256
+    peer_allow: str = ""
     tenant_shm_segments: int = 0
     solve_timeout_s: float = 600.0
     solve_timeout_floor_s: float = 30.0
@@ -363,6 +372,8 @@ class DaemonConfig:
             "tenant_max_sessions",
             "tenant_max_streams",
             "tenant_max_jobs",
+            "max_job_daemons",
+            "tenant_max_peers",
         ):
             _check_int(name, getattr(self, name), 1)
         for name in (
@@ -373,6 +384,11 @@ class DaemonConfig:
             "job_idle_s",
         ):
             _check_seconds(name, getattr(self, name))
+        if not isinstance(self.peer_allow, str):
+            raise ValueError(f"DaemonConfig.peer_allow must be a string, got {self.peer_allow!r}")
+        from asteria_server.sync.policy import parse_patterns  # the rule lives with the sync
+
+        parse_patterns(self.peer_allow)
         share = self.tenant_upload_share
         if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share <= 1:
             raise ValueError(
@@ -553,6 +569,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "upload_max_s": _as_float,
     "tenant_max_jobs": int,
     "job_idle_s": _as_float,
+    "max_job_daemons": int,
+    "tenant_max_peers": int,
+    "peer_allow": str,
     "tenant_shm_segments": int,
     "solve_timeout_s": _as_float,
     "solve_timeout_floor_s": _as_float,

@@ -100,6 +100,7 @@ class JobsServicer(jpb_grpc.JobsServicer):
         incarnation_id: str,
         on_register: Callable[[str, jpb.JobLayout, int], None] | None = None,
         *,
+        check_register: Callable[[str, jpb.JobLayout, int], None] | None = None,
         job_sessions: Callable[[str, str], int] | None = None,
         max_jobs_per_tenant: int = MAX_JOBS_PER_TENANT,
         job_idle_s: float = JOB_IDLE_S,
@@ -109,6 +110,8 @@ class JobsServicer(jpb_grpc.JobsServicer):
         self._incarnation_id = incarnation_id
         #: told (tenant, layout, node_rank) of every registration (the sync between daemons)
         self._on_register = on_register
+        #: raises InvalidInputError or DaemonBusyError for a layout the sync refuses
+        self._check_register = check_register
         #: open sessions of (tenant, job) here; None: jobs never expire
         self._job_sessions = job_sessions
         self.max_jobs_per_tenant = max_jobs_per_tenant
@@ -170,6 +173,8 @@ class JobsServicer(jpb_grpc.JobsServicer):
                     "at once with `asteria forget --job JOB`; until then this job's daemons "
                     "do not sync"
                 )
+            if self._check_register is not None:
+                self._check_register(tenant, request.layout, request.node_rank)
             layout = jpb.JobLayout()
             layout.CopyFrom(request.layout)
             jobs[layout.job] = _Job(

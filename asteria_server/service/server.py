@@ -43,6 +43,7 @@ from asteria_server.service.servicer import (
     add_servicer_to_server,
 )
 from asteria_server.sync.manager import GatedEngine, SyncManager
+from asteria_server.sync.policy import PeerPolicy, parse_patterns
 from asteria_server.sync.push import PushTimeouts
 from asteria_server.sync.service import PeerServicer
 
@@ -289,6 +290,12 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             max_message_bytes=config.max_message_bytes,
             max_matrix_n=config.max_matrix_n,
             tls_root=None if config.tls_cert is None else Path(config.tls_cert).read_bytes(),
+            policy=PeerPolicy(
+                max_job_daemons=config.max_job_daemons,
+                tenant_max_peers=config.tenant_max_peers,
+                allow=parse_patterns(config.peer_allow),
+                loopback_only=isinstance(address, UnixAddress) or address.is_loopback,
+            ),
             push_timeouts=PushTimeouts(
                 wait_s=config.upload_wait_s,
                 idle_s=config.upload_idle_s,
@@ -331,6 +338,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             servicer.session_tenant,
             engine.incarnation_id,
             sync.job_registered,
+            check_register=sync.check_job,
             job_sessions=servicer.job_sessions,
             max_jobs_per_tenant=config.tenant_max_jobs,
             job_idle_s=config.job_idle_s,

@@ -68,6 +68,7 @@ from asteria_server.protocol.shm import private_result
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.limits import AuthThrottle, RefusalLog
 from asteria_server.sync.owners import block_cost, owner_map
+from asteria_server.sync.policy import UNPROVEN_HEARTBEAT_MAX_S, PeerPolicy
 from asteria_server.sync.push import BlockUse, PushStream, PushTimeouts, check_header
 from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
@@ -207,6 +208,10 @@ class _Peer:
     suspected: int = 0
     died: int = 0
     rejoined: int = 0
+    #: it answered a heartbeat or called with the job token: a daemon of the job, heartbeated
+    #: every heartbeat_s; until then asked at most once a second, backing off (misses)
+    proven: bool = False
+    misses: int = 0
     channel: grpc.aio.Channel | None = None
     stub: ppb_grpc.PeerStub | None = None
 
@@ -324,6 +329,7 @@ class JobSync:
             )
         peer.incarnation = state.incarnation_id
         peer.last_heard = now
+        peer.proven, peer.misses = True, 0
         peer.workers_busy = state.workers_busy
         peer.workers = state.workers
         peer.queue_depth = state.queue_depth
@@ -881,8 +887,10 @@ class SyncManager:
         tls_root: bytes | None = None,
         uploads: UploadBudget | None = None,
         push_timeouts: PushTimeouts | None = None,
+        policy: PeerPolicy | None = None,
     ) -> None:
         self.engine = engine
+        self.policy = policy or PeerPolicy()
         self.config = config or SyncConfig.from_env()
         self._tokens = dict(tokens)
         self.chunk_bytes = chunk_bytes
@@ -985,6 +993,19 @@ class SyncManager:
         await _close_channels(js)
 
     # ------------------------------------------------------------------ jobs
+
+    def check_job(self, tenant: str, layout: jpb.JobLayout, node_rank: int) -> None:
+        """Refuse a layout whose peer group the operator's rules do not allow (before the job
+        registry keeps it): too many daemons, for the job or the tenant, or an address outside
+        ``peer_allow`` (see :mod:`asteria_server.sync.policy`)."""
+        addresses = list(dict.fromkeys(n.daemon_address for n in layout.nodes))
+        if len(addresses) < 2:
+            return
+        others = sum(
+            len(js.peers) for (t, job), js in self.jobs.items() if t == tenant and job != layout.job
+        )
+        me = layout.nodes[node_rank].daemon_address
+        self.policy.check(layout.job, me, addresses, others)
 
     def job_registered(self, tenant: str, layout: jpb.JobLayout, node_rank: int) -> None:
         """A node leader registered ``layout`` here (RegisterJob; on the event loop)."""
@@ -1120,8 +1141,19 @@ class SyncManager:
                 logger.exception("job %r: heartbeat to %s failed", js.job, peer.address)
             js.refresh_states(time.monotonic())
             # A dead peer (or a job that ended there) is asked less often, never given up: it
-            # may come back (a restart, SIGCONT) and must be heard within a few seconds.
-            every = self.config.heartbeat_s if peer.state != "dead" else DEAD_PEER_HEARTBEAT_S
+            # may come back (a restart, SIGCONT) and must be heard within a few seconds. One
+            # never heard (an address a layout names, perhaps no daemon at all) is asked at
+            # most once a second, backing off: it proves itself by calling here meanwhile.
+            if not peer.proven:
+                peer.misses += 1
+                every = min(
+                    UNPROVEN_HEARTBEAT_MAX_S,
+                    max(self.config.heartbeat_s, DEAD_PEER_HEARTBEAT_S) * 2 ** (peer.misses - 1),
+                )
+            elif peer.state != "dead":
+                every = self.config.heartbeat_s
+            else:
+                every = DEAD_PEER_HEARTBEAT_S
             left = every - (time.monotonic() - started)
             await asyncio.sleep(max(0.01, left))
 

@@ -9,6 +9,7 @@ limits and timings are lowered by flags or ``ASTERIA_SYNC_*`` so that each test 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -413,4 +414,65 @@ def test_a_stopped_idle_worker_is_replaced_before_the_next_block_waits_for_it(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGCONT)
     finally:
+        stop_daemon(d)
+
+
+# ----------------------------------------------------------------------- 1. peer groups bounded
+
+
+class _CountingPeer(ppb_grpc.PeerServicer):
+    """A server at a layout's address that is no daemon of the job: it counts the heartbeats
+    it gets and refuses each."""
+
+    def __init__(self) -> None:
+        self.heartbeats = 0
+
+    def Heartbeat(self, request: ppb.HeartbeatRequest, context: grpc.ServicerContext) -> None:
+        self.heartbeats += 1
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a daemon of this job")
+
+
+def layout_of(d: LaunchedDaemon, job: str, others: list[str]) -> jpb.JobLayout:
+    addresses = [d.target, *others]
+    return jpb.JobLayout(
+        job=job,
+        world_size=len(addresses),
+        nodes=[
+            jpb.JobNode(host=f"h{i}", ranks=[i], daemon_address=a) for i, a in enumerate(addresses)
+        ],
+    )
+
+
+def test_peer_groups_are_bounded_allowed_and_unproven_peers_are_asked_slowly(
+    tmp_path: Path,
+) -> None:
+    """A layout of 200 daemons is refused naming max_job_daemons; one naming a non-loopback
+    peer of a daemon on a Unix socket is refused naming peer_allow; an address that answers
+    but never as a daemon of the job gets a heartbeat about once a second or less, not every
+    heartbeat_s (0.25 s)."""
+    d = start_tenants_daemon(tmp_path)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    fake = _CountingPeer()
+    ppb_grpc.add_PeerServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        sid = job_session(d)
+        jobs = jpb_grpc.JobsStub(grpc.insecure_channel(d.target))
+
+        def register(layout: jpb.JobLayout, timeout: float = CALL_TIMEOUT_S) -> object:
+            request = jpb.RegisterJobRequest(session_id=sid, layout=layout, node_rank=0)
+            return jobs.RegisterJob(request, timeout=timeout)
+
+        many = layout_of(d, "many", [f"127.0.0.1:{1 + i}" for i in range(199)])
+        details = expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, register, many)
+        assert "max_job_daemons" in details, details
+        far = layout_of(d, "far", ["192.0.2.7:50051"])
+        details = expect_code(grpc.StatusCode.INVALID_ARGUMENT, register, far)
+        assert "peer_allow" in details and "192.0.2.7" in details, details
+        register(layout_of(d, JOB, [f"127.0.0.1:{port}"]))
+        time.sleep(4.0)
+        assert 1 <= fake.heartbeats <= 6, f"{fake.heartbeats} heartbeats in 4 s to a stranger"
+    finally:
+        server.stop(None)
         stop_daemon(d)
