@@ -398,6 +398,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if check_config:
         print(effective_settings(config), end="")
+        if config.spill_dir is not None:  # the checks the daemon makes at start
+            from asteria_server.service.server import (
+                SPILL_INSTEAD,
+                StartupError,
+                prepare_private_dir,
+            )
+
+            try:
+                prepare_private_dir(
+                    Path(config.spill_dir), "spill directory", SPILL_INSTEAD, create=False
+                )
+            except StartupError as exc:
+                print(f"asteria-server: invalid configuration: {exc}", file=sys.stderr)
+                return 2
         return 0
     if check_health:
         return health_check(config, health_timeout_s)

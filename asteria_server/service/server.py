@@ -67,53 +67,73 @@ class StartupError(RuntimeError):
 
 
 def _prepare_socket_dir(directory: Path) -> None:
-    """Create the socket directory (0700) or check an existing one: a real directory, never a
+    """Create the socket directory (0700) or check an existing one (:func:`prepare_private_dir`)."""
+    prepare_private_dir(
+        directory, "socket directory", "a directory of your own with --listen unix:///path/to.sock"
+    )
+
+
+def prepare_private_dir(directory: Path, what: str, instead: str, *, create: bool = True) -> None:
+    """Create ``directory`` (0700) or check an existing one: a real directory, never a
     symbolic link (whoever owns the link could point it elsewhere once the daemon started and
-    receive clients' tokens), owned by this user and not writable by others.
+    receive clients' tokens, or their results), owned by this user and not writable by others.
+    The socket directory and the spill directory get the same checks. ``what`` names it in
+    errors, ``instead`` says what to use instead; ``create`` False: only check one that exists.
 
     It is judged through a descriptor opened with ``O_NOFOLLOW``, checked to be the entry
     ``lstat`` saw, so the directory cannot be swapped between the check and its use."""
     try:
         seen = os.lstat(directory)
     except FileNotFoundError:
+        if not create:
+            return
         directory.mkdir(mode=0o700, parents=True)
         os.chmod(directory, 0o700, follow_symlinks=False)  # mkdir's mode is masked by the umask
         seen = os.lstat(directory)
     if stat.S_ISLNK(seen.st_mode):
         raise StartupError(
-            f"socket directory {directory} is a symbolic link: refusing it (whoever controls "
-            "the link could redirect clients and their tokens); use a real directory of your "
-            "own with --listen unix:///path/to.sock"
+            f"{what} {directory} is a symbolic link: refusing it (whoever controls the link "
+            f"could redirect what the daemon puts there); use {instead}"
         )
     if not stat.S_ISDIR(seen.st_mode):
-        raise StartupError(f"socket directory {directory} exists and is not a directory")
+        raise StartupError(f"{what} {directory} exists and is not a directory")
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
-        raise StartupError(f"cannot open socket directory {directory}: {exc.strerror}") from None
+        raise StartupError(f"cannot open {what} {directory}: {exc.strerror}") from None
     try:
         info = os.fstat(fd)
     finally:
         os.close(fd)
     if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino):
-        raise StartupError(f"socket directory {directory} changed while it was checked; retry")
+        raise StartupError(f"{what} {directory} changed while it was checked; retry")
     if info.st_uid != os.getuid():
         raise StartupError(
-            f"socket directory {directory} is owned by uid {info.st_uid}, not by this user "
-            f"({os.getuid()}); choose a directory of your own with --listen unix:///path/to.sock"
+            f"{what} {directory} is owned by uid {info.st_uid}, not by this user "
+            f"({os.getuid()}); use {instead}"
         )
     if info.st_mode & 0o022:
         raise StartupError(
-            f"socket directory {directory} has mode {stat.S_IMODE(info.st_mode):04o}: others can "
-            f"replace the socket; run `chmod 700 {directory}` or choose another --listen path"
+            f"{what} {directory} has mode {stat.S_IMODE(info.st_mode):04o}: others can "
+            f"replace what the daemon keeps there; run `chmod 700 {directory}` or use {instead}"
         )
 
 
-class SocketLock:
-    """``<socket>.lock`` held with ``flock`` for the daemon's life; holds the daemon's pid."""
+SPILL_INSTEAD = "a directory of your own with --spill-dir DIR"
+#: In the spill directory: held with flock for the daemon's life (one daemon per directory).
+SPILL_LOCK_NAME = "asteria-spill.lock"
 
-    def __init__(self, path: Path) -> None:
+
+class SocketLock:
+    """``<socket>.lock`` (or the spill directory's lock) held with ``flock`` for the daemon's
+    life; holds the daemon's pid."""
+
+    def __init__(
+        self, path: Path, what: str = "serves this socket", instead: str = "another --listen path"
+    ) -> None:
         self.path = path
+        self._what = what
+        self._instead = instead
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:
@@ -127,8 +147,8 @@ class SocketLock:
                 holder = f.read().strip() or "unknown"
                 f.close()
                 raise StartupError(
-                    f"another asteria-server (pid {holder}) already serves this socket: it holds "
-                    f"{self.path}. Stop it first or start this one with another --listen path"
+                    f"another asteria-server (pid {holder}) already {self._what}: it holds "
+                    f"{self.path}. Stop it first or start this one with {self._instead}"
                 ) from None
             # The previous holder may have unlinked the file between our open and flock.
             try:
@@ -178,6 +198,7 @@ class RunningDaemon:
     lock: SocketLock | None
     handover: SegmentHandover | None = None
     sync: SyncManager | None = None
+    spill_lock: SocketLock | None = None
 
     async def stop(self) -> None:
         logger.info("shutting down (grace period %.1f s)", self.config.grace_period_s)
@@ -195,6 +216,8 @@ class RunningDaemon:
                 address.path.unlink()
         if self.lock is not None:
             self.lock.release()
+        if self.spill_lock is not None:  # after the engine removed its spill files
+            self.spill_lock.release()
         if self.config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ready_file)
@@ -238,6 +261,19 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         lock.acquire()
         if address.path.exists() or address.path.is_symlink():
             address.path.unlink()  # left by a daemon that died; we hold the lock
+    spill_lock: SocketLock | None = None
+    if config.spill_dir is not None:  # the socket directory's checks, and one daemon per dir
+        try:
+            spill_dir = Path(config.spill_dir)
+            prepare_private_dir(spill_dir, "spill directory", SPILL_INSTEAD)
+            spill_lock = SocketLock(
+                spill_dir / SPILL_LOCK_NAME, "uses this spill directory", "another --spill-dir"
+            )
+            spill_lock.acquire()
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
     try:
         engine = await asyncio.to_thread(
             PreconditionerEngine,
@@ -256,6 +292,8 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
     except BaseException:
         if lock is not None:
             lock.release()
+        if spill_lock is not None:
+            spill_lock.release()
         raise
     handover: SegmentHandover | None = None
     try:
@@ -381,9 +419,11 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         await asyncio.to_thread(engine.close)
         if lock is not None:
             lock.release()
+        if spill_lock is not None:
+            spill_lock.release()
         raise
     return RunningDaemon(
-        config, engine, server, servicer, health_servicer, target, lock, handover, sync
+        config, engine, server, servicer, health_servicer, target, lock, handover, sync, spill_lock
     )
 
 
