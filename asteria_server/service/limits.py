@@ -286,11 +286,11 @@ class FdBudget:
     def used(self) -> int:
         return self._used
 
-    def acquire(self, tenant: str | None) -> str | None:
-        """Take one descriptor for ``tenant`` (None: not yet known, the total only); None when
-        it was granted, else why not."""
+    def acquire(self, tenant: str | None, count: int = 1) -> str | None:
+        """Take ``count`` descriptors for ``tenant`` (None: not yet known, the total only);
+        None when granted, else why not."""
         with self._lock:
-            if self._used >= self.total:
+            if self._used + count > self.total:
                 return (
                     f"the daemon holds {self._used} descriptors for clients, its limit (the "
                     "process's descriptor limit less a reserve for its own work); send further "
@@ -298,13 +298,14 @@ class FdBudget:
                 )
             if tenant is not None:
                 held = self._by_tenant.get(tenant, 0)
-                if held >= self.per_tenant:
+                if held + count > self.per_tenant:
                     return (
-                        f"tenant {tenant!r} holds {held} handed-over descriptors "
-                        f"(tenant_shm_segments = {self.per_tenant}); send further blocks in chunks"
+                        f"tenant {tenant!r} holds {held} handed-over descriptors, its share "
+                        f"({self.per_tenant}: two per segment, tenant_shm_segments); send "
+                        "further blocks in chunks"
                     )
-                self._by_tenant[tenant] = held + 1
-            self._used += 1
+                self._by_tenant[tenant] = held + count
+            self._used += count
             return None
 
     def charge(self, tenant: str) -> str | None:

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 import stat
 from collections.abc import Callable, Iterator
@@ -33,6 +34,11 @@ from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc, peer_pb2
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.service.allocator import reclaim_periodically
+from asteria_server.service.descriptors import (
+    SEGMENT_FDS,
+    DescriptorWatch,
+    watch_descriptors,
+)
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.jobs import JobsServicer
 from asteria_server.service.limits import FdBudget, fd_budget_for, raise_nofile_limit
@@ -57,6 +63,7 @@ EXIT_ENGINE_BROKEN = 3
 #: How long a metrics scrape waits for the event loop to read the peer groups.
 PEER_METRICS_WAIT_S = 2.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preconditioner"].full_name
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class StartupError(RuntimeError):
@@ -300,7 +307,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         server = grpc.aio.server(options=_server_options(config))
         if isinstance(address, UnixAddress) and config.shared_memory:
             total_fds = fd_budget_for(nofile)
-            per_tenant = config.tenant_shm_segments or (
+            per_tenant = SEGMENT_FDS * config.tenant_shm_segments or (
                 total_fds if config.allows_anonymous() else max(1, total_fds // 2)
             )
             handover = SegmentHandover(
@@ -314,9 +321,12 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
                 fds=FdBudget(total_fds, per_tenant),
             )
             logger.info(
-                "descriptor limit %d: at most %d for clients' segments, %d per tenant",
+                "descriptor limit %d: at most %d for clients' segments and connections (%d "
+                "segments at %d each), %d per tenant",
                 nofile,
                 total_fds,
+                total_fds // SEGMENT_FDS,
+                SEGMENT_FDS,
                 per_tenant,
             )
         # The daemons of a multi-node job sync through the Peer service: a block another
@@ -460,6 +470,16 @@ async def serve(config: DaemonConfig) -> int:
     broken = asyncio.ensure_future(asyncio.to_thread(daemon.engine.wait_stopped))
     stopping = asyncio.ensure_future(stop.wait())
     reclaiming = asyncio.ensure_future(reclaim_periodically())  # garbage goes back
+
+    async def set_serving(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await daemon.health.set(name, status)
+
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    descriptors = asyncio.ensure_future(
+        watch_descriptors(DescriptorWatch(nofile), set_serving)
+    )  # NOT_SERVING before the descriptor table is full
     why: str | None = None
     try:
         await asyncio.wait((broken, stopping), return_when=asyncio.FIRST_COMPLETED)
@@ -468,11 +488,13 @@ async def serve(config: DaemonConfig) -> int:
             # The engine cannot work any more: say so to every health check, then exit
             # non-zero so that the supervisor starts a fresh daemon.
             logger.error("the engine stopped working (%s); exiting so it can be restarted", why)
+            descriptors.cancel()  # it must not say SERVING again
             for name in ("", SERVICE_NAME):
-                await daemon.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                await daemon.health.set(name, NOT_SERVING)
     finally:
         stopping.cancel()
         reclaiming.cancel()
+        descriptors.cancel()
         _unwatch(loop, watch)
         await daemon.stop()
         if metrics is not None:

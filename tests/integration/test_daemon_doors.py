@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,9 +25,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from asteria_client.cli import main as cli_main
 from asteria_client.daemon_process import DaemonProcess, DaemonStartError
+from asteria_client.transport import DaemonConnection
+from asteria_client.transport.shm import HandoverChannel
 from asteria_server.engine import SolveKind, SolveResult, SolveTask, SubmitOutcome
 from asteria_server.protocol import framing
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
@@ -35,6 +39,7 @@ from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+from asteria_server.protocol.shm import SharedMemoryUnavailableError
 from asteria_server.sync.manager import job_token
 from tests.integration.test_daemon import (
     CALL_TIMEOUT_S,
@@ -49,7 +54,13 @@ from tests.integration.test_daemon import (
     stop_daemon,
     submit,
 )
-from tests.integration.test_daemon_limits import TOKENS, start_tenants_daemon, tokens_config
+from tests.integration.test_daemon_limits import (
+    TOKENS,
+    _attach_page,
+    _LimitedDaemon,
+    start_tenants_daemon,
+    tokens_config,
+)
 from tests.protocol_readers import read_results
 
 JOB = "doors"
@@ -569,3 +580,76 @@ def test_spill_files_are_checked_whole_and_their_directory_like_the_sockets(
         timeout=60,
     )
     assert check.returncode != 0 and "0777" in check.stderr, (check.returncode, check.stderr)
+
+
+# ----------------------------------------------------------------------- 3. descriptors
+
+
+def _health(channel: grpc.Channel) -> int:
+    reply = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT_S
+    )
+    return int(reply.status)
+
+
+def test_descriptors_are_counted_as_held_and_health_says_when_they_run_out(
+    tmp_path: Path,
+) -> None:
+    """Under a 256-descriptor limit, one tenant (no tokens) hands over page-sized segments
+    until refused: the refusal is the descriptor budget's (two per segment), never an mmap
+    failure for want of descriptors; then raw connections fill the table: health turns
+    NOT_SERVING before it is full and SERVING once they close; a killed worker is replaced
+    and the daemon serves and exits 0."""
+    launcher = _LimitedDaemon(256, workers=1, socket_dir=tmp_path / "d")
+    try:
+        launcher.start()
+    except DaemonStartError as exc:
+        pytest.fail(str(exc))
+    flood: list[socket.socket] = []
+    try:
+        conn = DaemonConnection(launcher.address)
+        session = conn.open_session()
+        channel = HandoverChannel(session.shm_socket, session.session_id)
+        refused = ""
+        for i in range(300):
+            try:
+                _attach_page(channel, f"seg{i}")
+            except SharedMemoryUnavailableError as exc:
+                refused = str(exc)
+                break
+        assert "descriptors for clients" in refused, refused
+        assert channel.alive()
+        grpc_channel = grpc.insecure_channel(launcher.address)
+        assert _health(grpc_channel) == health_pb2.HealthCheckResponse.SERVING
+        assert launcher.socket_path is not None
+        seen = []
+        for i in range(200):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(launcher.socket_path))
+            flood.append(s)
+            if i % 8 == 7:
+                time.sleep(0.6)  # the daemon looks at its table twice a second
+                seen.append(_health(grpc_channel))
+                if seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+        assert seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, (len(flood), seen)
+        for s in flood:
+            s.close()
+        flood.clear()
+        deadline = time.monotonic() + 10
+        while _health(grpc_channel) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "health stayed NOT_SERVING"
+            time.sleep(0.2)
+        channel.close()
+        (worker,) = _children(launcher.process.pid)
+        os.kill(worker, signal.SIGKILL)
+        stub = pb_grpc.PreconditionerStub(grpc_channel)
+        sid = open_session(stub)
+        assert submit(stub, sid, inverse_root_task("after", 1, 8)) is SubmitOutcome.QUEUED
+        assert receive(stub, sid, ["after"])["after"].version == 1
+        conn.close()
+    finally:
+        for s in flood:
+            s.close()
+        end = launcher.stop()
+    assert end.returncode == 0, end.stderr
