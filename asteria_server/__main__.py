@@ -280,6 +280,18 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
     add("--upload-max-s", type=float, metavar="S", help="longest one upload may take (default 300)")
     add("--tenant-max-jobs", type=int, metavar="N", help="registered jobs per tenant (default 64)")
     add(
+        "--metrics-max-connections",
+        type=int,
+        metavar="N",
+        help="connections the metrics endpoint serves at once (default 16)",
+    )
+    add(
+        "--metrics-timeout-s",
+        type=float,
+        metavar="S",
+        help="a metrics connection that sends nothing for this long is closed (default 5)",
+    )
+    add(
         "--max-job-daemons",
         type=int,
         metavar="N",

@@ -194,6 +194,9 @@ class DaemonConfig:
             without a session, or at once by ``asteria forget --job``).
         job_idle_s: a registered job with no open session of its job for this long leaves the
             registry.
+        metrics_max_connections: connections the metrics endpoint serves at once (one more is
+            closed unanswered).
+        metrics_timeout_s: a metrics connection that sends nothing for this long is closed.
         max_job_daemons: distinct daemons one job's layout may list (its peer group's size).
         tenant_max_peers: peer daemons one tenant's peer groups may contact together.
         peer_allow: comma-separated patterns of the peer daemons a peer group may contact: IP
@@ -230,6 +233,8 @@ class DaemonConfig:
     max_upload_bytes: int = 2 << 30
     upload_wait_s: float = 5.0
     metrics_listen: str | None = None
+    metrics_max_connections: int = 16
+    metrics_timeout_s: float = 5.0
     log_format: LogFormat = LogFormat.TEXT
     socket_group_access: bool = False
     max_memory_bytes: int = field(default_factory=lambda: default_max_memory_bytes())
@@ -374,6 +379,7 @@ class DaemonConfig:
             "tenant_max_jobs",
             "max_job_daemons",
             "tenant_max_peers",
+            "metrics_max_connections",
         ):
             _check_int(name, getattr(self, name), 1)
         for name in (
@@ -382,6 +388,7 @@ class DaemonConfig:
             "upload_idle_s",
             "upload_max_s",
             "job_idle_s",
+            "metrics_timeout_s",
         ):
             _check_seconds(name, getattr(self, name))
         if not isinstance(self.peer_allow, str):
@@ -553,6 +560,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_upload_bytes": int,
     "upload_wait_s": _as_float,
     "metrics_listen": str,
+    "metrics_max_connections": int,
+    "metrics_timeout_s": _as_float,
     "log_format": str.lower,
     "socket_group_access": _as_bool,
     "max_memory_bytes": int,

@@ -558,7 +558,11 @@ def _start_metrics(config: DaemonConfig) -> tuple[DaemonMetrics | None, str]:
 
     metrics = DaemonMetrics(blas_threads=config.blas_threads)
     try:
-        url = metrics.serve(address)
+        url = metrics.serve(
+            address,
+            max_connections=config.metrics_max_connections,
+            timeout_s=config.metrics_timeout_s,
+        )
     except OSError as exc:
         raise StartupError(
             f"cannot serve metrics on {address.target}: {exc.strerror or exc}; choose another "

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -653,3 +654,35 @@ def test_descriptors_are_counted_as_held_and_health_says_when_they_run_out(
             s.close()
         end = launcher.stop()
     assert end.returncode == 0, end.stderr
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_the_metrics_endpoint_bounds_its_connections_and_closes_idle_ones(
+    tmp_path: Path,
+) -> None:
+    """metrics_max_connections 4, metrics_timeout_s 1: 40 idle connections cost the daemon at
+    most 4 threads, are closed by it within the timeout, and a scrape then works."""
+    env = {"ASTERIA_METRICS_MAX_CONNECTIONS": "4", "ASTERIA_METRICS_TIMEOUT_S": "1"}
+    d = start_env_daemon(tmp_path, env, "--metrics-listen", "127.0.0.1:0")
+    idle: list[socket.socket] = []
+    try:
+        url = d.serving_line.split("metrics=")[1].split()[0]
+        host, port = url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+        before = _threads(d.proc.pid)
+        for _ in range(40):
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+        time.sleep(0.5)
+        grown = _threads(d.proc.pid) - before
+        assert grown <= 6, f"40 idle metrics connections took {grown} threads"
+        for s in idle:  # each is closed by the daemon: refused at once, or after the timeout
+            s.settimeout(5)
+            assert s.recv(1) == b""
+        with urllib.request.urlopen(url, timeout=CALL_TIMEOUT_S) as reply:
+            assert b"asteria_" in reply.read()
+    finally:
+        for s in idle:
+            s.close()
+        stop_daemon(d)
