@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="an unanswered keepalive ping closes the connection after this (default 10)",
     )
+    add(
+        "--handshake-timeout-s",
+        type=float,
+        metavar="S",
+        help="a connection without a completed HTTP/2 handshake is closed after this (default 10)",
+    )
     add("--max-sessions", type=int, metavar="N", help="open sessions at most (default 4096)")
     add("--tls-cert", metavar="PEM", help="TLS certificate chain (TCP only)")
     add("--tls-key", metavar="PEM", help="TLS private key of --tls-cert")

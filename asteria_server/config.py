@@ -137,6 +137,8 @@ class DaemonConfig:
         grace_period_s: how long in-flight calls may finish at shutdown.
         keepalive_time_s: seconds between keepalive pings on idle connections.
         keepalive_timeout_s: a ping unanswered this long closes the connection.
+        handshake_timeout_s: a connection that has not completed its HTTP/2 handshake this long
+            after it opened is closed (raw connections cannot hold descriptors for long).
         max_sessions: open sessions at most, all tenants together (never one dropped for another).
         tls_cert: PEM certificate chain for TCP (required beyond loopback), with ``tls_key``.
         tls_key: PEM private key of ``tls_cert``.
@@ -222,6 +224,7 @@ class DaemonConfig:
     grace_period_s: float = 10.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
+    handshake_timeout_s: float = 10.0
     max_sessions: int = 4096
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -321,6 +324,7 @@ class DaemonConfig:
             "grace_period_s",
             "keepalive_time_s",
             "keepalive_timeout_s",
+            "handshake_timeout_s",
             "upload_wait_s",
             "solve_timeout_s",
             "solve_timeout_floor_s",
@@ -549,6 +553,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "grace_period_s": _as_float,
     "keepalive_time_s": _as_float,
     "keepalive_timeout_s": _as_float,
+    "handshake_timeout_s": _as_float,
     "max_sessions": int,
     "tls_cert": str,
     "tls_key": str,

@@ -241,6 +241,8 @@ def _server_options(config: DaemonConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.http2.max_pings_without_data", 0),
+        # A raw connection that never speaks HTTP/2 holds a descriptor only this long.
+        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
     ]
 
 

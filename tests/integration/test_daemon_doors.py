@@ -599,9 +599,12 @@ def test_descriptors_are_counted_as_held_and_health_says_when_they_run_out(
     """Under a 256-descriptor limit, one tenant (no tokens) hands over page-sized segments
     until refused: the refusal is the descriptor budget's (two per segment), never an mmap
     failure for want of descriptors; then raw connections fill the table: health turns
-    NOT_SERVING before it is full and SERVING once they close; a killed worker is replaced
+    NOT_SERVING before it is full, the daemon closes them after --handshake-timeout-s, and
+    health is SERVING again; a killed worker is replaced
     and the daemon serves and exits 0."""
-    launcher = _LimitedDaemon(256, workers=1, socket_dir=tmp_path / "d")
+    launcher = _LimitedDaemon(
+        256, workers=1, socket_dir=tmp_path / "d", env={"ASTERIA_HANDSHAKE_TIMEOUT_S": "3"}
+    )
     try:
         launcher.start()
     except DaemonStartError as exc:
@@ -634,9 +637,11 @@ def test_descriptors_are_counted_as_held_and_health_says_when_they_run_out(
                 if seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING:
                     break
         assert seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, (len(flood), seen)
+        # They never speak HTTP/2: the daemon closes them after --handshake-timeout-s (3 s).
         for s in flood:
-            s.close()
-        flood.clear()
+            s.settimeout(10)
+            while s.recv(4096):
+                pass
         deadline = time.monotonic() + 10
         while _health(grpc_channel) != health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline, "health stayed NOT_SERVING"
