@@ -66,6 +66,9 @@ logger = logging.getLogger(__name__)
 
 #: The tenant of anonymous sessions (no tokens configured, Unix socket only).
 ANONYMOUS_TENANT = "local"
+#: What a block registration costs the daemon beyond its name's bytes (its table entry, the
+#: name's object, the (n, kind) pair): counted in max_memory_bytes.
+REGISTRATION_OVERHEAD_BYTES = 200
 #: Blocks in one Status answer unless the request asks for fewer.
 STATUS_PAGE_BLOCKS = 10_000
 #: Shared-memory copies larger than this run in a thread, off the event loop.
@@ -213,6 +216,10 @@ class Authenticator:
         return tenant
 
 
+def _registration_cost(block: str) -> int:
+    return len(block.encode()) + REGISTRATION_OVERHEAD_BYTES
+
+
 def _result_bytes(header: pb.SnapshotHeader) -> int:
     """About what a block's result takes in daemon memory: its float32 n x n matrix (twice for
     a refresh, which adds a rotation) and n eigenvalues or permutation entries."""
@@ -258,6 +265,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         #: tenant -> blocks it submitted without registering them (they count in its quota)
         self._unregistered: dict[str, set[str]] = {}
         self._registered: dict[str, dict[str, tuple[int, SolveKind]]] = {}
+        #: what the registrations cost in memory (REGISTRATION_OVERHEAD_BYTES + the name each)
+        self._registration_bytes = 0
         self._stopping = False
         self._received = [0, 0]  # snapshots handed to the engine, and their bytes
         #: tenant -> its open StreamResults calls (touched on the event loop only)
@@ -492,7 +501,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         if request.forget_blocks:  # the session's job: its blocks, results and spill files
             registered = self._registered.get(session.tenant, {})
             for block in self._engine.forget(session.tenant, session.job):
-                registered.pop(block, None)
+                if registered.pop(block, None) is not None:
+                    self._registration_bytes -= _registration_cost(block)
             if self.on_forget_job is not None:  # ... and its entry in the job registry
                 self.on_forget_job(session.tenant, session.job)
         return pb.CloseSessionResponse()
@@ -531,6 +541,15 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     f"RegisterBlocks: tenant {session.tenant!r} has {held} blocks and {added} "
                     f"new would exceed its quota of {quota} (tenant_max_blocks)"
                 )
+            cost = sum(_registration_cost(b) for b in new)
+            held_bytes = self._held_bytes()
+            if cost and held_bytes + cost > self._limits.max_memory_bytes:
+                raise DaemonBusyError(
+                    f"RegisterBlocks: {len(new)} new blocks need {cost} bytes of daemon memory; "
+                    f"the daemon holds {held_bytes} of its max_memory_bytes "
+                    f"({self._limits.max_memory_bytes}); register fewer blocks or forget old ones"
+                )
+            self._registration_bytes += cost
             known.update(specs)
             unregistered.difference_update(specs)
         except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
@@ -729,16 +748,31 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 f"{limits.tenant_cached_bytes} (tenant_cached_bytes); forget blocks or use fewer"
             )
         if upload_bytes or result_bytes:
-            total = self._engine.usage()
-            held = total.queued_bytes + total.cached_bytes + self._uploads.in_use_bytes
+            held = self._held_bytes()
             if held + upload_bytes + result_bytes > limits.max_memory_bytes:
                 raise DaemonBusyError(
-                    f"{what}: the daemon holds {held} bytes of snapshots, results and uploads; "
+                    f"{what}: the daemon holds {held} bytes of snapshots, results, uploads, "
+                    "registrations and result streams; "
                     f"{upload_bytes + result_bytes} more would exceed its max_memory_bytes "
                     f"({limits.max_memory_bytes}); send the next snapshot later"
                 )
         if counted is not None:
             unregistered.add(counted)
+
+    def _held_bytes(self) -> int:
+        """What the daemon holds for clients, as ``max_memory_bytes`` counts it: queued
+        snapshots and cached results (the engine's), uploads being received (clients' and
+        peers'), block registrations, and a chunk in flight per open result stream (what a
+        stream its client does not read keeps in the transport)."""
+        total = self._engine.usage()
+        streams = sum(len(s) for s in self._streams.values())
+        return (
+            total.queued_bytes
+            + total.cached_bytes
+            + self._uploads.in_use_bytes
+            + self._registration_bytes
+            + streams * self._limits.chunk_bytes
+        )
 
     def _upload_wait_s(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         """How long an upload may wait for room: the configured wait, within its deadline."""
@@ -804,6 +838,15 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 raise DaemonBusyError(
                     "this session already receives credit on another result stream; a session "
                     "gets Credit messages on one stream at a time"
+                )
+            held_bytes = self._held_bytes()
+            if held_bytes + self._limits.chunk_bytes > self._limits.max_memory_bytes:
+                raise DaemonBusyError(
+                    f"StreamResults: the daemon holds {held_bytes} bytes of snapshots, results, "
+                    "uploads, registrations and result streams; one more stream (a chunk of "
+                    f"{self._limits.chunk_bytes} bytes in flight) would exceed its "
+                    f"max_memory_bytes ({self._limits.max_memory_bytes}); cancel the streams "
+                    "it no longer reads"
                 )
         except (UnknownSessionError, DaemonBusyError) as exc:
             await abort_call(context, exc)

@@ -691,3 +691,50 @@ def test_the_metrics_endpoint_bounds_its_connections_and_closes_idle_ones(
         for s in idle:
             s.close()
         stop_daemon(d)
+
+
+# ----------------------------------------------------------------------- 8. memory budget
+
+
+def test_registrations_and_result_streams_count_in_the_memory_budget(tmp_path: Path) -> None:
+    """--max-memory 2 MiB: 3000 registrations of 1000-byte names (3 MB) are refused naming
+    max_memory_bytes, and so is a result stream beyond what the budget holds (a 1 MiB chunk
+    in flight each); the refusals cost nothing: a small registration and a stream still work
+    once the others are gone."""
+    d = start_tenants_daemon(tmp_path, "--max-memory", str(2 << 20))
+    try:
+        stub = d.stub()
+        sid = job_session(d)
+        specs = [
+            pb.BlockSpec(block=f"{i:05d}" + "r" * 995, n=8, kind=pb.SOLVE_KIND_INVERSE_ROOT)
+            for i in range(3000)
+        ]
+        details = expect_code(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            stub.RegisterBlocks,
+            pb.RegisterBlocksRequest(session_id=sid, blocks=specs),
+        )
+        assert "max_memory_bytes" in details, details
+        stub.RegisterBlocks(
+            pb.RegisterBlocksRequest(session_id=sid, blocks=specs[:100]), timeout=CALL_TIMEOUT_S
+        )
+        streams = []
+        refused = ""
+        for _ in range(8):
+            call = stub.StreamResults(pb.StreamResultsRequest(session_id=sid), timeout=30)
+            streams.append(call)
+            time.sleep(0.2)
+            if call.done():
+                with pytest.raises(grpc.RpcError) as info:
+                    next(call)
+                assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                refused = str(info.value.details())
+                break
+        assert "max_memory_bytes" in refused, f"{len(streams)} streams opened: {refused!r}"
+        for call in streams:
+            call.cancel()
+        time.sleep(0.5)
+        assert submit(stub, sid, inverse_root_task(specs[0].block, 1, 8)) is SubmitOutcome.QUEUED
+        assert receive(stub, sid, [specs[0].block])
+    finally:
+        stop_daemon(d)
