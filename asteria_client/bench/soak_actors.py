@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import hmac
 import json
@@ -295,7 +296,7 @@ class _BadTenant:
     def _job_token(self, job: str) -> str:
         return hmac.new(self.args.token.encode(), job.encode(), hashlib.sha256).hexdigest()
 
-    def stalled_pushes(self, session: str | None) -> None:
+    def stalled_pushes(self) -> None:
         """PushResults as node 1 of its own two-node job: an n=4096 result's header and first
         chunk, then nothing."""
         from asteria_server.protocol import framing
@@ -303,9 +304,24 @@ class _BadTenant:
         from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
         from asteria_server.types import SolveKind, SolveResult
 
-        if session is None or not self._register(
-            session, "bad-sync", [self.args.address, "127.0.0.1:9"], "sync_layout"
-        ):
+        addresses = [self.args.address, "127.0.0.1:9"]
+        sessions: list[str] = []
+
+        def registered() -> bool:
+            # A session of the job itself: the daemon ends a job's peer group (and forgets the
+            # job) once no session of it is open, and the attack would stop with it.
+            request = self.pb.OpenSessionRequest(
+                tenant=self.args.tenant, token=self.args.token, job="bad-sync"
+            )
+            try:
+                sid = str(self.stub.OpenSession(request, timeout=10.0).session_id)
+            except grpc.RpcError as exc:
+                self._code("open_session", exc)
+                return False
+            sessions[:] = [sid]
+            return self._register(sid, "bad-sync", addresses, "sync_layout")
+
+        if not registered():
             return
         peer = ppb_grpc.PeerStub(self.channel)
         creds = ppb.PeerCredentials(
@@ -340,6 +356,10 @@ class _BadTenant:
                 self.count("stalled_push:OK")
             except grpc.RpcError as exc:
                 self._code("stalled_push", exc)
+                if exc.code() is grpc.StatusCode.NOT_FOUND:  # the job was forgotten: again
+                    registered()
+            with contextlib.suppress(grpc.RpcError):  # the job's session lives on
+                self.stub.Status(self.pb.StatusRequest(session_id=sessions[0]), timeout=5.0)
             self.stop.wait(0.5)
 
     def metrics_flood(self) -> None:
@@ -403,7 +423,7 @@ class _BadTenant:
             threading.Thread(target=self.big_snapshots, args=(self.session(),), daemon=True),
             threading.Thread(target=self.wide_layouts, args=(self.session(),), daemon=True),
             *(
-                threading.Thread(target=self.stalled_pushes, args=(self.session(),), daemon=True)
+                threading.Thread(target=self.stalled_pushes, daemon=True)
                 for _ in range(self.args.stalled_pushes)
             ),
             threading.Thread(target=self.peer_guesses, daemon=True),
