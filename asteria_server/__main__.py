@@ -310,6 +310,12 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
         help="peer daemons one tenant's peer groups may contact together (default 256)",
     )
     add(
+        "--tenant-max-push-streams",
+        type=int,
+        metavar="N",
+        help="other daemons' PushResults streams one tenant may have open at once (default 16)",
+    )
+    add(
         "--peer-allow",
         metavar="PATTERNS",
         help=(

@@ -201,6 +201,8 @@ class DaemonConfig:
         metrics_timeout_s: a metrics connection that sends nothing for this long is closed.
         max_job_daemons: distinct daemons one job's layout may list (its peer group's size).
         tenant_max_peers: peer daemons one tenant's peer groups may contact together.
+        tenant_max_push_streams: PushResults streams (other daemons' pushes) one tenant may
+            have open at once.
         peer_allow: comma-separated patterns of the peer daemons a peer group may contact: IP
             networks (``10.0.0.0/8``) or host-name patterns (``node-*.cluster``). Empty: a
             daemon on loopback or a Unix socket contacts loopback peers only, one on another
@@ -256,6 +258,7 @@ class DaemonConfig:
     job_idle_s: float = 120.0
     max_job_daemons: int = 64
     tenant_max_peers: int = 256
+    tenant_max_push_streams: int = 16
     peer_allow: str = ""
     tenant_shm_segments: int = 0
     solve_timeout_s: float = 600.0
@@ -383,6 +386,7 @@ class DaemonConfig:
             "tenant_max_jobs",
             "max_job_daemons",
             "tenant_max_peers",
+            "tenant_max_push_streams",
             "metrics_max_connections",
         ):
             _check_int(name, getattr(self, name), 1)
@@ -585,6 +589,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "job_idle_s": _as_float,
     "max_job_daemons": int,
     "tenant_max_peers": int,
+    "tenant_max_push_streams": int,
     "peer_allow": str,
     "tenant_shm_segments": int,
     "solve_timeout_s": _as_float,

@@ -340,6 +340,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             max_message_bytes=config.max_message_bytes,
             max_matrix_n=config.max_matrix_n,
             tls_root=None if config.tls_cert is None else Path(config.tls_cert).read_bytes(),
+            max_push_streams=config.tenant_max_push_streams,
             policy=PeerPolicy(
                 max_job_daemons=config.max_job_daemons,
                 tenant_max_peers=config.tenant_max_peers,

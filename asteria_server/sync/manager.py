@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from asteria_server.engine import PreconditionerEngine
-from asteria_server.errors import AuthenticationError, InvalidInputError
+from asteria_server.errors import AuthenticationError, DaemonBusyError, InvalidInputError
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
@@ -80,6 +80,8 @@ SHARD_MARK = "@"
 DEAD_PEER_HEARTBEAT_S = 1.0
 #: Versions solved here that a block's status lists.
 SOLVED_VERSIONS_KEPT = 256
+#: PushResults streams one tenant may have open on a daemon at once (tenant_max_push_streams).
+MAX_PUSH_STREAMS = 16
 #: Environment variables that override :class:`SyncConfig`'s defaults (seconds).
 ENV_PREFIX = "ASTERIA_SYNC_"
 
@@ -888,6 +890,7 @@ class SyncManager:
         uploads: UploadBudget | None = None,
         push_timeouts: PushTimeouts | None = None,
         policy: PeerPolicy | None = None,
+        max_push_streams: int = MAX_PUSH_STREAMS,
     ) -> None:
         self.engine = engine
         self.policy = policy or PeerPolicy()
@@ -911,6 +914,9 @@ class SyncManager:
         #: the daemon's upload budget, which pushes share with clients' uploads (None: none)
         self.uploads: UploadBudget | None = uploads
         self.push_timeouts = push_timeouts or PushTimeouts()
+        #: PushResults streams one tenant may have open here at once, and those open now
+        self.max_push_streams = max_push_streams
+        self._pushes: dict[str, int] = {}
         #: failed authentications (the daemon sets the one its OpenSession uses)
         self.auth_throttle = AuthThrottle()
         self._refusals = RefusalLog(logger)
@@ -1292,6 +1298,25 @@ class SyncManager:
         if first is None or first.WhichOneof("part") != "hello":
             raise InvalidInputError("PushResults: the first message must be a hello")
         js, peer = self.authenticate(first.hello.credentials, caller)
+        pushing = self._pushes.get(js.tenant, 0)
+        if pushing >= self.max_push_streams:
+            raise DaemonBusyError(
+                f"PushResults: tenant {js.tenant!r} has {pushing} pushes open on this daemon "
+                f"(tenant_max_push_streams = {self.max_push_streams}); push again once they end"
+            )
+        self._pushes[js.tenant] = pushing + 1
+        try:
+            return await self._receive(stream, js, peer)
+        finally:
+            left = self._pushes[js.tenant] - 1
+            if left:
+                self._pushes[js.tenant] = left
+            else:
+                del self._pushes[js.tenant]
+
+    async def _receive(
+        self, stream: PushStream, js: JobSync, peer: _Peer
+    ) -> ppb.PushResultsResponse:
         receiver = framing.ResultReceiver(
             max_chunk_bytes=self.chunk_bytes, max_matrix_n=self.max_matrix_n
         )

@@ -19,6 +19,8 @@ client's SubmitSnapshot does not get:
 - **Validated as a local result.** A complete result must be finite.
 
 A result of a block its ranks do not use here (yet) is skipped chunk by chunk, never assembled.
+One tenant may have at most ``tenant_max_push_streams`` pushes open on a daemon at once (the
+manager counts them): stalled pushes of blocks nobody uses hold no budget, but a stream each.
 """
 
 from __future__ import annotations

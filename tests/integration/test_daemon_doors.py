@@ -252,6 +252,43 @@ def test_a_push_holds_upload_budget_is_checked_first_and_a_stalled_one_ends(
         stop_daemon(d)
 
 
+def test_a_tenants_open_pushes_are_capped(tmp_path: Path) -> None:
+    """tenant_max_push_streams 2: with two pushes stalled, a third is refused naming the
+    limit; once the daemon ended the stalled ones (upload_idle_s), a push goes through."""
+    env = {"ASTERIA_TENANT_MAX_PUSH_STREAMS": "2"}
+    d = start_env_daemon(tmp_path, env, "--upload-idle-s", "2")
+    release = threading.Event()
+    try:
+        stub = d.stub()
+        sid = job_session(d)
+        register_two_node_job(d, sid)
+        block = f"{JOB}:w.L"
+        assert submit(stub, sid, inverse_root_task(block, 1, 8)) is SubmitOutcome.QUEUED
+        peer = peer_stub(d)
+        stalled = [
+            peer.PushResults.future(
+                stalled_push(pushed(f"{JOB}:u{i}", 1, 64, SolveKind.INVERSE_ROOT), release),
+                timeout=10,
+            )
+            for i in range(2)
+        ]
+        time.sleep(0.5)
+        one = push_messages([pushed(block, 2, 8, SolveKind.INVERSE_ROOT)])
+        details = expect_code(grpc.StatusCode.RESOURCE_EXHAUSTED, peer.PushResults, one)
+        assert "tenant_max_push_streams" in details, details
+        for call in stalled:
+            with pytest.raises(grpc.RpcError) as ended:
+                call.result()
+            assert "upload_idle_s" in (ended.value.details() or "")
+        reply = peer.PushResults(
+            push_messages([pushed(block, 3, 8, SolveKind.INVERSE_ROOT)]), timeout=CALL_TIMEOUT_S
+        )
+        assert reply.kept == 1, reply
+    finally:
+        release.set()
+        stop_daemon(d)
+
+
 # ----------------------------------------------------------------------- 5. token guesses
 
 
