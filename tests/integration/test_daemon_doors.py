@@ -203,14 +203,15 @@ def uploads_in_flight(d: LaunchedDaemon, session: str) -> int:
 def test_a_push_holds_upload_budget_is_checked_first_and_a_stalled_one_ends(
     tmp_path: Path,
 ) -> None:
-    """With a 1 MiB upload budget and --upload-idle-s 1: a stalled push of a known n=370 block
+    """With a 1 MiB upload budget and --upload-idle-s 4: a stalled push of a known n=370 block
     holds its 535 KiB in the budget (upload_bytes_in_flight), so a second one finds no room and
     is refused naming max_upload_bytes; the stalled one ends RESOURCE_EXHAUSTED naming
     upload_idle_s, and so does a stalled push of a block unknown here."""
     d = start_tenants_daemon(
         tmp_path,
         *("--max-upload-bytes", str(1 << 20), "--tenant-upload-share", "1.0"),
-        *("--upload-wait-s", "0.5", "--upload-idle-s", "1", "--upload-max-s", "5"),
+        # the wait for room ends well before the stalled push's idle timeout frees it
+        *("--upload-wait-s", "0.5", "--upload-idle-s", "4", "--upload-max-s", "8"),
     )
     release = threading.Event()
     n = 370
@@ -222,7 +223,7 @@ def test_a_push_holds_upload_budget_is_checked_first_and_a_stalled_one_ends(
         assert submit(stub, sid, inverse_root_task(block, 1, n)) is SubmitOutcome.QUEUED
         peer = peer_stub(d)
         stalled = peer.PushResults.future(
-            stalled_push(pushed(block, 2, n, SolveKind.INVERSE_ROOT), release), timeout=8
+            stalled_push(pushed(block, 2, n, SolveKind.INVERSE_ROOT), release), timeout=15
         )
         time.sleep(0.3)
         held = uploads_in_flight(d, sid)
@@ -234,7 +235,7 @@ def test_a_push_holds_upload_budget_is_checked_first_and_a_stalled_one_ends(
         assert "max_upload_bytes" in details, details
         unknown = peer.PushResults.future(
             stalled_push(pushed(f"{JOB}:unknown", 2, 1024, SolveKind.INVERSE_ROOT), release),
-            timeout=8,
+            timeout=15,
         )
         for call in (stalled, unknown):
             with pytest.raises(grpc.RpcError) as ended:
