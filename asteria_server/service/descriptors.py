@@ -63,7 +63,7 @@ async def watch_descriptors(
 ) -> None:
     """Look at the table every ``every_s`` and tell ``set_serving`` each change (a task)."""
     while True:
-        used = open_descriptors()
+        used = await asyncio.to_thread(open_descriptors)  # never on the loop serving calls
         change = watch.update(used)
         if change is False:
             logger.error(
