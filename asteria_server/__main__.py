@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="an unanswered keepalive ping closes the connection after this (default 10)",
     )
+    add(
+        "--handshake-timeout-s",
+        type=float,
+        metavar="S",
+        help="a connection without a completed HTTP/2 handshake is closed after this (default 10)",
+    )
     add("--max-sessions", type=int, metavar="N", help="open sessions at most (default 4096)")
     add("--tls-cert", metavar="PEM", help="TLS certificate chain (TCP only)")
     add("--tls-key", metavar="PEM", help="TLS private key of --tls-cert")
@@ -278,6 +284,52 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
         help="an upload that sends nothing for this long fails (default 30)",
     )
     add("--upload-max-s", type=float, metavar="S", help="longest one upload may take (default 300)")
+    add("--tenant-max-jobs", type=int, metavar="N", help="registered jobs per tenant (default 64)")
+    add(
+        "--metrics-max-connections",
+        type=int,
+        metavar="N",
+        help="connections the metrics endpoint serves at once (default 16)",
+    )
+    add(
+        "--metrics-timeout-s",
+        type=float,
+        metavar="S",
+        help="a metrics connection that sends nothing for this long is closed (default 5)",
+    )
+    add(
+        "--max-job-daemons",
+        type=int,
+        metavar="N",
+        help="distinct daemons one job's layout may list (default 64)",
+    )
+    add(
+        "--tenant-max-peers",
+        type=int,
+        metavar="N",
+        help="peer daemons one tenant's peer groups may contact together (default 256)",
+    )
+    add(
+        "--tenant-max-push-streams",
+        type=int,
+        metavar="N",
+        help="other daemons' PushResults streams one tenant may have open at once (default 16)",
+    )
+    add(
+        "--peer-allow",
+        metavar="PATTERNS",
+        help=(
+            "comma-separated networks (10.0.0.0/8) or host patterns (node-*.cluster) of the "
+            "peer daemons a job's peer group may contact (default: loopback only for a daemon "
+            "on loopback or a Unix socket, any for one on another interface)"
+        ),
+    )
+    add(
+        "--job-idle-s",
+        type=float,
+        metavar="S",
+        help="a registered job with no session for this long is forgotten (default 120)",
+    )
     add(
         "--tenant-shm-segments",
         type=int,
@@ -370,6 +422,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if check_config:
         print(effective_settings(config), end="")
+        if config.spill_dir is not None:  # the checks the daemon makes at start
+            from asteria_server.service.server import (
+                SPILL_INSTEAD,
+                StartupError,
+                prepare_private_dir,
+            )
+
+            try:
+                prepare_private_dir(
+                    Path(config.spill_dir), "spill directory", SPILL_INSTEAD, create=False
+                )
+            except StartupError as exc:
+                print(f"asteria-server: invalid configuration: {exc}", file=sys.stderr)
+                return 2
         return 0
     if check_health:
         return health_check(config, health_timeout_s)

@@ -137,6 +137,8 @@ class DaemonConfig:
         grace_period_s: how long in-flight calls may finish at shutdown.
         keepalive_time_s: seconds between keepalive pings on idle connections.
         keepalive_timeout_s: a ping unanswered this long closes the connection.
+        handshake_timeout_s: a connection that has not completed its HTTP/2 handshake this long
+            after it opened is closed (raw connections cannot hold descriptors for long).
         max_sessions: open sessions at most, all tenants together (never one dropped for another).
         tls_cert: PEM certificate chain for TCP (required beyond loopback), with ``tls_key``.
         tls_key: PEM private key of ``tls_cert``.
@@ -189,6 +191,22 @@ class DaemonConfig:
         tenant_upload_share: the fraction of ``max_upload_bytes`` one tenant's uploads may hold.
         upload_idle_s: an upload that sends no message for this long fails RESOURCE_EXHAUSTED.
         upload_max_s: the most time one upload may take, however it trickles.
+        tenant_max_jobs: jobs (RegisterJob layouts) one tenant may have in the job registry;
+            beyond it RegisterJob fails RESOURCE_EXHAUSTED (a job is dropped after ``job_idle_s``
+            without a session, or at once by ``asteria forget --job``).
+        job_idle_s: a registered job with no open session of its job for this long leaves the
+            registry.
+        metrics_max_connections: connections the metrics endpoint serves at once (one more is
+            closed unanswered).
+        metrics_timeout_s: a metrics connection that sends nothing for this long is closed.
+        max_job_daemons: distinct daemons one job's layout may list (its peer group's size).
+        tenant_max_peers: peer daemons one tenant's peer groups may contact together.
+        tenant_max_push_streams: PushResults streams (other daemons' pushes) one tenant may
+            have open at once.
+        peer_allow: comma-separated patterns of the peer daemons a peer group may contact: IP
+            networks (``10.0.0.0/8``) or host-name patterns (``node-*.cluster``). Empty: a
+            daemon on loopback or a Unix socket contacts loopback peers only, one on another
+            interface (with TLS) any.
         tenant_shm_segments: shared-memory segments (one descriptor each) one tenant may have
             handed over, all its connections together. 0: half of the daemon's descriptor
             budget (all of it when there are no tenant tokens).
@@ -208,6 +226,7 @@ class DaemonConfig:
     grace_period_s: float = 10.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
+    handshake_timeout_s: float = 10.0
     max_sessions: int = 4096
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -219,6 +238,8 @@ class DaemonConfig:
     max_upload_bytes: int = 2 << 30
     upload_wait_s: float = 5.0
     metrics_listen: str | None = None
+    metrics_max_connections: int = 16
+    metrics_timeout_s: float = 5.0
     log_format: LogFormat = LogFormat.TEXT
     socket_group_access: bool = False
     max_memory_bytes: int = field(default_factory=lambda: default_max_memory_bytes())
@@ -233,6 +254,12 @@ class DaemonConfig:
     tenant_upload_share: float = 0.5
     upload_idle_s: float = 30.0
     upload_max_s: float = 300.0
+    tenant_max_jobs: int = 64
+    job_idle_s: float = 120.0
+    max_job_daemons: int = 64
+    tenant_max_peers: int = 256
+    tenant_max_push_streams: int = 16
+    peer_allow: str = ""
     tenant_shm_segments: int = 0
     solve_timeout_s: float = 600.0
     solve_timeout_floor_s: float = 30.0
@@ -300,6 +327,7 @@ class DaemonConfig:
             "grace_period_s",
             "keepalive_time_s",
             "keepalive_timeout_s",
+            "handshake_timeout_s",
             "upload_wait_s",
             "solve_timeout_s",
             "solve_timeout_floor_s",
@@ -355,10 +383,27 @@ class DaemonConfig:
             "max_block_name_bytes",
             "tenant_max_sessions",
             "tenant_max_streams",
+            "tenant_max_jobs",
+            "max_job_daemons",
+            "tenant_max_peers",
+            "tenant_max_push_streams",
+            "metrics_max_connections",
         ):
             _check_int(name, getattr(self, name), 1)
-        for name in ("session_ttl_s", "stream_stall_s", "upload_idle_s", "upload_max_s"):
+        for name in (
+            "session_ttl_s",
+            "stream_stall_s",
+            "upload_idle_s",
+            "upload_max_s",
+            "job_idle_s",
+            "metrics_timeout_s",
+        ):
             _check_seconds(name, getattr(self, name))
+        if not isinstance(self.peer_allow, str):
+            raise ValueError(f"DaemonConfig.peer_allow must be a string, got {self.peer_allow!r}")
+        from asteria_server.sync.policy import parse_patterns  # the rule lives with the sync
+
+        parse_patterns(self.peer_allow)
         share = self.tenant_upload_share
         if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share <= 1:
             raise ValueError(
@@ -512,6 +557,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "grace_period_s": _as_float,
     "keepalive_time_s": _as_float,
     "keepalive_timeout_s": _as_float,
+    "handshake_timeout_s": _as_float,
     "max_sessions": int,
     "tls_cert": str,
     "tls_key": str,
@@ -523,6 +569,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_upload_bytes": int,
     "upload_wait_s": _as_float,
     "metrics_listen": str,
+    "metrics_max_connections": int,
+    "metrics_timeout_s": _as_float,
     "log_format": str.lower,
     "socket_group_access": _as_bool,
     "max_memory_bytes": int,
@@ -537,6 +585,12 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "tenant_upload_share": _as_float,
     "upload_idle_s": _as_float,
     "upload_max_s": _as_float,
+    "tenant_max_jobs": int,
+    "job_idle_s": _as_float,
+    "max_job_daemons": int,
+    "tenant_max_peers": int,
+    "tenant_max_push_streams": int,
+    "peer_allow": str,
     "tenant_shm_segments": int,
     "solve_timeout_s": _as_float,
     "solve_timeout_floor_s": _as_float,

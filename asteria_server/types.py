@@ -35,6 +35,12 @@ ACCEPTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 DEFAULT_TENANT = "local"
 
+#: The largest version a snapshot (or a peer's pushed result) may carry, and the most a block's
+#: version may jump at once: a client's or a peer's bug (or malice) cannot put a block out of
+#: reach of every later version. The Preconditioner and Peer services both apply them.
+MAX_VERSION = 1 << 48
+MAX_VERSION_JUMP = 1 << 30
+
 
 class ArrivalOrder:
     """Names with the epoch each last arrived at, kept in arrival order (newest last), so

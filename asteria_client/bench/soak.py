@@ -9,7 +9,9 @@ a spill directory) serves for ``--duration`` seconds, in two halves side by side
    each ``--interval`` seconds;
 2. **with the bad tenant**: the same clients again, while tenant ``bad`` stalls uploads
    mid-stream, spams OpenSession, opens result streams it never reads and sends bursts of big
-   snapshots (see :mod:`asteria_client.bench.soak_actors`).
+   snapshots, and uses the newer doors: a 4,096-node job layout, stalled peer pushes, a flood
+   of idle metrics connections and peer calls with guessed job tokens (see
+   :mod:`asteria_client.bench.soak_actors`).
 
 In each half one client is killed with SIGKILL a third of the way in and restarted at once (same
 job, as a supervisor would). At the end the bad tenant stops, an operator forgets its job (as
@@ -21,7 +23,9 @@ threads and memfd mappings at start, after warm-up (a part of the first half), a
 at the end; per well-behaved client run, the results it expected (each block's last version) and
 those delivered (nothing may be lost); and the well-behaved tenant's result latency (submit to
 arrival) p50/p99 in each half. Targets: end RSS and descriptors within 10% of their value after
-warm-up, zero lost results, and p99 with the bad tenant at most 2x its value without.
+warm-up, zero lost results, p99 with the bad tenant at most 2x its value without, and health
+never SERVING while the daemon cannot serve (each sample asks health and makes a Status call:
+SERVING with a failed Status call, or with fewer than 16 descriptors free, counts against it).
 
 Every process shares the machine's cores (nothing pinned): on a 2-core host the clients, the
 bad tenant and the solver workers compete, so read the latencies as "what one node delivers".
@@ -147,9 +151,11 @@ def _children(pid: int) -> list[int]:
 class Sampler:
     """Samples the daemon every ``interval_s`` on a thread; named marks on request."""
 
-    def __init__(self, pid: int, interval_s: float) -> None:
+    def __init__(self, pid: int, interval_s: float, address: str = "") -> None:
         self.pid = pid
         self.interval_s = interval_s
+        self._probe = _HealthProbe(address) if address else None
+        self.serving_while_unable = 0
         self.samples: list[dict[str, Any]] = []
         self.marks: dict[str, dict[str, Any]] = {}
         self._started = time.monotonic()
@@ -171,6 +177,12 @@ class Sampler:
     def _take(self) -> dict[str, Any]:
         sample: dict[str, Any] = {"t_s": time.monotonic() - self._started, "phase": self._phase}
         sample.update(proc_sample(self.pid))
+        if self._probe is not None:
+            health, answered = self._probe.check()
+            free = _nofile(self.pid) - int(sample["fds"])
+            sample.update(health=health, status_answered=answered, fds_free=free)
+            if health == "SERVING" and (not answered or free < 16):
+                self.serving_while_unable += 1
         self.samples.append(sample)
         return sample
 
@@ -184,10 +196,55 @@ class Sampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)
+        if self._probe is not None:
+            self._probe.close()
 
     def peak(self) -> dict[str, int]:
         keys = ("rss_bytes", "fds", "threads", "memfd_maps", "workers_rss_bytes")
         return {k: max(int(s[k]) for s in self.samples) for k in keys}
+
+
+def _nofile(pid: int) -> int:
+    """The soft descriptor limit of process ``pid``."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise ValueError("no descriptor limit")
+
+
+class _HealthProbe:
+    """What the daemon's health says, and whether it answers a Status call meanwhile."""
+
+    def __init__(self, address: str) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2_grpc
+
+        from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc
+
+        self._channel = grpc.insecure_channel(address)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._stub = preconditioner_pb2_grpc.PreconditionerStub(self._channel)
+
+    def check(self) -> tuple[str, bool]:
+        import grpc
+        from grpc_health.v1 import health_pb2
+
+        from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
+            health = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.RpcError:
+            health = "NO_ANSWER"
+        try:
+            self._stub.Status(pb.StatusRequest(), timeout=5.0)
+            answered = True
+        except grpc.RpcError:
+            answered = False
+        return health, answered
+
+    def close(self) -> None:
+        self._channel.close()
 
 
 # ---------------------------------------------------------------------------- processes
@@ -268,6 +325,7 @@ def run_phase(
     *,
     with_bad: bool,
     warmup_mark: bool,
+    metrics_address: str = "",
 ) -> dict[str, Any]:
     """One half: the clients (one killed and restarted), and the bad tenant if asked."""
     sampler.phase(phase)
@@ -297,6 +355,8 @@ def run_phase(
             str(bad_out),
             "--big-n",
             str(cfg.bad_big_n),
+            "--metrics-address",
+            metrics_address,
         )
         with bad_log.open("wb") as f:
             bad = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -461,9 +521,13 @@ def run_soak(cfg: SoakConfig, *, quick: bool = False) -> dict[str, Any]:
             str(cfg.cache_memory_bytes),
             "--spill-dir",
             str(spill),
+            "--metrics-listen",
+            "127.0.0.1:0",
         ]
         with DaemonProcess(workers=cfg.daemon_workers, extra_args=args) as daemon:
-            sampler = Sampler(daemon.pid, cfg.sample_interval_s)
+            url = daemon.serving_line.split("metrics=", 1)[1].split()[0]
+            metrics_address = url.removeprefix("http://").split("/", 1)[0]
+            sampler = Sampler(daemon.pid, cfg.sample_interval_s, daemon.address)
             sampler.mark("start")
             sampler.start()
             try:
@@ -480,7 +544,7 @@ def run_soak(cfg: SoakConfig, *, quick: bool = False) -> dict[str, Any]:
                 print(_phase_line(alone), file=sys.stderr, flush=True)
                 with_bad = run_phase(
                     cfg, daemon.address, workdir, "with_bad", half, sampler,
-                    with_bad=True, warmup_mark=False,
+                    with_bad=True, warmup_mark=False, metrics_address=metrics_address,
                 )  # fmt: skip
                 print(_phase_line(with_bad), file=sys.stderr, flush=True)
                 sampler.phase("end")
@@ -503,6 +567,7 @@ def run_soak(cfg: SoakConfig, *, quick: bool = False) -> dict[str, Any]:
         "nothing_lost": alone["lost"] == 0 and with_bad["lost"] == 0,
         "p99_at_most_2x": ratios["p99_with_bad_over_alone"] is not None
         and ratios["p99_with_bad_over_alone"] <= 2.0,
+        "health_true": sampler.serving_while_unable == 0,
     }
     return {
         "benchmark": "soak",
@@ -515,6 +580,11 @@ def run_soak(cfg: SoakConfig, *, quick: bool = False) -> dict[str, Any]:
         "spill_files_at_end": spill_files,
         "phases": [alone, with_bad],
         "ratios": ratios,
+        "serving_while_unable": sampler.serving_while_unable,
+        "health_samples": {
+            h: sum(1 for x in sampler.samples if x.get("health") == h)
+            for h in sorted({str(x.get("health")) for x in sampler.samples if "health" in x})
+        },
         "targets": targets,
         "samples": sampler.samples,
     }
@@ -595,6 +665,9 @@ def _target_lines(report: dict[str, Any]) -> list[str]:
         "well-behaved p99 with / without the bad tenant "
         + ("-" if p99 is None else f"{p99:.2f}")
         + f" ({'met' if t['p99_at_most_2x'] else 'MISSED'}: <= 2)",
+        f"samples with health SERVING while the daemon could not serve: "
+        f"{report.get('serving_while_unable', 0)} "
+        f"({'met' if t.get('health_true', True) else 'MISSED'}: 0)",
     ]
 
 

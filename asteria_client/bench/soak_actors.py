@@ -15,16 +15,25 @@ whether its last version was delivered (a block whose last version never came is
 **bad**: a tenant that tries to take the daemon from the others, until SIGTERM: uploads that
 send a header and one chunk and then stall; OpenSession in a tight loop, never closing; result
 streams opened and never read; and bursts of big snapshots (distinct blocks, n=2048 fp64). It
-counts how each attempt ended (the daemon's status codes) and writes them as JSON at exit.
+also uses the daemon's newer doors: a job layout of 4,096 nodes (this daemon and closed ports)
+registered again and again; peer pushes (PushResults with its own job token) that announce an
+n=4096 result and stall after the first chunk; a flood of idle connections to the metrics
+endpoint (``--metrics-address``), reopened as the daemon closes them; and peer calls with
+wrong job tokens. It counts how each attempt ended (the daemon's status codes) and writes them
+as JSON at exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import hashlib
+import hmac
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -251,6 +260,158 @@ class _BadTenant:
                         session = None  # expired: open another
             self.stop.wait(self.args.burst_interval_s)
 
+    # ------------------------------------------------------------------ the newer doors
+
+    def _register(self, session: str, job: str, addresses: list[str], what: str) -> bool:
+        from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
+        from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc as jpb_grpc
+
+        layout = jpb.JobLayout(
+            job=job,
+            world_size=len(addresses),
+            nodes=[
+                jpb.JobNode(host=f"h{i}", ranks=[i], daemon_address=a)
+                for i, a in enumerate(addresses)
+            ],
+        )
+        request = jpb.RegisterJobRequest(session_id=session, layout=layout, node_rank=0)
+        try:
+            jpb_grpc.JobsStub(self.channel).RegisterJob(request, timeout=10.0)
+        except grpc.RpcError as exc:
+            self._code(what, exc)
+            return False
+        self.count(f"{what}:OK")
+        return True
+
+    def wide_layouts(self, session: str | None) -> None:
+        """A layout of 4,096 nodes: this daemon and closed ports, registered every 10 s."""
+        closed = [f"127.0.0.1:{1 + i}" for i in range(4095)]
+        while not self.stop.is_set():
+            if session is None:
+                session = self.session()
+            if session is not None:
+                self._register(session, "bad-wide", [self.args.address, *closed], "wide_layout")
+            self.stop.wait(10.0)
+
+    def _job_token(self, job: str) -> str:
+        return hmac.new(self.args.token.encode(), job.encode(), hashlib.sha256).hexdigest()
+
+    def stalled_pushes(self) -> None:
+        """PushResults as node 1 of its own two-node job: an n=4096 result's header and first
+        chunk, then nothing."""
+        from asteria_server.protocol import framing
+        from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
+        from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
+        from asteria_server.types import SolveKind, SolveResult
+
+        addresses = [self.args.address, "127.0.0.1:9"]
+        sessions: list[str] = []
+
+        def registered() -> bool:
+            # A session of the job itself: the daemon ends a job's peer group (and forgets the
+            # job) once no session of it is open, and the attack would stop with it.
+            request = self.pb.OpenSessionRequest(
+                tenant=self.args.tenant, token=self.args.token, job="bad-sync"
+            )
+            try:
+                sid = str(self.stub.OpenSession(request, timeout=10.0).session_id)
+            except grpc.RpcError as exc:
+                self._code("open_session", exc)
+                return False
+            sessions[:] = [sid]
+            return self._register(sid, "bad-sync", addresses, "sync_layout")
+
+        if not registered():
+            return
+        peer = ppb_grpc.PeerStub(self.channel)
+        creds = ppb.PeerCredentials(
+            tenant=self.args.tenant, job="bad-sync", job_token=self._job_token("bad-sync"), node=1
+        )
+        n = 4096
+        result = SolveResult(
+            tenant=self.args.tenant,
+            block="bad-sync:unknown",
+            version=1,
+            kind=SolveKind.INVERSE_ROOT,
+            matrix=np.zeros((n, n), np.float32),
+            eigenvalues=None,
+            permutation=None,
+            base_version=-1,
+            epsilon_used=0.0,
+            solve_time_s=0.0,
+            attempts=1,
+        )
+        messages = framing.result_messages(result)
+        first = [next(messages).SerializeToString(), next(messages).SerializeToString()]
+
+        def stalling() -> Any:
+            yield ppb.PushResultsRequest(hello=ppb.PushHello(credentials=creds))
+            for frame in first:
+                yield ppb.PushResultsRequest(frame=frame)
+            self.stop.wait(self.args.stall_s)
+
+        while not self.stop.is_set():
+            try:
+                peer.PushResults(stalling(), timeout=self.args.stall_s + 30.0)
+                self.count("stalled_push:OK")
+            except grpc.RpcError as exc:
+                self._code("stalled_push", exc)
+                if exc.code() is grpc.StatusCode.NOT_FOUND:  # the job was forgotten: again
+                    registered()
+            with contextlib.suppress(grpc.RpcError):  # the job's session lives on
+                self.stub.Status(self.pb.StatusRequest(session_id=sessions[0]), timeout=5.0)
+            self.stop.wait(0.5)
+
+    def metrics_flood(self) -> None:
+        """Idle connections to the metrics endpoint, reopened once the daemon closes them."""
+        host, _, port = self.args.metrics_address.rpartition(":")
+        held: list[socket.socket] = []
+        while not self.stop.is_set():
+            alive = []
+            for s in held:
+                try:
+                    if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                        self.count("metrics_connection:closed_by_daemon")
+                        s.close()
+                        continue
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s.close()
+                    continue
+                alive.append(s)
+            held = alive
+            while len(held) < self.args.metrics_connections and not self.stop.is_set():
+                try:
+                    held.append(socket.create_connection((host, int(port)), timeout=2.0))
+                    self.count("metrics_connection:opened")
+                except OSError:
+                    self.count("metrics_connection:refused")
+                    break
+            self.stop.wait(1.0)
+        for s in held:
+            s.close()
+
+    def peer_guesses(self) -> None:
+        """Heartbeats with guessed job tokens (a tenant that does not exist, so no one else's
+        authentications are throttled by them), about 50 a second."""
+        from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
+        from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
+
+        peer = ppb_grpc.PeerStub(self.channel)
+        guess = 0
+        while not self.stop.is_set():
+            guess += 1
+            creds = ppb.PeerCredentials(
+                tenant="nobody", job="bad-sync", job_token=f"{guess:064x}", node=1
+            )
+            try:
+                peer.Heartbeat(ppb.HeartbeatRequest(credentials=creds), timeout=5.0)
+                self.count("peer_guess:OK")
+            except grpc.RpcError as exc:
+                self._code("peer_guess", exc)
+            self.stop.wait(0.02)
+
     def run(self) -> dict[str, Any]:
         # The other attacks open their sessions first: the spam soon fills the tenant's quota.
         threads = [
@@ -260,8 +421,16 @@ class _BadTenant:
             ),
             threading.Thread(target=self.silent_streams, args=(self.session(),), daemon=True),
             threading.Thread(target=self.big_snapshots, args=(self.session(),), daemon=True),
+            threading.Thread(target=self.wide_layouts, args=(self.session(),), daemon=True),
+            *(
+                threading.Thread(target=self.stalled_pushes, daemon=True)
+                for _ in range(self.args.stalled_pushes)
+            ),
+            threading.Thread(target=self.peer_guesses, daemon=True),
             threading.Thread(target=self.session_spam, daemon=True),
         ]
+        if self.args.metrics_address:
+            threads.append(threading.Thread(target=self.metrics_flood, daemon=True))
         for thread in threads:
             thread.start()
         self.stop.wait()
@@ -305,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     bad.add_argument("--stall-s", type=float, default=120.0)
     bad.add_argument("--silent-streams", type=int, default=16)
     bad.add_argument("--spam-interval-s", type=float, default=0.01)
+    bad.add_argument("--stalled-pushes", type=int, default=4)
+    bad.add_argument("--metrics-address", default="", help="HOST:PORT of the metrics endpoint")
+    bad.add_argument("--metrics-connections", type=int, default=200)
     args = parser.parse_args(argv)
     return run_client(args) if args.role == "client" else run_bad(args)
 

@@ -9,7 +9,8 @@ used order (a result is *used* when it arrives, and whenever it is sent or taken
 When the host tier is over its budget, the least recently used results leave it:
 
 - with a **spill directory**, each is written to one file there, atomically (a temporary file,
-  then ``rename``), with a CRC-32 of its bytes; it is brought back on demand (the next time it
+  then ``rename``), with one CRC-32 over its header and its arrays (an edited kind or dtype
+  fails it as an edited byte of data does); it is brought back on demand (the next time it
   is asked for): the file is memory-mapped, its checksum verified, the arrays copied back into
   memory and the file removed, and the host tier enforces its budget again;
 - without one, or when a spill file cannot be written or fails its checksum, the result is
@@ -18,7 +19,10 @@ When the host tier is over its budget, the least recently used results leave it:
 
 Spill files are named ``asteria-spill-<incarnation>-<n>.res``; a daemon that starts removes
 every such file it finds (it knows none of them: they belong to a previous incarnation, whose
-results no client can ask this one for). Other files in the directory are left alone.
+results no client can ask this one for). Other files in the directory are left alone. The
+daemon checks the directory as it checks its socket directory (a real directory of its own user,
+not writable by others) and holds a lock in it, so a second daemon cannot use it (and remove
+the first one's files).
 
 Not thread-safe: the engine calls it under its lock.
 """
@@ -45,9 +49,17 @@ logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 
-#: The first bytes of a spill file, then the header's length (little-endian u32).
-MAGIC = b"ASTERIA-SPILL-1\n"
-_HEADER_LEN = struct.Struct("<I")
+#: The first bytes of a spill file, then the header's length and the CRC-32 of the header and
+#: the arrays together (little-endian u32 each): an edited header (a kind, a dtype) fails it.
+MAGIC = b"ASTERIA-SPILL-2\n"
+_HEADER_LEN = struct.Struct("<II")
+#: The dtype each array of a result has (a spill file saying otherwise is corrupt).
+_DTYPES = {
+    "matrix": np.dtype(np.float32),
+    "eigenvalues": np.dtype(np.float32),
+    "permutation": np.dtype(np.int64),
+    "rotation": np.dtype(np.float32),
+}
 #: Arrays start at multiples of this in the file (aligned views of the mapping).
 _ALIGN = 64
 _FIELDS = ("matrix", "eigenvalues", "permutation", "rotation")
@@ -83,9 +95,6 @@ def write_spill_file(path: Path, result: SolveResult) -> int:
         layout[-1]["offset"] = offset
         offset += -(-array.nbytes // _ALIGN) * _ALIGN
     payload_bytes = offset
-    crc = 0
-    for _, array in arrays:
-        crc = zlib.crc32(np.ascontiguousarray(array).data, crc)
     header = {
         "tenant": result.tenant,
         "block": result.block,
@@ -97,15 +106,17 @@ def write_spill_file(path: Path, result: SolveResult) -> int:
         "attempts": result.attempts,
         "arrays": layout,
         "payload_bytes": payload_bytes,
-        "crc32": crc,
     }
     encoded = json.dumps(header).encode()
+    crc = zlib.crc32(encoded)
+    for _, array in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(array).data, crc)
     start = -(-(len(MAGIC) + _HEADER_LEN.size + len(encoded)) // _ALIGN) * _ALIGN
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + _HEADER_LEN.pack(len(encoded)) + encoded)
+            f.write(MAGIC + _HEADER_LEN.pack(len(encoded), crc) + encoded)
             f.write(b"\0" * (start - f.tell()))
             for entry, (_, array) in zip(layout, arrays, strict=True):
                 f.seek(start + int(entry["offset"]))
@@ -130,19 +141,27 @@ def read_spill_file(path: Path) -> SolveResult:
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
             if mapped[: len(MAGIC)] != MAGIC:
                 raise SpillCorruptError(f"spill file {path} does not start with {MAGIC!r}")
-            (length,) = _HEADER_LEN.unpack_from(mapped, len(MAGIC))
+            length, expected_crc = _HEADER_LEN.unpack_from(mapped, len(MAGIC))
             begin = len(MAGIC) + _HEADER_LEN.size
+            if begin + length > size:
+                raise SpillCorruptError(f"spill file {path} is truncated in its header")
+            encoded = bytes(mapped[begin : begin + length])
+            crc = zlib.crc32(encoded)
             try:
-                header: dict[str, Any] = json.loads(bytes(mapped[begin : begin + length]))
+                header: dict[str, Any] = json.loads(encoded)
             except ValueError as exc:
                 raise SpillCorruptError(f"spill file {path} has a malformed header") from exc
             start = -(-(begin + length) // _ALIGN) * _ALIGN
             if start + int(header["payload_bytes"]) != size:
                 raise SpillCorruptError(f"spill file {path} has {size} bytes, not the expected")
             arrays: dict[str, np.ndarray] = {}
-            crc = 0
             for entry in header["arrays"]:
                 dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
+                if _DTYPES.get(entry["field"]) != dtype:
+                    raise SpillCorruptError(f"spill file {path} has a {dtype} {entry['field']}")
+                end = int(entry["offset"]) + dtype.itemsize * int(np.prod(shape))
+                if not 0 <= int(entry["offset"]) <= end <= int(header["payload_bytes"]):
+                    raise SpillCorruptError(f"spill file {path} has an array outside its data")
                 view = np.frombuffer(
                     mapped,
                     dtype=dtype,
@@ -152,7 +171,7 @@ def read_spill_file(path: Path) -> SolveResult:
                 crc = zlib.crc32(view.data, crc)
                 arrays[entry["field"]] = view.copy()
                 del view  # no export of the mapping may outlive it
-            if crc != int(header["crc32"]):
+            if crc != expected_crc:
                 raise SpillCorruptError(f"spill file {path} fails its checksum")
     finally:
         os.close(fd)

@@ -24,7 +24,8 @@ of every tenant, are served again as soon as its replacement is up: a task that 
 run again in its slot at once but handed back (``PoolEvent.requeue``) for the engine to queue
 behind the work that waited meanwhile. :meth:`WorkerPool.states`
 shows each worker's block and how long it has run; one past twice its estimate is ``overdue``,
-one whose process is stopped by a signal (SIGSTOP, a debugger) is ``stopped``.
+one whose process is stopped by a signal (SIGSTOP, a debugger) is ``stopped``. An idle worker
+found stopped when a task is dispatched is replaced at once instead of being given the task.
 
 Spares: while a worker is overdue, the pool runs one **spare** worker beside it (at most as many
 spares as configured workers), so the blocks queued behind a stuck or far-too-slow solve — of
@@ -448,13 +449,21 @@ class WorkerPool:
             raise EngineUnavailableError("the worker pool is closed")
         if self.broken_reason is not None:
             raise EngineUnavailableError(f"the worker pool is broken: {self.broken_reason}")
-        slot = min(
-            (s for s in self._slots if s.job is None),
-            key=lambda s: (not s.ready, s.index),
-            default=None,
-        )
-        if slot is None:
-            raise EngineUnavailableError("no idle worker (the caller must check num_idle())")
+        while True:
+            slot = min(
+                (s for s in self._slots if s.job is None),
+                key=lambda s: (not s.ready, s.index),
+                default=None,
+            )
+            if slot is None:
+                raise EngineUnavailableError("no idle worker (the caller must check num_idle())")
+            pid = slot.process.pid if slot.process is not None else None
+            if not (slot.ready and pid and _process_stopped(pid)):
+                break
+            # An idle worker known to be stopped (SIGSTOP, a debugger) would hold this task
+            # until its timeout: replace it now (one /proc read per dispatch); the new one is
+            # not ready yet, so another ready worker, if any, is taken first.
+            self._lost_worker(slot, "its process was stopped (SIGSTOP or a tracer) while idle")
         self._ensure_segments(slot, task.n)
         timeout = self.config.timeout_for(expected_s)
         slot.job = _Job(job_id, task, runs=runs_spent + 1, expected_s=expected_s, timeout_s=timeout)

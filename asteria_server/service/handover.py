@@ -42,6 +42,7 @@ from asteria_server.protocol.handover import (
     encode_reply,
 )
 from asteria_server.protocol.shm import Segment, map_segment
+from asteria_server.service.descriptors import SEGMENT_FDS
 from asteria_server.service.limits import FdBudget
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class SegmentHandover:
                 conn.results.clear()
         self._release(released)
         if conn is not None:
-            self.fds.release(conn.tenant, len(released))
+            self.fds.release(conn.tenant, len(released) * SEGMENT_FDS)
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
 
@@ -254,7 +255,7 @@ class SegmentHandover:
                 conn.segments.clear()  # the mappings go with the last reference
                 conn.results.clear()
             self._release(released)
-            self.fds.release(conn.tenant, len(released))
+            self.fds.release(conn.tenant, len(released) * SEGMENT_FDS)
             conn.sock.close()
             self.fds.release(conn.tenant)  # the connection's own descriptor
             logger.debug("handover connection of session %s closed", conn.session_id or "-")
@@ -288,7 +289,7 @@ class SegmentHandover:
                 conn.results = {b: s for b, s in conn.results.items() if s != segment_id}
             self._release([segment] if segment is not None else [])
             if segment is not None:
-                self.fds.release(conn.tenant)
+                self.fds.release(conn.tenant, SEGMENT_FDS)
             return
         assert isinstance(request, Attach)
         if len(fds) != 1:
@@ -303,13 +304,13 @@ class SegmentHandover:
                 f"this connection would hold more than {self._max_segments} segments or "
                 f"{self._max_mapped_bytes} bytes; send further blocks in chunks"
             )
-        why = self.fds.acquire(conn.tenant)
+        why = self.fds.acquire(conn.tenant, SEGMENT_FDS)  # the fd kept and mmap's own
         if why is not None:
             raise InvalidInputError(f"segment {segment_id!r} refused: {why}")
         try:
             segment = map_segment(fds[0], size, keep_fd=True)
         except BaseException as exc:
-            self.fds.release(conn.tenant)
+            self.fds.release(conn.tenant, SEGMENT_FDS)
             if isinstance(exc, OSError):
                 raise InvalidInputError(_map_failure(segment_id, exc)) from None
             raise
@@ -323,7 +324,7 @@ class SegmentHandover:
                 conn.results[request.block] = segment_id
         self._release([old] if old is not None else [])
         if old is not None:
-            self.fds.release(conn.tenant)
+            self.fds.release(conn.tenant, SEGMENT_FDS)
 
     def _release(self, segments: list[Segment]) -> None:
         if segments and self._on_release is not None:

@@ -6,7 +6,10 @@ node daemons finds its peers here. A job is keyed by tenant and job id, so a ten
 replaces only its own; a job registered again (a restarted job) replaces its layout.
 
 Everything here is bounded: jobs per tenant, nodes per job, ranks per job and the length of
-every string, each with a clear INVALID_ARGUMENT or RESOURCE_EXHAUSTED.
+every string, each with a clear INVALID_ARGUMENT or RESOURCE_EXHAUSTED. A job leaves the
+registry once no session of it has been open here for ``job_idle_s`` (looked at on every
+RegisterJob and ListJobs), or at once when its blocks are forgotten (``asteria forget --job``,
+CloseSession with ``forget_blocks``): a tenant's quota is never used up for the daemon's life.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc as jpb_gr
 
 logger = logging.getLogger(__name__)
 
-#: Jobs a daemon keeps per tenant; registering one more evicts nothing and is refused.
+#: Jobs a daemon keeps per tenant by default (``tenant_max_jobs``); registering one more
+#: evicts nothing that is in use and is refused.
 MAX_JOBS_PER_TENANT = 64
+#: Seconds a job stays registered with no session of it open (``job_idle_s``).
+JOB_IDLE_S = 120.0
 #: Nodes and ranks one job may list.
 MAX_JOB_NODES = 4096
 MAX_JOB_RANKS = 1 << 20
@@ -41,6 +47,8 @@ class _Job:
     node_rank: int
     registered_at: float
     registrations: int
+    #: when a session of the job was last seen open (or it was registered)
+    active_at: float
 
 
 def check_layout(layout: jpb.JobLayout, node_rank: int) -> None:
@@ -91,17 +99,60 @@ class JobsServicer(jpb_grpc.JobsServicer):
         tenant_of: Callable[[str], str],
         incarnation_id: str,
         on_register: Callable[[str, jpb.JobLayout, int], None] | None = None,
+        *,
+        check_register: Callable[[str, jpb.JobLayout, int], None] | None = None,
+        job_sessions: Callable[[str, str], int] | None = None,
+        max_jobs_per_tenant: int = MAX_JOBS_PER_TENANT,
+        job_idle_s: float = JOB_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._tenant_of = tenant_of
         self._incarnation_id = incarnation_id
         #: told (tenant, layout, node_rank) of every registration (the sync between daemons)
         self._on_register = on_register
+        #: raises InvalidInputError or DaemonBusyError for a layout the sync refuses
+        self._check_register = check_register
+        #: open sessions of (tenant, job) here; None: jobs never expire
+        self._job_sessions = job_sessions
+        self.max_jobs_per_tenant = max_jobs_per_tenant
+        self.job_idle_s = job_idle_s
+        self._clock = clock
         self._jobs: dict[str, dict[str, _Job]] = {}
+        self.expired = 0
 
     def jobs(self, tenant: str) -> list[tuple[jpb.JobLayout, int, float, int]]:
         """A tenant's jobs, newest first: (layout, node_rank, registered_at, registrations)."""
+        self._expire(self._clock())
         found = sorted(self._jobs.get(tenant, {}).values(), key=lambda j: -j.registered_at)
         return [(j.layout, j.node_rank, j.registered_at, j.registrations) for j in found]
+
+    def forget(self, tenant: str, job: str) -> bool:
+        """Drop ``job`` from the registry (its blocks were forgotten); whether it was there."""
+        jobs = self._jobs.get(tenant, {})
+        found = jobs.pop(job, None) is not None
+        if not jobs:
+            self._jobs.pop(tenant, None)
+        return found
+
+    def _expire(self, now: float) -> None:
+        """Drop every job of any tenant with no open session for ``job_idle_s``."""
+        if self._job_sessions is None:
+            return
+        for tenant, jobs in list(self._jobs.items()):
+            for job_id, job in list(jobs.items()):
+                if self._job_sessions(tenant, job_id) > 0:
+                    job.active_at = now
+                elif now - job.active_at >= self.job_idle_s:
+                    del jobs[job_id]
+                    self.expired += 1
+                    logger.info(
+                        "job %r left the job registry: no session of it for %g s (job_idle_s)",
+                        job_id,
+                        self.job_idle_s,
+                        extra={"tenant": tenant, "job": job_id},
+                    )
+            if not jobs:
+                del self._jobs[tenant]
 
     async def RegisterJob(
         self, request: jpb.RegisterJobRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -109,21 +160,29 @@ class JobsServicer(jpb_grpc.JobsServicer):
         try:
             tenant = self._tenant_of(request.session_id)
             check_layout(request.layout, request.node_rank)
+            now = self._clock()
+            self._expire(now)
             jobs = self._jobs.setdefault(tenant, {})
             old = jobs.get(request.layout.job)
-            if old is None and len(jobs) >= MAX_JOBS_PER_TENANT:
+            if old is None and len(jobs) >= self.max_jobs_per_tenant:
                 raise DaemonBusyError(
-                    f"RegisterJob: tenant {tenant!r} already has {MAX_JOBS_PER_TENANT} jobs "
-                    "registered on this daemon (the per-tenant job quota); restart the daemon "
-                    "or reuse a job id"
+                    f"RegisterJob of job {request.layout.job[:MAX_NAME_CHARS]!r}: tenant "
+                    f"{tenant!r} already has {len(jobs)} jobs registered on this daemon, its "
+                    f"quota (tenant_max_jobs = {self.max_jobs_per_tenant}); a job leaves once no "
+                    f"session of it has been open for job_idle_s ({self.job_idle_s:g} s), or "
+                    "at once with `asteria forget --job JOB`; until then this job's daemons "
+                    "do not sync"
                 )
+            if self._check_register is not None:
+                self._check_register(tenant, request.layout, request.node_rank)
             layout = jpb.JobLayout()
             layout.CopyFrom(request.layout)
             jobs[layout.job] = _Job(
                 layout,
                 request.node_rank,
-                time.monotonic(),
+                now,
                 1 if old is None else old.registrations + 1,
+                now,
             )
         except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
             await abort_call(context, exc)
@@ -143,7 +202,7 @@ class JobsServicer(jpb_grpc.JobsServicer):
             tenant = self._tenant_of(request.session_id)
         except UnknownSessionError as exc:
             await abort_call(context, exc)
-        now = time.monotonic()
+        now = self._clock()
         return jpb.ListJobsResponse(
             jobs=[
                 jpb.RegisteredJob(

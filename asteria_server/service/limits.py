@@ -18,6 +18,8 @@ Everything here but :class:`FdBudget` is used from the event loop only.
 
 from __future__ import annotations
 
+import logging
+import math
 import resource
 import threading
 import time
@@ -230,6 +232,36 @@ class AuthThrottle:
             self._peers.popitem(last=False)
 
 
+class RefusalLog:
+    """One log line per class of refused attempt (``"wrong job token"``, ...) and ``every_s``:
+    the first refusal of a class is logged at once, later ones are counted and summed up in the
+    next line, so a flood of guesses costs a few lines, never one per guess."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self.every_s = every_s
+        self._clock = clock
+        #: class -> (when last logged, refusals not logged since)
+        self._classes: dict[str, tuple[float, int]] = {}
+
+    def refused(self, what: str, detail: str) -> None:
+        """One refusal of class ``what``; ``detail`` (never a token) names the latest one."""
+        now = self._clock()
+        logged_at, quiet = self._classes.get(what, (-math.inf, 0))
+        if now - logged_at < self.every_s:
+            self._classes[what] = (logged_at, quiet + 1)
+            return
+        more = f" (and {quiet} more since the last line)" if quiet else ""
+        self._logger.warning("refused %s: %s%s", what, detail, more)
+        self._classes[what] = (now, 0)
+
+
 def peer_host(peer: str) -> str:
     """The host part of a gRPC peer string (``ipv4:1.2.3.4:567`` -> ``ipv4:1.2.3.4``); a Unix
     socket's peers are one."""
@@ -254,11 +286,11 @@ class FdBudget:
     def used(self) -> int:
         return self._used
 
-    def acquire(self, tenant: str | None) -> str | None:
-        """Take one descriptor for ``tenant`` (None: not yet known, the total only); None when
-        it was granted, else why not."""
+    def acquire(self, tenant: str | None, count: int = 1) -> str | None:
+        """Take ``count`` descriptors for ``tenant`` (None: not yet known, the total only);
+        None when granted, else why not."""
         with self._lock:
-            if self._used >= self.total:
+            if self._used + count > self.total:
                 return (
                     f"the daemon holds {self._used} descriptors for clients, its limit (the "
                     "process's descriptor limit less a reserve for its own work); send further "
@@ -266,13 +298,14 @@ class FdBudget:
                 )
             if tenant is not None:
                 held = self._by_tenant.get(tenant, 0)
-                if held >= self.per_tenant:
+                if held + count > self.per_tenant:
                     return (
-                        f"tenant {tenant!r} holds {held} handed-over descriptors "
-                        f"(tenant_shm_segments = {self.per_tenant}); send further blocks in chunks"
+                        f"tenant {tenant!r} holds {held} handed-over descriptors, its share "
+                        f"({self.per_tenant}: two per segment, tenant_shm_segments); send "
+                        "further blocks in chunks"
                     )
-                self._by_tenant[tenant] = held + 1
-            self._used += 1
+                self._by_tenant[tenant] = held + count
+            self._used += count
             return None
 
     def charge(self, tenant: str) -> str | None:

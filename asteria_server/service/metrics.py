@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import bisect
 import logging
+import socket
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from socketserver import ThreadingMixIn
 from typing import Protocol
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import (
@@ -38,7 +40,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -95,6 +97,49 @@ class DaemonSources(Protocol):
     def transport_stats(self) -> TransportStats: ...
 
     def sessions_by_tenant(self) -> Mapping[str, int]: ...
+
+
+#: Connections the metrics endpoint serves at once, and how long one may send nothing.
+METRICS_MAX_CONNECTIONS = 16
+METRICS_TIMEOUT_S = 5.0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """A request handler that logs nothing per request (a scrape every few seconds)."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class BoundedWSGIServer(ThreadingMixIn, WSGIServer):
+    """A threaded WSGI server with at most ``limit`` connections served at once; one more is
+    closed unanswered (and counted in ``refused``). Each handler's ``timeout`` bounds how long
+    a connection may send nothing."""
+
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def limit(self, max_connections: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class DaemonMetrics:
@@ -164,14 +209,40 @@ class DaemonMetrics:
         """Start reading the running daemon's numbers at scrape time."""
         self.collector.bind(engine, sources, peers)
 
-    def serve(self, address: TcpAddress) -> str:
+    def serve(
+        self,
+        address: TcpAddress,
+        *,
+        max_connections: int = METRICS_MAX_CONNECTIONS,
+        timeout_s: float = METRICS_TIMEOUT_S,
+    ) -> str:
         """Serve ``/metrics`` over HTTP in a thread; returns its URL (with the bound port).
 
+        At most ``max_connections`` connections are served at once (one thread each; one more
+        is closed at once, unanswered), and a connection that sends nothing for ``timeout_s``
+        is closed: idle connections cannot hold threads and descriptors without bound.
         Raises OSError when the address cannot be bound.
         """
-        self._http, self._thread = start_http_server(
-            address.port, addr=address.host, registry=self.registry
+        handler = type("_Handler", (_QuietHandler,), {"timeout": timeout_s})
+        server_class = type(
+            "_Server",
+            (BoundedWSGIServer,),
+            {"address_family": socket.AF_INET6 if ":" in address.host else socket.AF_INET},
         )
+        http: WSGIServer = make_server(
+            address.host,
+            address.port,
+            make_wsgi_app(self.registry),
+            server_class=server_class,
+            handler_class=handler,
+        )
+        assert isinstance(http, BoundedWSGIServer)
+        http.limit(max_connections)
+        self._http = http
+        self._thread = threading.Thread(
+            target=http.serve_forever, name="asteria-metrics", daemon=True
+        )
+        self._thread.start()
         port = self._http.server_address[1]
         url = f"http://{TcpAddress(address.host, port).target}/metrics"
         logger.info("metrics served at %s", url)

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 import stat
 from collections.abc import Callable, Iterator
@@ -33,6 +34,11 @@ from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc, peer_pb2
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.service.allocator import reclaim_periodically
+from asteria_server.service.descriptors import (
+    SEGMENT_FDS,
+    DescriptorWatch,
+    watch_descriptors,
+)
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.jobs import JobsServicer
 from asteria_server.service.limits import FdBudget, fd_budget_for, raise_nofile_limit
@@ -43,6 +49,8 @@ from asteria_server.service.servicer import (
     add_servicer_to_server,
 )
 from asteria_server.sync.manager import GatedEngine, SyncManager
+from asteria_server.sync.policy import PeerPolicy, parse_patterns
+from asteria_server.sync.push import PushTimeouts
 from asteria_server.sync.service import PeerServicer
 
 if TYPE_CHECKING:
@@ -55,6 +63,7 @@ EXIT_ENGINE_BROKEN = 3
 #: How long a metrics scrape waits for the event loop to read the peer groups.
 PEER_METRICS_WAIT_S = 2.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preconditioner"].full_name
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class StartupError(RuntimeError):
@@ -65,53 +74,73 @@ class StartupError(RuntimeError):
 
 
 def _prepare_socket_dir(directory: Path) -> None:
-    """Create the socket directory (0700) or check an existing one: a real directory, never a
+    """Create the socket directory (0700) or check an existing one (:func:`prepare_private_dir`)."""
+    prepare_private_dir(
+        directory, "socket directory", "a directory of your own with --listen unix:///path/to.sock"
+    )
+
+
+def prepare_private_dir(directory: Path, what: str, instead: str, *, create: bool = True) -> None:
+    """Create ``directory`` (0700) or check an existing one: a real directory, never a
     symbolic link (whoever owns the link could point it elsewhere once the daemon started and
-    receive clients' tokens), owned by this user and not writable by others.
+    receive clients' tokens, or their results), owned by this user and not writable by others.
+    The socket directory and the spill directory get the same checks. ``what`` names it in
+    errors, ``instead`` says what to use instead; ``create`` False: only check one that exists.
 
     It is judged through a descriptor opened with ``O_NOFOLLOW``, checked to be the entry
     ``lstat`` saw, so the directory cannot be swapped between the check and its use."""
     try:
         seen = os.lstat(directory)
     except FileNotFoundError:
+        if not create:
+            return
         directory.mkdir(mode=0o700, parents=True)
         os.chmod(directory, 0o700, follow_symlinks=False)  # mkdir's mode is masked by the umask
         seen = os.lstat(directory)
     if stat.S_ISLNK(seen.st_mode):
         raise StartupError(
-            f"socket directory {directory} is a symbolic link: refusing it (whoever controls "
-            "the link could redirect clients and their tokens); use a real directory of your "
-            "own with --listen unix:///path/to.sock"
+            f"{what} {directory} is a symbolic link: refusing it (whoever controls the link "
+            f"could redirect what the daemon puts there); use {instead}"
         )
     if not stat.S_ISDIR(seen.st_mode):
-        raise StartupError(f"socket directory {directory} exists and is not a directory")
+        raise StartupError(f"{what} {directory} exists and is not a directory")
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
-        raise StartupError(f"cannot open socket directory {directory}: {exc.strerror}") from None
+        raise StartupError(f"cannot open {what} {directory}: {exc.strerror}") from None
     try:
         info = os.fstat(fd)
     finally:
         os.close(fd)
     if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino):
-        raise StartupError(f"socket directory {directory} changed while it was checked; retry")
+        raise StartupError(f"{what} {directory} changed while it was checked; retry")
     if info.st_uid != os.getuid():
         raise StartupError(
-            f"socket directory {directory} is owned by uid {info.st_uid}, not by this user "
-            f"({os.getuid()}); choose a directory of your own with --listen unix:///path/to.sock"
+            f"{what} {directory} is owned by uid {info.st_uid}, not by this user "
+            f"({os.getuid()}); use {instead}"
         )
     if info.st_mode & 0o022:
         raise StartupError(
-            f"socket directory {directory} has mode {stat.S_IMODE(info.st_mode):04o}: others can "
-            f"replace the socket; run `chmod 700 {directory}` or choose another --listen path"
+            f"{what} {directory} has mode {stat.S_IMODE(info.st_mode):04o}: others can "
+            f"replace what the daemon keeps there; run `chmod 700 {directory}` or use {instead}"
         )
 
 
-class SocketLock:
-    """``<socket>.lock`` held with ``flock`` for the daemon's life; holds the daemon's pid."""
+SPILL_INSTEAD = "a directory of your own with --spill-dir DIR"
+#: In the spill directory: held with flock for the daemon's life (one daemon per directory).
+SPILL_LOCK_NAME = "asteria-spill.lock"
 
-    def __init__(self, path: Path) -> None:
+
+class SocketLock:
+    """``<socket>.lock`` (or the spill directory's lock) held with ``flock`` for the daemon's
+    life; holds the daemon's pid."""
+
+    def __init__(
+        self, path: Path, what: str = "serves this socket", instead: str = "another --listen path"
+    ) -> None:
         self.path = path
+        self._what = what
+        self._instead = instead
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:
@@ -125,8 +154,8 @@ class SocketLock:
                 holder = f.read().strip() or "unknown"
                 f.close()
                 raise StartupError(
-                    f"another asteria-server (pid {holder}) already serves this socket: it holds "
-                    f"{self.path}. Stop it first or start this one with another --listen path"
+                    f"another asteria-server (pid {holder}) already {self._what}: it holds "
+                    f"{self.path}. Stop it first or start this one with {self._instead}"
                 ) from None
             # The previous holder may have unlinked the file between our open and flock.
             try:
@@ -176,6 +205,7 @@ class RunningDaemon:
     lock: SocketLock | None
     handover: SegmentHandover | None = None
     sync: SyncManager | None = None
+    spill_lock: SocketLock | None = None
 
     async def stop(self) -> None:
         logger.info("shutting down (grace period %.1f s)", self.config.grace_period_s)
@@ -193,6 +223,8 @@ class RunningDaemon:
                 address.path.unlink()
         if self.lock is not None:
             self.lock.release()
+        if self.spill_lock is not None:  # after the engine removed its spill files
+            self.spill_lock.release()
         if self.config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.ready_file)
@@ -209,6 +241,8 @@ def _server_options(config: DaemonConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.http2.max_pings_without_data", 0),
+        # A raw connection that never speaks HTTP/2 holds a descriptor only this long.
+        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
     ]
 
 
@@ -236,6 +270,19 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         lock.acquire()
         if address.path.exists() or address.path.is_symlink():
             address.path.unlink()  # left by a daemon that died; we hold the lock
+    spill_lock: SocketLock | None = None
+    if config.spill_dir is not None:  # the socket directory's checks, and one daemon per dir
+        try:
+            spill_dir = Path(config.spill_dir)
+            prepare_private_dir(spill_dir, "spill directory", SPILL_INSTEAD)
+            spill_lock = SocketLock(
+                spill_dir / SPILL_LOCK_NAME, "uses this spill directory", "another --spill-dir"
+            )
+            spill_lock.acquire()
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
     try:
         engine = await asyncio.to_thread(
             PreconditionerEngine,
@@ -254,13 +301,15 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
     except BaseException:
         if lock is not None:
             lock.release()
+        if spill_lock is not None:
+            spill_lock.release()
         raise
     handover: SegmentHandover | None = None
     try:
         server = grpc.aio.server(options=_server_options(config))
         if isinstance(address, UnixAddress) and config.shared_memory:
             total_fds = fd_budget_for(nofile)
-            per_tenant = config.tenant_shm_segments or (
+            per_tenant = SEGMENT_FDS * config.tenant_shm_segments or (
                 total_fds if config.allows_anonymous() else max(1, total_fds // 2)
             )
             handover = SegmentHandover(
@@ -274,9 +323,12 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
                 fds=FdBudget(total_fds, per_tenant),
             )
             logger.info(
-                "descriptor limit %d: at most %d for clients' segments, %d per tenant",
+                "descriptor limit %d: at most %d for clients' segments and connections (%d "
+                "segments at %d each), %d per tenant",
                 nofile,
                 total_fds,
+                total_fds // SEGMENT_FDS,
+                SEGMENT_FDS,
                 per_tenant,
             )
         # The daemons of a multi-node job sync through the Peer service: a block another
@@ -288,6 +340,18 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             max_message_bytes=config.max_message_bytes,
             max_matrix_n=config.max_matrix_n,
             tls_root=None if config.tls_cert is None else Path(config.tls_cert).read_bytes(),
+            max_push_streams=config.tenant_max_push_streams,
+            policy=PeerPolicy(
+                max_job_daemons=config.max_job_daemons,
+                tenant_max_peers=config.tenant_max_peers,
+                allow=parse_patterns(config.peer_allow),
+                loopback_only=isinstance(address, UnixAddress) or address.is_loopback,
+            ),
+            push_timeouts=PushTimeouts(
+                wait_s=config.upload_wait_s,
+                idle_s=config.upload_idle_s,
+                max_s=config.upload_max_s,
+            ),
         )
         servicer = PreconditionerServicer(
             cast(PreconditionerEngine, GatedEngine(engine, sync)),
@@ -318,11 +382,25 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             max_sessions=config.max_sessions,
             handover=handover,
         )
+        sync.uploads = servicer.uploads  # a peer's push holds upload budget as a client's does
+        sync.auth_throttle = servicer.auth_throttle  # one guesser meets one throttle everywhere
         add_servicer_to_server(servicer, server)
-        jobs_pb2_grpc.add_JobsServicer_to_server(
-            JobsServicer(servicer.session_tenant, engine.incarnation_id, sync.job_registered),
-            server,
+        jobs = JobsServicer(
+            servicer.session_tenant,
+            engine.incarnation_id,
+            sync.job_registered,
+            check_register=sync.check_job,
+            job_sessions=servicer.job_sessions,
+            max_jobs_per_tenant=config.tenant_max_jobs,
+            job_idle_s=config.job_idle_s,
         )
+        jobs_pb2_grpc.add_JobsServicer_to_server(jobs, server)
+
+        def forget_job(tenant: str, job: str) -> None:
+            jobs.forget(tenant, job)
+            sync.forget_job(tenant, job)
+
+        servicer.on_forget_job = forget_job
         peer_pb2_grpc.add_PeerServicer_to_server(
             PeerServicer(sync, servicer.session_tenant), server
         )
@@ -354,9 +432,11 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         await asyncio.to_thread(engine.close)
         if lock is not None:
             lock.release()
+        if spill_lock is not None:
+            spill_lock.release()
         raise
     return RunningDaemon(
-        config, engine, server, servicer, health_servicer, target, lock, handover, sync
+        config, engine, server, servicer, health_servicer, target, lock, handover, sync, spill_lock
     )
 
 
@@ -393,6 +473,16 @@ async def serve(config: DaemonConfig) -> int:
     broken = asyncio.ensure_future(asyncio.to_thread(daemon.engine.wait_stopped))
     stopping = asyncio.ensure_future(stop.wait())
     reclaiming = asyncio.ensure_future(reclaim_periodically())  # garbage goes back
+
+    async def set_serving(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await daemon.health.set(name, status)
+
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    descriptors = asyncio.ensure_future(
+        watch_descriptors(DescriptorWatch(nofile), set_serving)
+    )  # NOT_SERVING before the descriptor table is full
     why: str | None = None
     try:
         await asyncio.wait((broken, stopping), return_when=asyncio.FIRST_COMPLETED)
@@ -401,11 +491,13 @@ async def serve(config: DaemonConfig) -> int:
             # The engine cannot work any more: say so to every health check, then exit
             # non-zero so that the supervisor starts a fresh daemon.
             logger.error("the engine stopped working (%s); exiting so it can be restarted", why)
+            descriptors.cancel()  # it must not say SERVING again
             for name in ("", SERVICE_NAME):
-                await daemon.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                await daemon.health.set(name, NOT_SERVING)
     finally:
         stopping.cancel()
         reclaiming.cancel()
+        descriptors.cancel()
         _unwatch(loop, watch)
         await daemon.stop()
         if metrics is not None:
@@ -469,7 +561,11 @@ def _start_metrics(config: DaemonConfig) -> tuple[DaemonMetrics | None, str]:
 
     metrics = DaemonMetrics(blas_threads=config.blas_threads)
     try:
-        url = metrics.serve(address)
+        url = metrics.serve(
+            address,
+            max_connections=config.metrics_max_connections,
+            timeout_s=config.metrics_timeout_s,
+        )
     except OSError as exc:
         raise StartupError(
             f"cannot serve metrics on {address.target}: {exc.strerror or exc}; choose another "

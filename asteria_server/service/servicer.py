@@ -46,17 +46,29 @@ from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc
 from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.handover import SegmentHandover
-from asteria_server.service.limits import AuthThrottle, Session, SessionTable, peer_host
-from asteria_server.types import Credit, SharedArrays, SubmitOutcome, TransportStats
+from asteria_server.service.limits import (
+    AuthThrottle,
+    RefusalLog,
+    Session,
+    SessionTable,
+    peer_host,
+)
+from asteria_server.types import (
+    MAX_VERSION,
+    MAX_VERSION_JUMP,
+    Credit,
+    SharedArrays,
+    SubmitOutcome,
+    TransportStats,
+)
 
 logger = logging.getLogger(__name__)
 
 #: The tenant of anonymous sessions (no tokens configured, Unix socket only).
 ANONYMOUS_TENANT = "local"
-#: The largest version a snapshot may carry, and the most a block's version may jump at once:
-#: a client's bug (or malice) cannot put a block out of reach of every later version.
-MAX_VERSION = 1 << 48
-MAX_VERSION_JUMP = 1 << 30
+#: What a block registration costs the daemon beyond its name's bytes (its table entry, the
+#: name's object, the (n, kind) pair): counted in max_memory_bytes.
+REGISTRATION_OVERHEAD_BYTES = 200
 #: Blocks in one Status answer unless the request asks for fewer.
 STATUS_PAGE_BLOCKS = 10_000
 #: Shared-memory copies larger than this run in a thread, off the event loop.
@@ -204,6 +216,10 @@ class Authenticator:
         return tenant
 
 
+def _registration_cost(block: str) -> int:
+    return len(block.encode()) + REGISTRATION_OVERHEAD_BYTES
+
+
 def _result_bytes(header: pb.SnapshotHeader) -> int:
     """About what a block's result takes in daemon memory: its float32 n x n matrix (twice for
     a refresh, which adds a rotation) and n eigenvalues or permutation entries."""
@@ -238,6 +254,10 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         )
         self._reaper: asyncio.TimerHandle | None = None
         self._auth_throttle = AuthThrottle()
+        self._refusals = RefusalLog(logger)
+        #: told (tenant, job) when CloseSession forgets a job's blocks (the job registry, the
+        #: sync's peer group of the job)
+        self.on_forget_job: Callable[[str, str], None] | None = None
         #: (tenant, block) -> the frames of the result streams are sending now
         self._frames: weakref.WeakValueDictionary[tuple[str, str], _Frames] = (
             weakref.WeakValueDictionary()
@@ -245,6 +265,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         #: tenant -> blocks it submitted without registering them (they count in its quota)
         self._unregistered: dict[str, set[str]] = {}
         self._registered: dict[str, dict[str, tuple[int, SolveKind]]] = {}
+        #: what the registrations cost in memory (REGISTRATION_OVERHEAD_BYTES + the name each)
+        self._registration_bytes = 0
         self._stopping = False
         self._received = [0, 0]  # snapshots handed to the engine, and their bytes
         #: tenant -> its open StreamResults calls (touched on the event loop only)
@@ -263,6 +285,17 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._handover = handover
         share = max(1, int(limits.max_upload_bytes * limits.tenant_upload_share))
         self._uploads = UploadBudget(limits.max_upload_bytes, share)
+
+    @property
+    def auth_throttle(self) -> AuthThrottle:
+        """Failed authentications per peer host and tenant (the Peer service counts its own
+        refused calls in it too, so one guesser meets one throttle at every door)."""
+        return self._auth_throttle
+
+    @property
+    def uploads(self) -> UploadBudget:
+        """The daemon's upload budget (peers' pushes hold their share of it too)."""
+        return self._uploads
 
     def has_session(self, session_id: str) -> bool:
         """Whether ``session_id`` is open (the segment handover asks, from its threads)."""
@@ -440,19 +473,38 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CloseSessionResponse:
+        # Guesses (of a session's token, or of session ids) are throttled as OpenSession's are,
+        # per peer host and the tenant of the session named (or "session ids" for unknown ones).
+        host = peer_host(context.peer() or "")
+        named = self._sessions.peek(request.session_id)
+        key = f"{host} for " + ("session ids" if named is None else f"tenant {named.tenant!r}")
         try:
-            session = self._session(request.session_id)
-            if not self._auth.allows_anonymous:
-                # A session id alone does not end a session: its tenant's token must come too.
-                self._auth.tenant_of(session.tenant, request.token)
-        except (UnknownSessionError, InvalidInputError, AuthenticationError) as exc:
+            self._auth_throttle.check(key)
+            try:
+                session = self._session(request.session_id)
+                if not self._auth.allows_anonymous:
+                    # A session id alone does not end a session: its tenant's token must come too.
+                    self._auth.tenant_of(session.tenant, request.token)
+            except (UnknownSessionError, AuthenticationError) as exc:
+                self._auth_throttle.failed(key)
+                self._refusals.refused("CloseSession", f"from {key}: {type(exc).__name__}")
+                raise
+        except (
+            UnknownSessionError,
+            InvalidInputError,
+            AuthenticationError,
+            DaemonBusyError,
+        ) as exc:
             await abort_call(context, exc)
         self._sessions.end(request.session_id, "was closed by CloseSession")
         self._ended(request.session_id)
         if request.forget_blocks:  # the session's job: its blocks, results and spill files
             registered = self._registered.get(session.tenant, {})
             for block in self._engine.forget(session.tenant, session.job):
-                registered.pop(block, None)
+                if registered.pop(block, None) is not None:
+                    self._registration_bytes -= _registration_cost(block)
+            if self.on_forget_job is not None:  # ... and its entry in the job registry
+                self.on_forget_job(session.tenant, session.job)
         return pb.CloseSessionResponse()
 
     async def RegisterBlocks(
@@ -489,6 +541,15 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     f"RegisterBlocks: tenant {session.tenant!r} has {held} blocks and {added} "
                     f"new would exceed its quota of {quota} (tenant_max_blocks)"
                 )
+            cost = sum(_registration_cost(b) for b in new)
+            held_bytes = self._held_bytes()
+            if cost and held_bytes + cost > self._limits.max_memory_bytes:
+                raise DaemonBusyError(
+                    f"RegisterBlocks: {len(new)} new blocks need {cost} bytes of daemon memory; "
+                    f"the daemon holds {held_bytes} of its max_memory_bytes "
+                    f"({self._limits.max_memory_bytes}); register fewer blocks or forget old ones"
+                )
+            self._registration_bytes += cost
             known.update(specs)
             unregistered.difference_update(specs)
         except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
@@ -687,16 +748,31 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 f"{limits.tenant_cached_bytes} (tenant_cached_bytes); forget blocks or use fewer"
             )
         if upload_bytes or result_bytes:
-            total = self._engine.usage()
-            held = total.queued_bytes + total.cached_bytes + self._uploads.in_use_bytes
+            held = self._held_bytes()
             if held + upload_bytes + result_bytes > limits.max_memory_bytes:
                 raise DaemonBusyError(
-                    f"{what}: the daemon holds {held} bytes of snapshots, results and uploads; "
+                    f"{what}: the daemon holds {held} bytes of snapshots, results, uploads, "
+                    "registrations and result streams; "
                     f"{upload_bytes + result_bytes} more would exceed its max_memory_bytes "
                     f"({limits.max_memory_bytes}); send the next snapshot later"
                 )
         if counted is not None:
             unregistered.add(counted)
+
+    def _held_bytes(self) -> int:
+        """What the daemon holds for clients, as ``max_memory_bytes`` counts it: queued
+        snapshots and cached results (the engine's), uploads being received (clients' and
+        peers'), block registrations, and a chunk in flight per open result stream (what a
+        stream its client does not read keeps in the transport)."""
+        total = self._engine.usage()
+        streams = sum(len(s) for s in self._streams.values())
+        return (
+            total.queued_bytes
+            + total.cached_bytes
+            + self._uploads.in_use_bytes
+            + self._registration_bytes
+            + streams * self._limits.chunk_bytes
+        )
 
     def _upload_wait_s(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         """How long an upload may wait for room: the configured wait, within its deadline."""
@@ -762,6 +838,15 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 raise DaemonBusyError(
                     "this session already receives credit on another result stream; a session "
                     "gets Credit messages on one stream at a time"
+                )
+            held_bytes = self._held_bytes()
+            if held_bytes + self._limits.chunk_bytes > self._limits.max_memory_bytes:
+                raise DaemonBusyError(
+                    f"StreamResults: the daemon holds {held_bytes} bytes of snapshots, results, "
+                    "uploads, registrations and result streams; one more stream (a chunk of "
+                    f"{self._limits.chunk_bytes} bytes in flight) would exceed its "
+                    f"max_memory_bytes ({self._limits.max_memory_bytes}); cancel the streams "
+                    "it no longer reads"
                 )
         except (UnknownSessionError, DaemonBusyError) as exc:
             await abort_call(context, exc)

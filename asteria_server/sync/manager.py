@@ -53,20 +53,24 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 import grpc
 
 from asteria_server.engine import PreconditionerEngine
-from asteria_server.errors import AuthenticationError, InvalidInputError
-from asteria_server.protocol import framing
+from asteria_server.errors import AuthenticationError, DaemonBusyError, InvalidInputError
+from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
-from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.shm import private_result
+from asteria_server.service.budget import UploadBudget
+from asteria_server.service.limits import AuthThrottle, RefusalLog
 from asteria_server.sync.owners import block_cost, owner_map
-from asteria_server.types import SolveResult, SolveTask, SubmitOutcome
+from asteria_server.sync.policy import UNPROVEN_HEARTBEAT_MAX_S, PeerPolicy
+from asteria_server.sync.push import BlockUse, PushStream, PushTimeouts, check_header
+from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,8 @@ SHARD_MARK = "@"
 DEAD_PEER_HEARTBEAT_S = 1.0
 #: Versions solved here that a block's status lists.
 SOLVED_VERSIONS_KEPT = 256
+#: PushResults streams one tenant may have open on a daemon at once (tenant_max_push_streams).
+MAX_PUSH_STREAMS = 16
 #: Environment variables that override :class:`SyncConfig`'s defaults (seconds).
 ENV_PREFIX = "ASTERIA_SYNC_"
 
@@ -204,6 +210,10 @@ class _Peer:
     suspected: int = 0
     died: int = 0
     rejoined: int = 0
+    #: it answered a heartbeat or called with the job token: a daemon of the job, heartbeated
+    #: every heartbeat_s; until then asked at most once a second, backing off (misses)
+    proven: bool = False
+    misses: int = 0
     channel: grpc.aio.Channel | None = None
     stub: ppb_grpc.PeerStub | None = None
 
@@ -236,6 +246,7 @@ class JobSync:
             m: _Peer(m, a) for m, a in enumerate(addresses) if m != self.me
         }
         self.known: dict[str, int] = {}  # replicated blocks the local ranks use
+        self.kinds: dict[str, SolveKind] = {}  # ... and what they need of each
         self.digest = ""
         self.stats: dict[str, _BlockStats] = {}
         self.held: dict[str, _Held] = {}
@@ -320,6 +331,7 @@ class JobSync:
             )
         peer.incarnation = state.incarnation_id
         peer.last_heard = now
+        peer.proven, peer.misses = True, 0
         peer.workers_busy = state.workers_busy
         peer.workers = state.workers
         peer.queue_depth = state.queue_depth
@@ -399,6 +411,7 @@ class JobSync:
             self.digest = blocks_digest(self.known)
             self.stats.setdefault(task.block, _BlockStats(task.n))
         self.deadlines[task.block] = task.deadline
+        self.kinds[task.block] = task.kind
         if not self.syncing:  # a job on this daemon alone: the engine's own rules
             return self.manager.engine.submit(task, job=job)
         stats = self.stats[task.block]
@@ -745,6 +758,16 @@ class JobSync:
     def node_of(self, member: int) -> int:
         return self.member_of_node.index(member)
 
+    def use(self, block: str) -> BlockUse | None:
+        """How the ranks here use ``block`` (None: not at all): what a push of it must match."""
+        n = self.known.get(block)
+        if n is None:
+            return None
+        _, submitted = self.manager.engine.block_versions(block, self.tenant)
+        stats = self.stats.get(block)
+        newest = max(submitted, -1 if stats is None else stats.version)
+        return BlockUse(n, self.kinds.get(block), newest)
+
     def next_push(self, peer: _Peer) -> list[SolveResult]:
         """The queued results for ``peer``, the most urgent first (newest of each block)."""
         blocks = sorted(peer.queued, key=lambda b: (self.deadlines.get(b, math.inf), b))
@@ -864,8 +887,13 @@ class SyncManager:
         max_matrix_n: int,
         config: SyncConfig | None = None,
         tls_root: bytes | None = None,
+        uploads: UploadBudget | None = None,
+        push_timeouts: PushTimeouts | None = None,
+        policy: PeerPolicy | None = None,
+        max_push_streams: int = MAX_PUSH_STREAMS,
     ) -> None:
         self.engine = engine
+        self.policy = policy or PeerPolicy()
         self.config = config or SyncConfig.from_env()
         self._tokens = dict(tokens)
         self.chunk_bytes = chunk_bytes
@@ -883,6 +911,15 @@ class SyncManager:
         self.job_sessions: Callable[[str, str], int] | None = None
         self._idle_since: dict[tuple[str, str], float] = {}
         self.groups_removed = 0
+        #: the daemon's upload budget, which pushes share with clients' uploads (None: none)
+        self.uploads: UploadBudget | None = uploads
+        self.push_timeouts = push_timeouts or PushTimeouts()
+        #: PushResults streams one tenant may have open here at once, and those open now
+        self.max_push_streams = max_push_streams
+        self._pushes: dict[str, int] = {}
+        #: failed authentications (the daemon sets the one its OpenSession uses)
+        self.auth_throttle = AuthThrottle()
+        self._refusals = RefusalLog(logger)
         engine.add_result_listener(self._on_result)
 
     # ------------------------------------------------------------------ life
@@ -946,7 +983,35 @@ class SyncManager:
             await _cancel(js._tasks)
             await _close_channels(js)
 
+    def forget_job(self, tenant: str, job: str) -> None:
+        """End the job's peer group now (its blocks were forgotten here); on the event loop."""
+        js = self.jobs.pop((tenant, job), None)
+        self._idle_since.pop((tenant, job), None)
+        if js is None or self._loop is None:
+            return
+        self.groups_removed += 1
+        task = self._loop.create_task(self._end_group(js))
+        self._claims.add(task)
+        task.add_done_callback(self._claims.discard)
+
+    async def _end_group(self, js: JobSync) -> None:
+        await _cancel(js._tasks)
+        await _close_channels(js)
+
     # ------------------------------------------------------------------ jobs
+
+    def check_job(self, tenant: str, layout: jpb.JobLayout, node_rank: int) -> None:
+        """Refuse a layout whose peer group the operator's rules do not allow (before the job
+        registry keeps it): too many daemons, for the job or the tenant, or an address outside
+        ``peer_allow`` (see :mod:`asteria_server.sync.policy`)."""
+        addresses = list(dict.fromkeys(n.daemon_address for n in layout.nodes))
+        if len(addresses) < 2:
+            return
+        others = sum(
+            len(js.peers) for (t, job), js in self.jobs.items() if t == tenant and job != layout.job
+        )
+        me = layout.nodes[node_rank].daemon_address
+        self.policy.check(layout.job, me, addresses, others)
 
     def job_registered(self, tenant: str, layout: jpb.JobLayout, node_rank: int) -> None:
         """A node leader registered ``layout`` here (RegisterJob; on the event loop)."""
@@ -966,6 +1031,7 @@ class SyncManager:
         js = JobSync(self, tenant, layout, node_rank)
         if old is not None:  # what its ranks use and what it holds stay known
             js.known, js.digest, js.stats = old.known, old.digest, old.stats
+            js.kinds = old.kinds
         self.jobs[key] = js
         if js.syncing:
             unreachable = [a for a in js.addresses if a.startswith("unix:")]
@@ -1071,8 +1137,9 @@ class SyncManager:
                     grpc.StatusCode.UNAUTHENTICATED,
                     grpc.StatusCode.PERMISSION_DENIED,
                 ):
-                    logger.warning(
-                        "job %r: peer %s refused us: %s", js.job, peer.address, exc.details()
+                    self._refusals.refused(
+                        "heartbeat of ours by a peer",
+                        f"job {js.job!r}, {peer.address}: {exc.details()}",
                     )
             except asyncio.CancelledError:
                 raise
@@ -1080,8 +1147,19 @@ class SyncManager:
                 logger.exception("job %r: heartbeat to %s failed", js.job, peer.address)
             js.refresh_states(time.monotonic())
             # A dead peer (or a job that ended there) is asked less often, never given up: it
-            # may come back (a restart, SIGCONT) and must be heard within a few seconds.
-            every = self.config.heartbeat_s if peer.state != "dead" else DEAD_PEER_HEARTBEAT_S
+            # may come back (a restart, SIGCONT) and must be heard within a few seconds. One
+            # never heard (an address a layout names, perhaps no daemon at all) is asked at
+            # most once a second, backing off: it proves itself by calling here meanwhile.
+            if not peer.proven:
+                peer.misses += 1
+                every = min(
+                    UNPROVEN_HEARTBEAT_MAX_S,
+                    max(self.config.heartbeat_s, DEAD_PEER_HEARTBEAT_S) * 2 ** (peer.misses - 1),
+                )
+            elif peer.state != "dead":
+                every = self.config.heartbeat_s
+            else:
+                every = DEAD_PEER_HEARTBEAT_S
             left = every - (time.monotonic() - started)
             await asyncio.sleep(max(0.01, left))
 
@@ -1167,14 +1245,26 @@ class SyncManager:
 
     # ------------------------------------------------------------------ calls in
 
-    def authenticate(self, creds: ppb.PeerCredentials) -> tuple[JobSync, _Peer]:
-        """The caller's job and peer record; AuthenticationError or LookupError otherwise."""
+    def authenticate(self, creds: ppb.PeerCredentials, caller: str = "") -> tuple[JobSync, _Peer]:
+        """The caller's job and peer record; AuthenticationError or LookupError otherwise.
+
+        ``caller`` is the peer host the call came from: its failures count in the daemon's
+        authentication throttle (per host and claimed tenant, shared with OpenSession), which
+        refuses it with DaemonBusyError once used up; each class of refusal is logged, at most
+        one line per class every few seconds. The message for an unknown tenant is the one
+        for a wrong token: a caller cannot learn which tenants exist."""
+        key = f"{caller or 'unknown peer'} for tenant {creds.tenant[:64]!r}"
+        self.auth_throttle.check(key)
         token = self._tokens.get(creds.tenant)
-        if token is None and self._tokens:
-            raise AuthenticationError(f"unknown tenant {creds.tenant[:64]!r}")
         expected = job_token(token or "", creds.job)
-        if not hmac.compare_digest(expected.encode(), creds.job_token.encode()):
-            raise AuthenticationError(f"wrong job token for job {creds.job[:64]!r}")
+        wrong = not hmac.compare_digest(expected.encode(), creds.job_token.encode())
+        if (token is None and self._tokens) or wrong:
+            self.auth_throttle.failed(key)
+            self._refusals.refused("peer call with a wrong job token", f"from {key}")
+            raise AuthenticationError(
+                f"unknown tenant or wrong job token for job {creds.job[:64]!r}; the daemons of "
+                "a job must share the tenant's token"
+            )
         js = self.jobs.get((creds.tenant, creds.job))
         if js is None:
             raise LookupError(f"job {creds.job[:64]!r} is not registered on this daemon yet")
@@ -1186,56 +1276,89 @@ class SyncManager:
             raise InvalidInputError(f"node {creds.node} is served by this daemon itself")
         return js, peer
 
-    def claim(self, request: ppb.ClaimRequest) -> ppb.ClaimResponse:
-        js, peer = self.authenticate(request.credentials)
+    def claim(self, request: ppb.ClaimRequest, caller: str = "") -> ppb.ClaimResponse:
+        js, peer = self.authenticate(request.credentials, caller)
         return js.claim(peer, request.block, request.version)
 
-    def heartbeat(self, request: ppb.HeartbeatRequest) -> ppb.HeartbeatResponse:
-        js, peer = self.authenticate(request.credentials)
+    def heartbeat(self, request: ppb.HeartbeatRequest, caller: str = "") -> ppb.HeartbeatResponse:
+        js, peer = self.authenticate(request.credentials, caller)
         js.heard(peer, request.state)
         return ppb.HeartbeatResponse(
             state=js.my_state(request.known_digest), known_digest=peer.digest
         )
 
     async def receive(
-        self, requests: AsyncIterator[ppb.PushResultsRequest]
+        self, requests: AsyncIterator[ppb.PushResultsRequest], caller: str = ""
     ) -> ppb.PushResultsResponse:
-        first = await anext(requests, None)
+        """A peer's push (see :mod:`asteria_server.sync.push`): authenticated, then each result
+        checked by its header before its arrays are allocated, held in the upload budget while
+        it arrives, and validated as a local result once complete."""
+        stream = PushStream(requests, self.push_timeouts)
+        first = await stream.next_request()
         if first is None or first.WhichOneof("part") != "hello":
             raise InvalidInputError("PushResults: the first message must be a hello")
-        js, peer = self.authenticate(first.hello.credentials)
+        js, peer = self.authenticate(first.hello.credentials, caller)
+        pushing = self._pushes.get(js.tenant, 0)
+        if pushing >= self.max_push_streams:
+            raise DaemonBusyError(
+                f"PushResults: tenant {js.tenant!r} has {pushing} pushes open on this daemon "
+                f"(tenant_max_push_streams = {self.max_push_streams}); push again once they end"
+            )
+        self._pushes[js.tenant] = pushing + 1
+        try:
+            return await self._receive(stream, js, peer)
+        finally:
+            left = self._pushes[js.tenant] - 1
+            if left:
+                self._pushes[js.tenant] = left
+            else:
+                del self._pushes[js.tenant]
+
+    async def _receive(
+        self, stream: PushStream, js: JobSync, peer: _Peer
+    ) -> ppb.PushResultsResponse:
         receiver = framing.ResultReceiver(
             max_chunk_bytes=self.chunk_bytes, max_matrix_n=self.max_matrix_n
         )
         kept = dropped = 0
-        size = 0
-        async for request in requests:
-            if request.WhichOneof("part") != "frame":
-                raise InvalidInputError("PushResults: only frames may follow the hello")
-            size += len(request.frame)
-            message = pb.StreamResultsResponse.FromString(request.frame)
-            result = receiver.feed(message)
-            if result is None:
-                continue
-            if result.tenant != js.tenant or not replicated(result.block, js.prefix):
-                raise InvalidInputError(
-                    f"PushResults: block {result.block[:64]!r} is not a replicated block of "
-                    f"job {js.job!r}"
-                )
-            if result.block not in js.known:  # its ranks do not use it (yet): nothing to serve
+        while (frame := await stream.next_frame()) is not None:
+            frames_before = stream.frame_bytes - stream.last_frame_bytes
+            if frame.WhichOneof("part") != "header":
+                raise InvalidInputError("PushResults: a chunk arrived before any result header")
+            header = frame.header
+            announced = convert.result_arrays_announced(header, max_matrix_n=self.max_matrix_n)
+            num_bytes = sum(array.num_bytes for array in announced)
+            what = f"PushResults: result of block {header.block[:128]!r} version {header.version}"
+            if not check_header(
+                header, tenant=js.tenant, prefix=js.prefix, job=js.job, use=js.use(header.block)
+            ):  # its ranks do not use it (yet): nothing to serve
+                await stream.skip(num_bytes, what)
                 dropped += 1
-                size = 0
                 continue
+            async with self._upload_hold(num_bytes, what, js.tenant):
+                result = receiver.feed(frame)
+                while result is None:
+                    chunk = await stream.next_frame()
+                    if chunk is None:
+                        raise InvalidInputError(f"{what}: the stream ended inside the result")
+                    result = receiver.feed(chunk)
             if not result.is_finite():
-                dropped += 1
-                continue
-            if js.received(peer, result, size):
+                raise InvalidInputError(f"{what}: it holds non-finite values")
+            if js.received(peer, result, stream.frame_bytes - frames_before):
                 kept += 1
             else:
                 dropped += 1
-            size = 0
         receiver.close()
         return ppb.PushResultsResponse(kept=kept, dropped=dropped)
+
+    def _upload_hold(
+        self, num_bytes: int, what: str, tenant: str
+    ) -> AbstractAsyncContextManager[None]:
+        if self.uploads is None:
+            return contextlib.nullcontext()
+        return self.uploads.hold(
+            num_bytes, wait_s=self.push_timeouts.wait_s, what=what, tenant=tenant
+        )
 
     def status(self, tenant: str) -> ppb.PeerStatusResponse:
         now = time.monotonic()

@@ -7,11 +7,19 @@ from typing import Any, NoReturn
 
 import grpc
 
-from asteria_server.errors import AuthenticationError, InvalidInputError, UnknownSessionError
+from asteria_server.errors import (
+    AuthenticationError,
+    DaemonBusyError,
+    InvalidInputError,
+    UnknownSessionError,
+)
 from asteria_server.protocol.errors import abort_call
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
+from asteria_server.service.limits import peer_host
 from asteria_server.sync.manager import SyncManager
+
+_REFUSED = (AuthenticationError, InvalidInputError, DaemonBusyError, LookupError)
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
@@ -32,8 +40,8 @@ class PeerServicer(ppb_grpc.PeerServicer):
         self, request: ppb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ppb.HeartbeatResponse:
         try:
-            return self._manager.heartbeat(request)
-        except (AuthenticationError, InvalidInputError, LookupError) as exc:
+            return self._manager.heartbeat(request, peer_host(context.peer() or ""))
+        except _REFUSED as exc:
             await _abort(context, exc)
 
     async def PushResults(
@@ -42,16 +50,16 @@ class PeerServicer(ppb_grpc.PeerServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> ppb.PushResultsResponse:
         try:
-            return await self._manager.receive(request_iterator)
-        except (AuthenticationError, InvalidInputError, LookupError) as exc:
+            return await self._manager.receive(request_iterator, peer_host(context.peer() or ""))
+        except _REFUSED as exc:
             await _abort(context, exc)
 
     async def Claim(
         self, request: ppb.ClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ppb.ClaimResponse:
         try:
-            return self._manager.claim(request)
-        except (AuthenticationError, InvalidInputError, LookupError) as exc:
+            return self._manager.claim(request, peer_host(context.peer() or ""))
+        except _REFUSED as exc:
             await _abort(context, exc)
 
     async def PeerStatus(

@@ -208,10 +208,16 @@ class Throttle(threading.Thread):
     def run(self) -> None:
         try:
             while not self.halt.is_set():
-                self.stopped = set(worker_pids(self.daemon_pid))
-                self._signal(self.stopped, signal.SIGSTOP)
+                self.stopped = set()
                 self.cycles += 1
-                self.halt.wait(self.stop_s)
+                until = time.monotonic() + self.stop_s
+                # The pool replaces an idle worker it finds stopped, so the workers that start
+                # meanwhile are stopped too (as a loaded host would hold them back as well).
+                while not self.halt.is_set() and time.monotonic() < until:
+                    new = set(worker_pids(self.daemon_pid)) - self.stopped
+                    self._signal(new, signal.SIGSTOP)
+                    self.stopped |= new
+                    self.halt.wait(min(0.05, max(0.0, until - time.monotonic())))
                 self._signal(self.stopped, signal.SIGCONT)
                 self.halt.wait(self.run_s)
         finally:

@@ -40,13 +40,19 @@ def test_quick_soak_writes_resources_phases_and_a_report_section(
     assert counts.get("open_session:OK", 0) > 0 and counts.get("silent_stream:opened", 0) > 0
     assert any(k.startswith("big_snapshot:") for k in counts)
     assert any(k.startswith("stalled_upload:") for k in counts)
+    for door in ("wide_layout", "stalled_push", "peer_guess", "metrics_connection"):
+        assert any(k.startswith(f"{door}:") for k in counts), (door, counts)
+    assert counts.get("wide_layout:OK", 0) == 0  # a 4,096-node layout is always refused
+    assert counts.get("peer_guess:OK", 0) == 0
     assert with_bad["bad_job_forget_error"] == ""
     assert set(doc["targets"]) == {
         "rss_within_10pct",
         "fds_within_10pct",
         "nothing_lost",
         "p99_at_most_2x",
+        "health_true",
     }
+    assert doc["health_samples"] and "serving_while_unable" in doc
     assert (out.parent / doc["figures"][0]).read_bytes().startswith(b"\x89PNG")
     assert "lost results" in capsys.readouterr().out
 
