@@ -61,9 +61,12 @@ def _clean_env() -> dict[str, str]:
     return environ_without_asteria() | {"ASTERIA_LOG_LEVEL": "WARNING"}
 
 
-def start_daemon(tmp_path: Path, *extra: str, name: str = "d") -> LaunchedDaemon:
-    """A one-worker daemon on ``tmp_path/name/asteria.sock``, serving when this returns."""
-    launcher = DaemonProcess(workers=1, extra_args=extra, socket_dir=tmp_path / name)
+def start_daemon(
+    tmp_path: Path, *extra: str, name: str = "d", env: dict[str, str] | None = None
+) -> LaunchedDaemon:
+    """A one-worker daemon on ``tmp_path/name/asteria.sock``, serving when this returns
+    (``env``: variables set for it, e.g. ``ASTERIA_*`` settings)."""
+    launcher = DaemonProcess(workers=1, extra_args=extra, socket_dir=tmp_path / name, env=env)
     try:
         launcher.start()
     except DaemonStartError as exc:

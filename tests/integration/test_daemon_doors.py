@@ -354,20 +354,7 @@ def test_wrong_token_peer_calls_and_close_session_guesses_are_throttled(tmp_path
 def start_env_daemon(tmp_path: Path, env: dict[str, str], *extra: str) -> LaunchedDaemon:
     """A tenants daemon with ``ASTERIA_*`` settings from ``env`` (a daemon that does not know
     a setting ignores it, so a test of a new limit still runs against the old code)."""
-    launcher = DaemonProcess(
-        workers=1,
-        extra_args=("--config", str(tokens_config(tmp_path)), *extra),
-        socket_dir=tmp_path / "d",
-        env=env,
-    )
-    try:
-        launcher.start()
-    except DaemonStartError as exc:
-        pytest.fail(str(exc))
-    assert launcher.socket_path is not None
-    return LaunchedDaemon(
-        launcher.process, launcher.socket_path, launcher.address, launcher.serving_line, launcher
-    )
+    return start_daemon(tmp_path, "--config", str(tokens_config(tmp_path)), *extra, env=env)
 
 
 def register_job(d: LaunchedDaemon, session: str, job: str) -> None:
