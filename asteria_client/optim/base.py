@@ -464,9 +464,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         norms_all = torch.cat(norms)
         finite = torch.isfinite(norms_all).all()
         if self._sharded():  # every rank holds other rows: all skip (or raise) together
-            agreed = finite.to(torch.int64)
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-            finite = agreed.bool()
+            # The same collective as a first step's host check (the MIN of the first bad
+            # parameter's position, or the number of parameters), so that ranks meet whichever
+            # path they take: a rank whose shards are all empty takes the first-step one.
+            none = sum(1 for _ in self.named_params())
+            positions = self._tile_positions(steps)
+            bad_at = torch.where(torch.isfinite(norms_all), none, positions).min().reshape(1)
+            torch.distributed.all_reduce(bad_at, op=torch.distributed.ReduceOp.MIN)
+            finite = (bad_at == none).reshape(())
         record = torch.cat([finite.to(norms_all.dtype).reshape(1), norms_all])
         self._pending_check = _DeviceCheck(
             self.runtime.copy_to_host(record),
@@ -481,6 +486,17 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 masks[kind] = StepMask(finite.to(device=kind[1], dtype=kind[0]))
             work.mask = masks[kind]
             work.grads.nan_to_num_(0.0, 0.0, 0.0)  # a masked step must not bring NaN in
+
+    @staticmethod
+    def _tile_positions(steps: list[GroupStep]) -> torch.Tensor:
+        """Per tile of ``steps`` (in the order of their gradients' maxima), its parameter's
+        position among all parameters, on the device (each group keeps its own)."""
+        for work in steps:
+            if work.group.positions is None:
+                values = [entry.position for entry, _ in work.owners]
+                work.group.positions = torch.tensor(values, device=work.grads.device)
+        device = steps[0].grads.device
+        return torch.cat([work.group.positions.to(device) for work in steps])  # type: ignore[union-attr]
 
     def _settle_checks(self, *, raise_now: bool) -> None:
         """Read the last usual step's finite check (see :meth:`_check_on_device`); a bad

@@ -115,6 +115,8 @@ class TileGroup:
         self.masks: dict[str, torch.Tensor] = {}
         #: this group's compiled math (:class:`GroupKernels`), by the function compiled
         self.kernels: dict[Callable[..., Any], Callable[..., Any]] = {}
+        #: per tile, its parameter's position among the optimizer's (FSDP2's finite check)
+        self.positions: torch.Tensor | None = None
         for index, tile in enumerate(self.tiles):
             slots = _slots(tile)
             slots.clear()

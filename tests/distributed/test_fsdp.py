@@ -197,3 +197,40 @@ def test_plain_parameters_keep_their_names() -> None:
     blocks = [row["block"] for row in opt.preconditioner_status()]
     assert blocks[0] == "0.weight/tile0/dim0" and not any("@" in b for b in blocks)
     assert dist.is_available()
+
+
+def _nonfinite_rank(rank: int, world: int, tmp: str) -> None:
+    """Rank 0 alone sees a NaN in one shard's gradient at the fourth step: a usual step, checked
+    on the device, so both ranks agree by one collective and skip it together."""
+    spawn.init(rank, world, tmp)
+    try:
+        net = spawn.shard(spawn.model())
+        opt = SOAP(net.named_parameters(), mode="native", nonfinite="skip", lr=1e-2)
+        try:
+            for step, batch in enumerate(spawn.batches(6, world * BATCH), start=1):
+                x = batch[rank * BATCH : (rank + 1) * BATCH]
+                opt.zero_grad()
+                spawn.loss_of(net, x).backward()
+                if step == 4 and rank == 0:
+                    grad = next(p for p in net.parameters() if p.grad is not None).grad
+                    grad.to_local().view(-1)[0] = float("nan")  # type: ignore[union-attr]
+                opt.step()
+            skipped = opt.skipped_steps
+            steps = [entry["step"] for entry in opt.state_dict()["state"].values()]
+        finally:
+            opt.close()
+        params = spawn.full_state(net)
+        torch.save({"skipped": skipped, "steps": steps, "params": params}, f"{tmp}/nf{rank}.pt")
+        del net, opt
+    finally:
+        spawn.finish()
+
+
+def test_a_nonfinite_shard_gradient_is_skipped_by_every_rank_together(tmp_path: Path) -> None:
+    spawn.spawn(_nonfinite_rank, 2, str(tmp_path))
+    out = [torch.load(tmp_path / f"nf{rank}.pt") for rank in range(2)]
+    assert [o["skipped"] for o in out] == [1, 1]
+    assert all(s == 5 for o in out for s in o["steps"]), [o["steps"] for o in out]
+    for key, value in out[0]["params"].items():
+        assert torch.isfinite(value).all(), key
+        assert torch.equal(value, out[1]["params"][key]), key
