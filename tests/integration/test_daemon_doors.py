@@ -22,6 +22,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -143,17 +144,23 @@ def inverse_root_task(block: str, version: int, n: int) -> SolveTask:
 # ----------------------------------------------------------------------- 4. pushed results
 
 
+def job_with_a_block(d: LaunchedDaemon, n: int) -> tuple[Any, str, str, Any]:
+    """A session of a registered two-node job with one inverse-root block of size ``n``
+    submitted at version 1: the stub, the session, the block and a Peer stub."""
+    stub = d.stub()
+    sid = job_session(d)
+    register_two_node_job(d, sid)
+    block = f"{JOB}:w.L"
+    assert submit(stub, sid, inverse_root_task(block, 1, n)) is SubmitOutcome.QUEUED
+    return stub, sid, block, peer_stub(d)
+
+
 def test_a_peer_push_is_validated_like_a_local_result(tmp_path: Path) -> None:
     """A push far ahead in version, of the wrong kind or shape is refused naming what is
     wrong; the block is not pinned: the next local snapshot is still taken, not a DUPLICATE."""
     d = start_tenants_daemon(tmp_path)
     try:
-        stub = d.stub()
-        sid = job_session(d)
-        register_two_node_job(d, sid)
-        block = f"{JOB}:w.L"
-        assert submit(stub, sid, inverse_root_task(block, 1, 8)) is SubmitOutcome.QUEUED
-        peer = peer_stub(d)
+        stub, sid, block, peer = job_with_a_block(d, 8)
         narrow = pushed(block, 3, 8, SolveKind.INVERSE_ROOT)
         wider = dataclasses.replace(narrow, matrix=narrow.matrix.astype(np.float64))
         bad = [
@@ -216,12 +223,7 @@ def test_a_push_holds_upload_budget_is_checked_first_and_a_stalled_one_ends(
     release = threading.Event()
     n = 370
     try:
-        stub = d.stub()
-        sid = job_session(d)
-        register_two_node_job(d, sid)
-        block = f"{JOB}:w.L"
-        assert submit(stub, sid, inverse_root_task(block, 1, n)) is SubmitOutcome.QUEUED
-        peer = peer_stub(d)
+        _, sid, block, peer = job_with_a_block(d, n)
         stalled = peer.PushResults.future(
             stalled_push(pushed(block, 2, n, SolveKind.INVERSE_ROOT), release), timeout=15
         )
@@ -260,12 +262,7 @@ def test_a_tenants_open_pushes_are_capped(tmp_path: Path) -> None:
     d = start_env_daemon(tmp_path, env, "--upload-idle-s", "2")
     release = threading.Event()
     try:
-        stub = d.stub()
-        sid = job_session(d)
-        register_two_node_job(d, sid)
-        block = f"{JOB}:w.L"
-        assert submit(stub, sid, inverse_root_task(block, 1, 8)) is SubmitOutcome.QUEUED
-        peer = peer_stub(d)
+        _, _, block, peer = job_with_a_block(d, 8)
         stalled = [
             peer.PushResults.future(
                 stalled_push(pushed(f"{JOB}:u{i}", 1, 64, SolveKind.INVERSE_ROOT), release),
