@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from asteria_client.bench import grpc_sink, output
 from asteria_client.bench.stats import percentile
@@ -138,13 +137,12 @@ def _measure_size(ends: _Endpoints, n: int, repeats: int, held: dict[str, int]) 
     snap, result_seg = segments_for(task)
     ends.channel.attach(snap)
     ends.channel.attach(result_seg)
-    tensor = torch.from_numpy(matrix)
     dst = np.zeros_like(matrix)
     raw, size = matrix.reshape(-1).view(np.uint8), ends.s_tcp.max_chunk_bytes
     chunks = [raw[i : i + size].tobytes() for i in range(0, raw.size, size)]  # as gRPC sends it
 
     def shm_submit() -> None:
-        ref = snap.write_snapshot(task, [tensor])
+        ref = snap.write_snapshot(task)
         (answer,) = ends.unix.announce(ends.s_unix, [(task, ref)])
         if isinstance(answer, Exception):
             raise answer
@@ -159,7 +157,7 @@ def _measure_size(ends: _Endpoints, n: int, repeats: int, held: dict[str, int]) 
         _wait_solved(ends.tcp, ends.s_tcp, block)
         cases: dict[str, Callable[[], object]] = {
             "memcpy": lambda: np.copyto(dst, matrix),
-            "shm write": lambda: snap.write_snapshot(task, [tensor]),
+            "shm write": lambda: snap.write_snapshot(task),
             "shm submit": shm_submit,
             "gRPC submit (unix)": lambda: ends.unix.submit(ends.s_unix, task),
             "gRPC submit (tcp)": lambda: ends.tcp.submit(ends.s_tcp, task),

@@ -202,7 +202,7 @@ class ExchangeSource(PreconditionerSource):
             self.inner.submit(request)
             return
         with self._cond:
-            self._devices[block] = request.matrix.device
+            self._devices[block] = request.factor_device
             mine = self._is_mine(block, int(request.matrix.shape[0]))
         if mine:  # handed over before the exchange looks for it: never a false give-up
             self.inner.submit(request)

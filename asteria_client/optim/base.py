@@ -545,6 +545,16 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._settle_checks(raise_now=True)
+        with self.runtime.publishing():  # the step's snapshots leave the device in one copy
+            stepped = self._step_all()
+        if stepped and self.runtime.continuous:
+            # the workers free now get the neediest blocks; a new step's overhead budget
+            self.runtime.pull(self._install, step_end=True)
+        return loss
+
+    def _step_all(self) -> bool:
+        """One step of every parameter with a gradient (inside the runtime's publishing);
+        False when a first step's non-finite gradient skipped it."""
         stepping = self._stepping()
         steps: list[GroupStep] | None = None
         if stepping and all(entry.state for entry in stepping):
@@ -564,7 +574,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 self._warn_once(
                     "skip", f"skipping steps with non-finite gradients (first: {bad!r})"
                 )
-                return loss
+                return False
         regular = []
         for entry in stepping:
             state = entry.state
@@ -580,10 +590,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             steps = self._tile_groups.steps(regular, self.storage_spec)
         if steps:
             self._step_groups(steps)
-        if self.runtime.continuous:
-            # the workers free now get the neediest blocks; a new step's overhead budget
-            self.runtime.pull(self._install, step_end=True)
-        return loss
+        return True
 
     #: Which fields of this optimizer's tiles are stacked per group (subclasses).
     storage_spec: ClassVar[dict[type, StorageSpec]] = {}

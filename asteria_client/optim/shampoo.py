@@ -147,13 +147,13 @@ class Shampoo(AsteriaOptimizer):
             for dim, factor in enumerate(stacks.stacked_all("factors")):
                 if factor is not None:
                     batched.ema_(factor, batched.factor_statistic(g, dim), beta2, second)
-            if not stacks.has_blocks:
-                continue
-            due = (work.step - 1) % group["precondition_frequency"] == 0
-            for tile in work.tiles:
-                if due:
+            if stacks.has_blocks and (work.step - 1) % group["precondition_frequency"] == 0:
+                for tile in work.tiles:
                     self._submit_tile(tile, work.step, group)
-                self._sync_tile(tile, work.step, group)
+        for work in steps:  # after every submit: the step's snapshots leave in one copy
+            if work.group.has_blocks:
+                for tile in work.tiles:
+                    self._sync_tile(tile, work.step, work.hyper)
         updates = [
             (work, self._direction(work), -work.hyper["lr"], _decay(work.hyper)) for work in steps
         ]

@@ -1,10 +1,12 @@
 """The embedded source: Asteria's engine inside the training process, solves in worker processes.
 
-``submit`` takes a copy of the factor (off the main stream on CUDA), hands it to the engine and
-returns at once; the engine's worker processes compute with SciPy/LAPACK (which holds the GIL, so
-never in a thread of this process). ``take`` picks up finished results and brings them to the
-factor's device. Anything the engine raises is contained here: a dead engine means no new
-results, which the optimizer's staleness budget turns into a local fallback — never a crash.
+``submit`` takes the factor's host copy (packed with the step's other snapshots by the runtime,
+off the main stream on CUDA), hands it to the engine once the copy is done and returns at once;
+the engine's worker processes compute with SciPy/LAPACK (which holds the GIL, so never in a
+thread of this process). ``take`` picks up finished results and brings them to the factor's
+device (one staging copy, one host-to-device copy). Anything the engine raises is contained
+here: a dead engine means no new results, which the optimizer's staleness budget turns into a
+local fallback — never a crash.
 """
 
 from __future__ import annotations
@@ -84,12 +86,18 @@ class EmbeddedSource(PreconditionerSource):
 
     # ------------------------------------------------------------------ snapshots in
     def submit(self, request: PreconditionerRequest) -> None:
-        self._devices[request.block] = request.matrix.device
-        basis = None if request.basis is None else self._transfer.to_host(request.basis)
-        item = _PendingSubmit(request, self._transfer.to_host(request.matrix), basis)
+        self._devices[request.block] = request.factor_device
+        staged = request.staged
+        if staged is None:  # a caller's own request: packed here, as the runtime packs its own
+            tensors = [request.matrix] if request.basis is None else [request.matrix, request.basis]
+            staged = tuple(self._transfer.pack(tensors))
+        item = _PendingSubmit(request, staged[0], staged[1] if len(staged) > 1 else None)
         with self._lock:
             self._pending.append(item)
         self.pump()
+
+    def snapshot_transfer(self) -> DeviceTransfer:
+        return self._transfer
 
     def seconds_per_n3(self) -> float:
         return self._engine.stats().seconds_per_n3  # calibrated when the engine started
@@ -175,7 +183,7 @@ class EmbeddedSource(PreconditionerSource):
         if result is None:
             return None
         device = self._devices.get(result.block, torch.device("cpu"))
-        return result_from_engine(result, device, self._transfer.to_device)
+        return result_from_engine(result, device, self._transfer)
 
     def take(self, block: str) -> PreconditionerResult | None:
         self.pump()

@@ -24,6 +24,7 @@ The optimizer describes each block through two callbacks, so the runtime never k
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -200,6 +201,13 @@ class FreshnessRuntime:
         #: what stopped extra pulls in the step now running (each counted once a step)
         self._step_limits: set[str] = set()
         self._pulling = False
+        #: the source's transfer layer when snapshots are packed for it (None: handed over
+        #: one by one, as they are), the snapshots requested and not handed over yet, how deep
+        #: :meth:`publishing` is, and the tiles whose ready results wait for that hand-over
+        self._packer = source.snapshot_transfer()
+        self._unsent: list[PreconditionerRequest] = []
+        self._publishing = 0
+        self._install_after: dict[int, tuple[TileBlocks, InstallFn]] = {}
         self._continuous = (
             ContinuousScheduler(seconds_per_n3=source.seconds_per_n3())
             if policy.continuous
@@ -248,6 +256,52 @@ class FreshnessRuntime:
         )
 
     # ------------------------------------------------------------------ snapshots and results
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[None]:
+        """Collect the snapshots requested inside (an optimizer step) and hand them to the
+        source together when it ends: one device-to-host copy for all of them. Anything that
+        installs a result or waits for one (:meth:`sync`, :meth:`install_ready`, a pull)
+        hands the collected snapshots over first, so a request never sees a basis installed
+        after it was made."""
+        self._publishing += 1
+        try:
+            yield
+        finally:
+            self._publishing -= 1
+            if not self._publishing:
+                self.flush()
+
+    def flush(self) -> None:
+        """Hand every collected snapshot to the source — packed into one copy per device —
+        then install what is ready for the tiles that waited for it."""
+        unsent, self._unsent = self._unsent, []
+        if unsent:
+            assert self._packer is not None
+            tensors = [t for r in unsent for t in (r.matrix, r.basis) if t is not None]
+            copies = iter(self._packer.pack(tensors))
+            for request in unsent:
+                matrix = next(copies)
+                basis = None if request.basis is None else next(copies)
+                self._hand_over(
+                    dataclasses.replace(
+                        request,
+                        matrix=matrix.host,
+                        basis=None if basis is None else basis.host,
+                        staged=(matrix,) if basis is None else (matrix, basis),
+                        device=request.matrix.device,
+                    )
+                )
+        waiting, self._install_after = self._install_after, {}
+        for tile, install in waiting.values():
+            self.install_ready(tile, install)
+
+    def _hand_over(self, snapshot: PreconditionerRequest) -> None:
+        try:
+            self.source.submit(snapshot)
+        except AsteriaError as exc:  # a source must not take training down
+            self.barrier_stats.submit_errors += 1
+            self._warn_once("submit", f"could not submit snapshots ({exc}); computing locally")
+
     def submit(
         self,
         tile: TileBlocks,
@@ -261,7 +315,9 @@ class FreshnessRuntime:
             self._frequency[block] = frequency
             self._requests[block] = (request, dim, weakref.ref(tile))
             self._submit_block(tile, dim, block, version, request)
-        self.install_ready(tile, install)
+        self._install_after[id(tile)] = (tile, install)
+        if not self._publishing:
+            self.flush()
 
     def _submit_block(
         self,
@@ -277,11 +333,10 @@ class FreshnessRuntime:
         if deadline_step is not None:
             snapshot = dataclasses.replace(snapshot, deadline_step=deadline_step)
         tile.submitted[dim] = version
-        try:
-            self.source.submit(snapshot)
-        except AsteriaError as exc:  # a source must not take training down
-            self.barrier_stats.submit_errors += 1
-            self._warn_once("submit", f"could not submit snapshots ({exc}); computing locally")
+        if self._packer is None:  # native: solved now, on the factor's device
+            self._hand_over(snapshot)
+        else:
+            self._unsent.append(snapshot)  # handed over by flush(): together, in one copy
         return snapshot
 
     def offer(self, tile: TileBlocks, version: int, request: RequestFn) -> None:
@@ -386,6 +441,7 @@ class FreshnessRuntime:
             scheduler.pulled(entry.block, snapshot, floor=True)
             self.refresh_log.record_pull(entry.block, entry.version, floor=True)
             tiles[id(entry.tile)] = entry.tile
+        self.flush()
         self._note_snapshot_cost(time.perf_counter() - start, len(due))
         for tile in tiles.values():
             self.install_ready(tile, install)
@@ -420,6 +476,7 @@ class FreshnessRuntime:
                 scheduler.pulled(entry.block, snapshot)
                 self.refresh_log.record_pull(entry.block, entry.version)
                 tiles[id(entry.tile)] = entry.tile
+            self.flush()  # handed over before the source's credit is read again
             self._note_snapshot_cost(time.perf_counter() - start, len(chosen))
             pulled += len(chosen)
             for tile in tiles.values():
@@ -450,6 +507,8 @@ class FreshnessRuntime:
         """Install every ready result of the tile's blocks. When the source counts arriving
         results, a tile already scanned since the last arrival is not scanned again: a step
         then costs one counter read per tile, not one source round trip per block."""
+        if self._unsent:
+            self.flush()  # collected snapshots go before any basis they were taken with changes
         epoch = self.source.results_epoch()  # read before the scan: an arrival during it counts
         if epoch is not None:
             seen = self._scanned.get(id(tile))
@@ -487,6 +546,8 @@ class FreshnessRuntime:
     ) -> None:
         """Install ready results, then make every block of the tile meet the staleness budget:
         wait (bounded) for a result in flight, else compute the block locally."""
+        if self._unsent:
+            self.flush()  # what is waited for below must have been handed over
         self.source.pump()  # finished transfers move on even when nothing is taken
         for dim, block in tile.preconditioned():
             self._requests[block] = (request, dim, weakref.ref(tile))
@@ -552,6 +613,8 @@ class FreshnessRuntime:
 
         ``tiles`` is called only when a result arrived since the last pump."""
         with torch.no_grad():
+            if self._unsent:
+                self.flush()
             self.source.pump()
             epoch = self.source.results_epoch()
             if epoch is not None and epoch == self._pumped_epoch:

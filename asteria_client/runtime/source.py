@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from asteria_client.runtime import linalg
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy, StagedArrays
 from asteria_server.errors import SolverError
 from asteria_server.types import SolveKind, SolveResult
 
@@ -36,6 +36,12 @@ class PreconditionerRequest:
     the result is one QR power-iteration step from it, or a full eigendecomposition when None.
     ``deadline_step`` is the step at which the block would exceed its staleness budget; an
     asynchronous source schedules the earliest deadline first.
+
+    A request the runtime has *staged* (``staged`` set) carries host tensors: ``matrix`` and
+    ``basis`` are views of the pinned buffer that one batched copy of the step's snapshots
+    fills (:meth:`~asteria_client.runtime.transfer.DeviceTransfer.pack`); ``staged`` holds
+    their copies (the matrix's, then the basis's), valid once each ``wait()`` returned.
+    ``device`` is then the factor's own device, where results go.
     """
 
     block: str
@@ -47,6 +53,13 @@ class PreconditionerRequest:
     basis: torch.Tensor | None = None
     base_version: int = -1
     deadline_step: int = 0
+    staged: tuple[PendingCopy, ...] | None = None
+    device: torch.device | None = None
+
+    @property
+    def factor_device(self) -> torch.device:
+        """Where the block's factor lives (and its results are installed)."""
+        return self.matrix.device if self.device is None else self.device
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +116,13 @@ class PreconditionerSource(abc.ABC):
 
     def in_flight_version(self, block: str) -> int | None:
         """The version being computed (or queued) for ``block``, if any."""
+        return None
+
+    def snapshot_transfer(self) -> DeviceTransfer | None:
+        """The transfer layer that takes this source's snapshots to the host, when the runtime
+        should pack a step's snapshots into one copy for it (requests then come *staged*, see
+        :class:`PreconditionerRequest`). None: each request is handed over as it is (native
+        mode solves on the factor's own device)."""
         return None
 
     def credit(self) -> int | None:
@@ -216,32 +236,42 @@ class NativeSource(PreconditionerSource):
 def result_from_engine(
     result: SolveResult,
     device: torch.device,
-    to_device: Callable[..., torch.Tensor],
+    transfer: DeviceTransfer,
     *,
     block: str | None = None,
+    staged: StagedArrays | None = None,
 ) -> PreconditionerResult:
     """An engine's NumPy result as the optimizer's torch result on ``device``.
 
-    ``to_device(array, device, key=...)`` moves one array (the transfer layer's side-stream
-    copy, staged in a pinned buffer per ``key``: the block and the field); ``block`` overrides
-    the name (a transport's namespace removed).
+    ``staged``: the result's arrays (:func:`result_fields`) as the thread that received it
+    staged them (:meth:`DeviceTransfer.stage`): one host-to-device copy. Without it they are
+    staged here, on this thread. ``block`` overrides the name (a transport's namespace
+    removed).
     """
     name = result.block if block is None else block
-
-    def move(array: np.ndarray | None, field_name: str) -> torch.Tensor | None:
-        return None if array is None else to_device(array, device, key=f"{name}/{field_name}")
-
-    matrix = move(result.matrix, "matrix")
+    if staged is None:
+        staged = transfer.stage_arrays(result_fields(result), device)
+    matrix, eigenvalues, permutation, rotation = transfer.staged_to_device(
+        staged, device, name=name
+    )
     assert matrix is not None
-    permutation = None if result.permutation is None else result.permutation.astype(np.int64)
     return PreconditionerResult(
         block=name,
         version=result.version,
         kind=result.kind,
         matrix=matrix,
-        eigenvalues=move(result.eigenvalues, "eigenvalues"),
-        permutation=move(permutation, "permutation"),
-        rotation=move(result.rotation, "rotation"),
+        eigenvalues=eigenvalues,
+        permutation=permutation,
+        rotation=rotation,
         base_version=result.base_version,
         solve_time_s=result.solve_time_s,
     )
+
+
+def result_fields(result: SolveResult) -> list[np.ndarray | None]:
+    """A result's arrays in ``RESULT_FIELDS`` order (matrix, eigenvalues, permutation,
+    rotation), the permutation as int64, the dtype the optimizer indexes with."""
+    permutation = result.permutation
+    if permutation is not None:
+        permutation = permutation.astype(np.int64, copy=False)
+    return [result.matrix, result.eigenvalues, permutation, result.rotation]

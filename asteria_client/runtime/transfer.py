@@ -1,27 +1,29 @@
 """The one transfer layer under every source: device <-> host copies off the main CUDA stream.
 
-Snapshots (device -> host): the factor is cloned on the main stream (device memory, cheap, and
-taken *now*, in stream order), then copied on a low-priority *side stream* into page-locked host
-memory — a pinned buffer reused per key (block), or a destination the caller owns, such as a
-shared-memory segment registered with CUDA (:meth:`DeviceTransfer.register`), so a D2H copy
-lands straight where the daemon reads it. The copy's event says when the host bytes are valid;
-the main stream never waits for it. A destination that is *not* page-locked (its registration
-failed) gets the copy through a pinned **bounce buffer**, moved into the destination by the
-thread that waits for the copy: a non-blocking copy into pageable memory would silently
-drain the stream instead. The first such fallback is logged once, at WARNING.
+Snapshots (device -> host): the snapshots a step publishes are **packed** (:meth:`~DeviceTransfer
+.pack`): concatenated into one flat device buffer on the main stream (one kernel, and the
+snapshot: taken now, in stream order), then copied once, on a low-priority *side stream*, into
+one new page-locked host buffer, of which each snapshot is a view. One device-to-host copy per
+step and device, whatever the number of blocks; the copy's event says when the host bytes are
+valid, and the main stream never waits for it. (A single tensor goes the same way through
+:meth:`~DeviceTransfer.to_host`.)
 
-Results (host -> device): the host array is staged in a pinned buffer reused per key and
-copied on the side stream; the main stream is made to wait on the copy's event (a device-side
-wait, not a host sync) before the result is used.
+Results (host -> device): the thread that receives a result **stages** it
+(:meth:`~DeviceTransfer.stage`): its arrays are copied once into one page-locked byte buffer
+— the only host copy of the result on the client. The training thread then issues one
+host-to-device copy of that buffer on the side stream (:meth:`~DeviceTransfer.staged_to_device`)
+and makes the main stream wait on its event (a device-side wait, not a host sync); the fields
+are typed views of the device copy. An unstaged array (:meth:`~DeviceTransfer.to_device`) is
+staged in a pinned buffer reused per key.
 
 Events are created *blocking*: a host thread that waits for a copy (the daemon source's sender)
 sleeps in the driver instead of spinning a core the solvers need.
 
-On CPU the same calls run with no streams and no events: a snapshot is a plain copy, a result
-is used in place. The CUDA primitives are a handful of small methods (``on_device``,
-``_host_empty``, ``_copy_async``, ``page_locked``, ``_register_host``, ``_unregister_host``),
-so that the logic around them — reuse, bounce buffers, waiting for copies in flight — is
-tested on CPU with a simulated, slowed device (tests/sim_device.py).
+On CPU the same calls run with no streams and no events: a pack is one host concatenation, a
+result is used in place. The CUDA primitives are a handful of small methods (``on_device``,
+``to_accelerator``, ``_host_empty``, ``_copy_async``, ``_copy_to_device``), so that the logic
+around them — packing, staging, waiting for copies in flight — is tested on CPU with a
+simulated, slowed device (tests/sim_device.py).
 
 Host tensors this layer makes or copies into are *marked* (:func:`mark_host`): the host-sync
 audit (:mod:`asteria_client.runtime.sync_audit`) reads a marked tensor's bytes as the host
@@ -30,11 +32,10 @@ reading host memory, which on a device costs no sync.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,23 +85,23 @@ class PendingCopy:
 
 
 class DeviceTransfer:
-    """Side streams (one per device), reusable pinned buffers, registered host memory."""
+    """Side streams (one per device), packed snapshots, staged results, pinned buffers."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}
         self._staging: dict[tuple[str, str], tuple[torch.Tensor, PendingCopy | None]] = {}
-        self._registered: dict[int, int] = {}  # host address -> bytes registered with CUDA
-        self._registered_starts: list[int] = []  # its keys, sorted
         #: D2H copies not known to be complete (what :meth:`drain` waits for), oldest first:
         #: one side stream completes them in order, so the done ones leave from the front
         self._in_flight: collections.deque[PendingCopy] = collections.deque()
         #: guards the dicts and the list above: the training thread and a source's own
         #: threads (an exchange, a session) both move data through one transfer layer
         self._lock = threading.Lock()
-        self._register_warned = False
         self.copies_d2h = 0
         self.copies_h2d = 0
-        self.bounce_copies = 0
+        self.tensors_to_host = 0  # tensors those D2H copies carried (a pack carries many)
+        #: host copies of results on the client (staging, or the training thread's copy into
+        #: a pinned buffer for an unstaged array)
+        self.result_host_copies = 0
 
     # ------------------------------------------------------------------ device primitives
     def on_device(self, tensor: torch.Tensor) -> bool:
@@ -111,15 +112,16 @@ class DeviceTransfer:
         """A new page-locked host tensor."""
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def page_locked(self, host: torch.Tensor) -> bool:
-        """Whether an asynchronous copy into ``host`` stays asynchronous (pinned, or inside
-        memory registered with CUDA)."""
-        return host.is_pinned() or self._in_registered(host)
+    def to_accelerator(self, device: torch.device) -> bool:
+        """Whether results for ``device`` cross to device memory (else they are used in place)."""
+        return device.type == "cuda"
 
-    def _copy_async(self, tensor: torch.Tensor, host: torch.Tensor) -> Any:
+    def _copy_async(self, tensor: torch.Tensor, host: torch.Tensor, *, owned: bool = False) -> Any:
         """Copy device ``tensor`` (as it is now, in main-stream order) into page-locked
-        ``host`` on the side stream; returns the event that completes it."""
-        snapshot = tensor.detach().clone()  # on the main stream: taken now, in stream order
+        ``host`` on the side stream; returns the event that completes it. ``owned``: nothing
+        else writes ``tensor`` (a packed buffer made for this copy), so it needs no clone."""
+        # the clone runs on the main stream: the snapshot is taken now, in stream order
+        snapshot = tensor.detach() if owned else tensor.detach().clone()
         main = torch.cuda.current_stream(tensor.device)
         stream = self._stream(tensor.device)
         stream.wait_stream(main)
@@ -130,18 +132,18 @@ class DeviceTransfer:
             event.record(stream)
         return event
 
-    def _register_host(self, address: int, size: int) -> str | None:
-        """Page-lock ``size`` bytes at ``address`` for CUDA; None on success, else why not."""
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
-        except RuntimeError as exc:  # pragma: no cover - depends on the driver
-            return str(exc)
-        return None if int(err) == 0 else f"CUDA error {int(err)}"
-
-    def _unregister_host(self, address: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(address)
+    def _copy_to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """Copy pinned ``host`` to ``device`` on the side stream; the main stream waits for it
+        on the device (no host wait), and the result is safe to use there. Returns the copy
+        and its event (``host`` may be written again once the event is done)."""
+        stream = self._stream(device)
+        with torch.cuda.stream(stream):
+            out = host.to(device, non_blocking=True)
+            event = torch.cuda.Event(blocking=True)
+            event.record(stream)
+        torch.cuda.current_stream(device).wait_event(event)
+        out.record_stream(torch.cuda.current_stream(device))
+        return out, event
 
     def _stream(self, device: torch.device) -> Any:
         with self._lock:
@@ -154,55 +156,6 @@ class DeviceTransfer:
             return stream
 
     # ------------------------------------------------------------------ host memory
-    def _in_registered(self, host: torch.Tensor) -> bool:
-        """Whether ``host`` lies inside one registered region (a bisection: no scan of every
-        block's segment per copy)."""
-        start = host.data_ptr()
-        end = start + host.numel() * host.element_size()
-        with self._lock:
-            at = bisect.bisect_right(self._registered_starts, start) - 1
-            if at < 0:
-                return False
-            address = self._registered_starts[at]
-            return end <= address + self._registered[address]
-
-    def register(self, host: torch.Tensor) -> bool:
-        """Page-lock ``host``'s memory for CUDA (a shared-memory segment's mapping), so copies
-        into it run asynchronously. False when refused: copies into it then go through a
-        pinned bounce buffer (logged once, at WARNING)."""
-        if host.device.type != "cpu":
-            return False
-        address, size = host.data_ptr(), host.numel() * host.element_size()
-        with self._lock:
-            if self._registered.get(address, 0) >= size:
-                return True
-        why = self._register_host(address, size)
-        if why is not None:
-            if not self._register_warned:
-                self._register_warned = True
-                logger.warning(
-                    "cudaHostRegister of %d bytes of shared memory failed (%s): snapshots into "
-                    "it go through a pinned bounce buffer, one more host copy each",
-                    size,
-                    why,
-                )
-            return False
-        with self._lock:
-            if address not in self._registered:
-                bisect.insort(self._registered_starts, address)
-            self._registered[address] = size
-        return True
-
-    def unregister(self, host: torch.Tensor) -> None:
-        """Undo :meth:`register`; call only once no copy into ``host`` is in flight."""
-        address = host.data_ptr()
-        with self._lock:
-            registered = self._registered.pop(address, None) is not None
-            if registered:
-                self._registered_starts.remove(address)
-        if registered:
-            self._unregister_host(address)
-
     def _pinned(self, key: tuple[str, str], like: torch.Tensor) -> torch.Tensor:
         """A pinned buffer shaped like ``like`` reused for ``key``, once its last copy is done."""
         with self._lock:
@@ -236,61 +189,168 @@ class DeviceTransfer:
         return pending
 
     def copy_into(self, tensor: torch.Tensor, host: torch.Tensor) -> PendingCopy:
-        """Start a copy of ``tensor`` (as it is now) into the host tensor ``host``."""
+        """Start a copy of ``tensor`` (as it is now) into the pinned host tensor ``host``."""
         self.copies_d2h += 1
+        self.tensors_to_host += 1
         if not self.on_device(tensor):
             # non_blocking: a no-op on the host, and how the sync audit tells this copy from a
             # blocking device read
             host.copy_(tensor.detach(), non_blocking=True)
             return PendingCopy(host=host)
-        if self.page_locked(host):
-            pending = PendingCopy(host=host, event=self._copy_async(tensor, host))
-        else:  # pageable memory (a refused registration): through a pinned bounce buffer
-            bounce = self._pinned(("bounce", f"{host.data_ptr()}"), host)
-            self.bounce_copies += 1
-            event = self._copy_async(tensor, bounce)
-            pending = PendingCopy(host=host, event=event, then=lambda: host.copy_(bounce))
-            with self._lock:
-                self._staging[("bounce", f"{host.data_ptr()}")] = (bounce, pending)
+        pending = PendingCopy(host=host, event=self._copy_async(tensor, host))
+        self._track(pending)
+        return pending
+
+    def _track(self, pending: PendingCopy) -> None:
+        """Remember a copy in flight for :meth:`drain`."""
         with self._lock:
             while self._in_flight and self._in_flight[0].ready():  # amortized O(1) per copy
                 self._in_flight.popleft()
             self._in_flight.append(pending)
-        return pending
+
+    def pack(self, tensors: Sequence[torch.Tensor]) -> list[PendingCopy]:
+        """Snapshot ``tensors`` (as they are now) into host memory with **one** copy per
+        device and dtype, whatever their number: they are concatenated into one flat buffer
+        on the device (one kernel on the main stream, which is the snapshot), copied on the
+        side stream into one new pinned buffer, and each tensor's ``host`` is a view of it,
+        valid once its copy (shared by the whole pack) is done. Host tensors are concatenated
+        the same way, one host copy. How a step's snapshots leave the device."""
+        out: list[PendingCopy | None] = [None] * len(tensors)
+        kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for at, tensor in enumerate(tensors):
+            kinds.setdefault((tensor.device, tensor.dtype), []).append(at)
+        for (_, dtype), members in kinds.items():
+            parts = [tensors[at].detach().reshape(-1) for at in members]
+            self.copies_d2h += 1
+            self.tensors_to_host += len(members)
+            if self.on_device(tensors[members[0]]):
+                flat = torch.cat(parts)
+                host = mark_host(self._host_empty(flat.shape, dtype))
+                whole = PendingCopy(host=host, event=self._copy_async(flat, host, owned=True))
+                self._track(whole)
+            else:
+                # non_blocking: a no-op on the host, and how the sync audit tells this copy
+                # from a blocking device read
+                host = mark_host(torch.empty(sum(p.numel() for p in parts), dtype=dtype))
+                torch.cat(parts, out=host)
+                whole = PendingCopy(host=host)
+            offset = 0
+            for at in members:
+                size = tensors[at].numel()
+                view = mark_host(host[offset : offset + size].view(tensors[at].shape))
+                out[at] = PendingCopy(host=view, event=whole.event)
+                offset += size
+        return [copy for copy in out if copy is not None]
 
     def drain(self) -> None:
-        """Wait for every device-to-host copy this layer started (before the memory they
-        write into is unmapped or unregistered)."""
+        """Wait for every device-to-host copy this layer started (before a source lets go of
+        the memory they write into)."""
         with self._lock:
             pending, self._in_flight = self._in_flight, collections.deque()
         for copy in pending:
             copy.wait()
 
     # ------------------------------------------------------------------ host -> device
+    def stage(
+        self,
+        specs: Sequence[tuple[np.dtype, tuple[int, ...]]],
+        device: torch.device,
+        fill: Callable[[list[np.ndarray]], bool],
+    ) -> StagedArrays | None:
+        """Stage a result for ``device`` where it arrives: ``fill(outs)`` copies its arrays
+        (of ``specs``) into ``outs`` — for a device, views of one new pinned byte buffer; for
+        the host, plain arrays used in place later — and returns whether it could (False: e.g.
+        a newer write replaced a segment's result; nothing is staged). This is the result's one
+        host copy on the client, paid by the thread that received it."""
+        buffer, outs = self._staging_buffers(specs, device)
+        if not fill(outs):
+            return None
+        with self._lock:
+            self.result_host_copies += 1
+        return StagedArrays(buffer, list(outs))
+
+    def stage_arrays(
+        self, arrays: Sequence[np.ndarray | None], device: torch.device
+    ) -> StagedArrays:
+        """Stage arrays already in host memory (a result assembled from gRPC chunks, or an
+        embedded engine's): one copy into a pinned buffer for a device, none for the host."""
+        if not self.to_accelerator(device):
+            return StagedArrays(None, list(arrays))
+        present = [a for a in arrays if a is not None]
+        buffer, outs = self._staging_buffers([(a.dtype, tuple(a.shape)) for a in present], device)
+        for out, array in zip(outs, present, strict=True):
+            np.copyto(out, array)
+        with self._lock:
+            self.result_host_copies += 1
+        it = iter(outs)
+        return StagedArrays(buffer, [None if a is None else next(it) for a in arrays])
+
+    def _staging_buffers(
+        self, specs: Sequence[tuple[np.dtype, tuple[int, ...]]], device: torch.device
+    ) -> tuple[torch.Tensor | None, list[np.ndarray]]:
+        if not self.to_accelerator(device):
+            return None, [np.empty(shape, dtype) for dtype, shape in specs]
+        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for dtype, shape in specs]
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // _ALIGN) * _ALIGN
+        buffer = mark_host(self._host_empty(torch.Size([max(total, 1)]), torch.uint8))
+        raw = buffer.numpy()
+        outs = [
+            raw[at : at + size].view(dtype).reshape(shape)
+            for at, size, (dtype, shape) in zip(offsets, sizes, specs, strict=True)
+        ]
+        return buffer, outs
+
+    def staged_to_device(
+        self, staged: StagedArrays, device: torch.device, *, name: str = ""
+    ) -> list[torch.Tensor | None]:
+        """The fields of a staged result on ``device``: one host-to-device copy of its buffer
+        (the main stream waits for it on the device); in place for the host. Arrays staged
+        for the host (the block's device was not known yet) go one by one."""
+        if not self.to_accelerator(device):
+            return [None if a is None else _tensor_of(a) for a in staged.arrays]
+        if staged.buffer is None:
+            return [
+                None if a is None else self.to_device(a, device, key=f"{name}/{at}")
+                for at, a in enumerate(staged.arrays)
+            ]
+        self.copies_h2d += 1
+        whole, _ = self._copy_to_device(staged.buffer, device)  # a new buffer: no reuse race
+        start = staged.buffer.data_ptr()
+        out: list[torch.Tensor | None] = []
+        for array in staged.arrays:
+            if array is None:
+                out.append(None)
+                continue
+            at = array.ctypes.data - start
+            piece = whole[at : at + array.nbytes].view(_TORCH_DTYPES[np.dtype(array.dtype)])
+            out.append(piece.view(array.shape))
+        return out
+
     def to_device(
         self, array: np.ndarray, device: torch.device, *, key: str | None = None
     ) -> torch.Tensor:
-        """Copy a host array to ``device``; the main stream is made to wait for the copy.
+        """Copy an unstaged host array to ``device`` through a pinned buffer reused per
+        ``key`` (a host copy on this thread); the main stream is made to wait for the copy.
 
         On CPU the result uses ``array``'s memory when it may (it is writable and contiguous).
         """
-        if not array.flags.writeable:
-            array = array.copy()  # torch tensors must not alias read-only memory
-        host = torch.from_numpy(np.ascontiguousarray(array))
-        if device.type != "cuda":
+        host = _tensor_of(array)
+        if not self.to_accelerator(device):
             return host if device.type == "cpu" else host.to(device)
         self.copies_h2d += 1
-        staged = self._pinned(("h2d", key), host) if key is not None else host.pin_memory()
-        if staged is not host:
-            staged.copy_(host)
-        stream = self._stream(device)
-        with torch.cuda.stream(stream):
-            out = staged.to(device, non_blocking=True)
-            event = torch.cuda.Event(blocking=True)
-            event.record(stream)
-        torch.cuda.current_stream(device).wait_event(event)
-        out.record_stream(torch.cuda.current_stream(device))
-        if key is not None:
+        staged = (
+            self._pinned(("h2d", key), host)
+            if key is not None
+            else self._host_empty(host.shape, host.dtype)
+        )
+        staged.copy_(host)
+        with self._lock:
+            self.result_host_copies += 1
+        out, event = self._copy_to_device(staged, device)
+        if key is not None:  # reused for the key's next result once this copy is done
             with self._lock:
                 self._staging[("h2d", key)] = (staged, PendingCopy(host=staged, event=event))
         return out
@@ -300,7 +360,46 @@ class DeviceTransfer:
             return {
                 "copies_d2h": self.copies_d2h,
                 "copies_h2d": self.copies_h2d,
-                "bounce_copies": self.bounce_copies,
+                "tensors_to_host": self.tensors_to_host,
+                "result_host_copies": self.result_host_copies,
                 "pinned_buffers": len(self._staging),
-                "registered_regions": len(self._registered),
             }
+
+
+#: Byte alignment of each field in a staged result's buffer (any dtype's view stays aligned).
+_ALIGN = 64
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+}
+
+
+def _tensor_of(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor of ``array``'s memory where it may (writable and contiguous)."""
+    if not array.flags.writeable:
+        array = array.copy()  # torch tensors must not alias read-only memory
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+@dataclass
+class StagedArrays:
+    """A result's arrays where :meth:`DeviceTransfer.stage` put them (None for a field the
+    result lacks): views of ``buffer`` (pinned bytes) when the result goes to a device, plain
+    host arrays (``buffer`` None) when it is used in place."""
+
+    buffer: torch.Tensor | None
+    arrays: list[np.ndarray | None]
+
+    def holds(self, arrays: Sequence[np.ndarray | None]) -> bool:
+        """Whether every array of ``arrays`` lies in ``buffer`` (a result built from them)."""
+        if self.buffer is None:
+            return False
+        start = self.buffer.data_ptr()
+        end = start + self.buffer.numel()
+        return all(
+            a is None or (start <= a.ctypes.data and a.ctypes.data + a.nbytes <= end)
+            for a in arrays
+        )

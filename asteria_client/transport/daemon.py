@@ -30,7 +30,6 @@ training continues through a daemon restart. The calls themselves, each with a d
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -47,9 +46,10 @@ from asteria_client.runtime.source import (
     PreconditionerResult,
     PreconditionerSource,
     SourceRecord,
+    result_fields,
     result_from_engine,
 )
-from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy, StagedArrays
 from asteria_client.transport.connection import (
     DaemonClientConfig,
     DaemonConnection,
@@ -58,7 +58,7 @@ from asteria_client.transport.connection import (
 )
 from asteria_client.transport.segments import SegmentSet
 from asteria_client.transport.session import DaemonSession
-from asteria_client.transport.shm import ClientSegment, PendingWrite
+from asteria_client.transport.shm import ClientSegment
 from asteria_server.errors import (
     AsteriaError,
     DaemonBusyError,
@@ -101,10 +101,10 @@ _SUBMIT_TIMES_KEPT = 16
 
 
 class _HostCopies:
-    """A snapshot's copies into private host buffers (a block without a segment yet, or one
-    that goes over gRPC), started on the transfer layer's side stream: the sender waits for
-    them, never the step. The same face as :class:`PendingWrite` (a sequence of -1: no
-    segment)."""
+    """A snapshot's copies into host memory (views of the pinned buffer its step's snapshots
+    were packed into, see ``DeviceTransfer.pack``), started on the transfer layer's side
+    stream: the sender waits for them, never the step, then writes them into the block's
+    segment or sends them in chunks."""
 
     def __init__(self, copies: list[PendingCopy]) -> None:
         self._copies = copies
@@ -126,28 +126,10 @@ class _HostCopies:
     def ready(self) -> bool:
         return self._done or all(c.ready() for c in self._copies)
 
-    def finish(self) -> int:
+    def finish(self) -> None:
         for copy in self._copies:
             copy.wait()
         self._done = True
-        return -1
-
-
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-}
-
-
-def _specs_of(tensors: list[torch.Tensor]) -> list[ArraySpec] | None:
-    """The segment specs of a snapshot's tensors, or None when a dtype has no place there."""
-    specs = []
-    for tensor in tensors:
-        dtype = _NUMPY_DTYPES.get(tensor.dtype)
-        if dtype is None or tensor.dim() != 2:
-            return None
-        specs.append(ArraySpec(dtype, tuple(tensor.shape)))
-    return specs
 
 
 @dataclass
@@ -163,16 +145,17 @@ class _Block:
     sent_version: int = -1  # newest version the current session accepted
     received_version: int = -1  # newest result received (never goes back)
     ready: SolveResult | None = None  # newest result not taken yet
+    ready_staged: StagedArrays | None = None  # its arrays, staged for ``device``
     dropped: int = 0  # snapshots dropped while the daemon was unreachable
     replaced: int = 0  # snapshots replaced by a newer one before the sender sent them
     rejected: int = 0  # snapshots the daemon refused (bad input)
     last_error: str = ""
     submitted_at: dict[int, float] = field(default_factory=dict)  # version -> monotonic time
-    snapshot_seg: ClientSegment | None = None  # where ``submit`` writes, once created
+    #: where the sender writes snapshots (it alone writes it), once created
+    snapshot_seg: ClientSegment | None = None
     result_seg: ClientSegment | None = None  # where the daemon writes this block's results
-    latest_sequence: int = -1  # ``latest`` lies in snapshot_seg under this sequence (-1: a copy)
-    #: ``latest``'s device copies (into snapshot_seg, or into host buffers), not waited for yet
-    latest_write: PendingWrite | _HostCopies | None = None
+    #: ``latest``'s copies from the device into host memory, not waited for yet
+    latest_write: _HostCopies | None = None
     shm_error: str = ""  # why this block's segments could not be made (it uses gRPC)
 
 
@@ -247,6 +230,8 @@ class DaemonSource(PreconditionerSource):
         self._ready_order = ArrivalOrder()
         #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        #: the staging the session thread just read a result's segment into (see result())
+        self._arriving: StagedArrays | None = None
         #: Shared memory: wanted for a ``unix://`` daemon unless turned off.
         self._segments = SegmentSet(
             enabled=self.config.shared_memory
@@ -326,31 +311,20 @@ class DaemonSource(PreconditionerSource):
 
     def submit(self, request: PreconditionerRequest) -> None:
         with self._lock:
-            block = self._block(request.block, request.matrix.device)
+            block = self._block(request.block, request.factor_device)
             if block.latest is not None and request.version <= block.latest.version:
                 return  # versions never go back
-            segment = block.snapshot_seg
-        tensors = [request.matrix] if request.basis is None else [request.matrix, request.basis]
-        specs = _specs_of(tensors)
-        sequence = -1
-        write: PendingWrite | _HostCopies | None = None
-        if segment is not None and specs is not None and segment.fits(specs):
-            # The training thread is the only writer of a published snapshot segment; a write
-            # still copying on the side stream is closed before the next one starts.
-            previous = block.latest_write
-            if previous is not None:
-                previous.finish()
-            write = segment.start_write(specs, tensors, self._transfer)
-            if write.on_host:  # copied already (CPU): announce it as it is
-                sequence, write = write.finish(), None
-            arrays = segment.segment.views(specs)  # read-only use: shapes for the header
+        staged = request.staged
+        if staged is None:  # a caller's own request: packed here, as the runtime packs its own
+            tensors = [request.matrix] if request.basis is None else [request.matrix, request.basis]
+            staged = tuple(self._transfer.pack(tensors))
+        copies = _HostCopies(list(staged))
+        arrays = copies.arrays
+        write: _HostCopies | None = None
+        if copies.on_host:
+            copies.finish()
         else:
-            copies = _HostCopies([self._transfer.to_host(t) for t in tensors])
-            arrays = copies.arrays
-            if copies.on_host:
-                copies.finish()
-            else:
-                write = copies  # the sender waits for the copies before it reads them
+            write = copies  # the sender waits for the copies before it reads them
         try:
             task = SolveTask(
                 block=self._prefix + request.block,
@@ -370,7 +344,6 @@ class DaemonSource(PreconditionerSource):
             if block.pending:  # the sender had not sent the one before: latest wins
                 block.replaced += 1
             block.latest = task
-            block.latest_sequence = sequence
             block.latest_write = write
             block.submitted_at[task.version] = time.monotonic()
             while len(block.submitted_at) > _SUBMIT_TIMES_KEPT:
@@ -401,7 +374,7 @@ class DaemonSource(PreconditionerSource):
             with self._lock:
                 if self._session.current is not session:
                     continue
-                batch = []
+                batch: list[tuple[_Block, SolveTask]] = []
                 for block in self._blocks.values():
                     if not block.pending:
                         continue
@@ -409,15 +382,14 @@ class DaemonSource(PreconditionerSource):
                     if write is not None:
                         if not write.finished:
                             continue  # a newer copy since: waited for next round, unlocked
-                        block.latest_sequence = write.finish()  # returns at once
                         block.latest_write = None
                     if block.latest is not None:
-                        batch.append((block, block.latest, block.latest_sequence))
+                        batch.append((block, block.latest))
                         # In flight from now on, so ``wait`` waits for it.
                         block.sent_version = max(block.sent_version, block.latest.version)
                     block.pending = False
                 self._sent += len(batch)  # counted from now, so credit() never misses them
-                new = [t for _, t, _ in batch if t.block not in self._registered]
+                new = [t for _, t in batch if t.block not in self._registered]
             if not batch:
                 continue
             try:
@@ -430,7 +402,7 @@ class DaemonSource(PreconditionerSource):
         self,
         session: SessionInfo,
         new: list[SolveTask],
-        batch: list[tuple[_Block, SolveTask, int]],
+        batch: list[tuple[_Block, SolveTask]],
     ) -> None:
         try:
             if new:
@@ -444,13 +416,11 @@ class DaemonSource(PreconditionerSource):
             return
         announced: list[tuple[_Block, SolveTask, SegmentRef]] = []
         chunked: list[tuple[_Block, SolveTask]] = []
-        for block, latest, sequence in batch:
-            if latest.n > session.max_matrix_n:
-                self._reject(latest, f"n={latest.n} exceeds the daemon's max_matrix_n")
+        for block, task in batch:
+            if task.n > session.max_matrix_n:
+                self._reject(task, f"n={task.n} exceeds the daemon's max_matrix_n")
                 continue
-            task, shm = self._wire_form(block, latest, sequence)
-            if task is None:
-                continue  # overwritten by a newer snapshot, which is pending itself
+            shm = self._wire_form(block, task)
             if shm is not None:
                 announced.append((block, task, shm))
             else:
@@ -528,39 +498,25 @@ class DaemonSource(PreconditionerSource):
         if block.snapshot_seg is None or block.result_seg is None:
             raise refusal
         self._segments.refused((block.snapshot_seg, block.result_seg))
-        copies = block.snapshot_seg.read(snapshot_specs(task), shm.sequence)
-        if copies is None:
-            return  # overwritten meanwhile: the newer snapshot is pending itself
-        basis = copies[1] if len(copies) > 1 else None
         self._count_sent(session, 1)  # a second snapshot for the daemon to answer
-        self._conn.submit(session, dataclasses.replace(task, matrix=copies[0], basis=basis))
+        self._conn.submit(session, task)  # its own arrays: the segment may hold a newer one
         self._counts["shm_refused_resent"] += 1
         self._counts["chunked_snapshots"] += 1
 
-    def _wire_form(
-        self, block: _Block, task: SolveTask, sequence: int
-    ) -> tuple[SolveTask | None, SegmentRef | None]:
-        """How to send ``task`` (sender thread): announced in its segment, or in chunks.
-
-        A task written into the snapshot segment is announced when the daemon holds that
-        segment, else copied out under the seqlock for chunks (None: a newer snapshot replaced
-        it). A private copy moves into new segments when the block has none yet.
-        """
+    def _wire_form(self, block: _Block, task: SolveTask) -> SegmentRef | None:
+        """How to send ``task`` (sender thread): the ref that announces it in the block's
+        snapshot segment, or None to send it in chunks (no segment could be made, it does not
+        fit, or the daemon does not hold the segment). The sender is the segment's only
+        writer: the training thread's copies land in pinned memory, never in a segment."""
         segment = block.snapshot_seg
-        if sequence >= 0:
-            assert segment is not None
-            if self._segments.is_attached(segment):
-                return task, segment.ref(sequence)
-            copies = segment.read(snapshot_specs(task), sequence)
-            if copies is None:
-                return None, None
-            basis = copies[1] if len(copies) > 1 else None
-            return dataclasses.replace(task, matrix=copies[0], basis=basis), None
         if segment is None:
-            first = self._create_segments(block, task)
-            if first is not None:
-                return task, first
-        return task, None
+            return self._create_segments(block, task)
+        specs = snapshot_specs(task)
+        if not segment.fits(specs):
+            return None
+        arrays = [task.matrix] if task.basis is None else [task.matrix, task.basis]
+        sequence = segment.segment.write(specs, arrays)
+        return segment.ref(sequence) if self._segments.is_attached(segment) else None
 
     def _create_segments(self, block: _Block, task: SolveTask) -> SegmentRef | None:
         """Give ``block`` its snapshot and result segments and hand them over (sender thread);
@@ -588,10 +544,23 @@ class DaemonSource(PreconditionerSource):
         return snapshot.ref(sequence) if self._segments.is_attached(snapshot) else None
 
     def _read_result(self, ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
-        """Copy a result out of its segment (session thread); None when a newer one replaced it."""
-        copies = self._segments.read_result(ref, specs)
-        self._counts["shm_results" if copies is not None else "shm_results_overwritten"] += 1
-        return copies
+        """Copy a result out of its segment (session thread) straight into its staging for
+        the block's device (the result's one host copy); None when a newer one replaced it."""
+        segment = self._segments.result_segment(ref)
+        name = self._local_name(segment.block)
+        with self._lock:
+            known = None if name is None else self._blocks.get(name)
+            device = torch.device("cpu") if known is None else known.device
+        staged = self._transfer.stage(
+            [(spec.dtype, spec.shape) for spec in specs],
+            device,
+            lambda outs: segment.segment.read_into(specs, ref.sequence, outs) is not None,
+        )
+        self._counts["shm_results" if staged is not None else "shm_results_overwritten"] += 1
+        if staged is None:
+            return None
+        self._arriving = staged  # the result() that follows on this thread is built from it
+        return [a for a in staged.arrays if a is not None]
 
     def _local_name(self, wire_name: str) -> str | None:
         """The optimizer's name of a block named ``wire_name`` on the daemon, if it is ours."""
@@ -670,6 +639,15 @@ class DaemonSource(PreconditionerSource):
             latest = block.latest
         # n² reads: never under the lock the training thread's submit and take need
         problem = _result_problem(result, latest)
+        arriving, self._arriving = self._arriving, None
+        fields = result_fields(result)
+        staged: StagedArrays | None = None
+        if problem is None:  # staged once, here: read from its segment, or copied from chunks
+            staged = (
+                StagedArrays(arriving.buffer, fields)
+                if arriving is not None and arriving.holds(fields)
+                else self._transfer.stage_arrays(fields, block.device)
+            )
         with self._lock:
             if result.version <= block.received_version:
                 return  # a newer one came meanwhile
@@ -691,6 +669,7 @@ class DaemonSource(PreconditionerSource):
                 return
             block.received_version = result.version
             block.ready = result
+            block.ready_staged = staged
             self._note_ready(name)
             submitted = block.submitted_at.pop(result.version, None)
             if submitted is not None:
@@ -698,6 +677,9 @@ class DaemonSource(PreconditionerSource):
             for version in [v for v in block.submitted_at if v < result.version]:
                 del block.submitted_at[version]  # superseded: they will never be answered
             self._lock.notify_all()
+
+    def snapshot_transfer(self) -> DeviceTransfer:
+        return self._transfer
 
     def credit_wanted(self) -> bool:
         return self._pulls
@@ -725,10 +707,11 @@ class DaemonSource(PreconditionerSource):
             return credit.for_client(pending + max(0, self._sent - credit.snapshots_answered))
 
     # ------------------------------------------------------------------ results out
-    def _to_torch(self, result: SolveResult, device: torch.device) -> PreconditionerResult:
-        return result_from_engine(
-            result, device, self._transfer.to_device, block=result.block[len(self._prefix) :]
-        )
+    def _to_torch(
+        self, result: SolveResult, device: torch.device, staged: StagedArrays | None
+    ) -> PreconditionerResult:
+        name = result.block[len(self._prefix) :]
+        return result_from_engine(result, device, self._transfer, block=name, staged=staged)
 
     def take(self, block: str) -> PreconditionerResult | None:
         with self._lock:
@@ -736,8 +719,9 @@ class DaemonSource(PreconditionerSource):
             if record is None or record.ready is None or not record.device_known:
                 return None  # (a warm-start result waits for the block's first snapshot)
             result, record.ready = record.ready, None
+            staged, record.ready_staged = record.ready_staged, None
             device = record.device
-        return self._to_torch(result, device)
+        return self._to_torch(result, device, staged)
 
     def results_epoch(self) -> int | None:
         return self._results_epoch  # an int read: no lock needed
@@ -776,8 +760,9 @@ class DaemonSource(PreconditionerSource):
                     return None
                 self._lock.wait(left)
             result, record.ready = record.ready, None
+            staged, record.ready_staged = record.ready_staged, None
             device = record.device
-        return self._to_torch(result, device)
+        return self._to_torch(result, device, staged)
 
     def in_flight_version(self, block: str) -> int | None:
         with self._lock:
@@ -919,11 +904,7 @@ class DaemonSource(PreconditionerSource):
         self._session.close()
         self._sender.join(timeout=self.config.call_timeout_s)
         self._conn.close()
-        # Copies still landing in a segment (nothing waited for them: no session, or the
-        # sender gave up) complete before the segment is unregistered and unmapped.
-        with self._lock:
-            writes = [b.latest_write for b in self._blocks.values() if b.latest_write]
-        for write in writes:
-            write.finish()
+        # Copies still landing in host memory (nothing waited for them: no session, or the
+        # sender gave up) complete before their buffers can be let go.
         self._transfer.drain()
         self._segments.close()

@@ -173,12 +173,16 @@ class SegmentSet:
         self.hand_over(result)
         return snapshot, result
 
-    def read_result(self, ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
-        """Copy a result out of its segment; None when a newer one replaced it meanwhile."""
+    def result_segment(self, ref: SegmentRef) -> ClientSegment:
+        """The result segment ``ref`` names (raises InvalidInputError for an unknown one)."""
         segment = self._segments.get(ref.segment_id)
         if segment is None or segment.role != "result":
             raise InvalidInputError(f"the daemon named an unknown result segment {ref.segment_id}")
-        return segment.read(specs, ref.sequence)
+        return segment
+
+    def read_result(self, ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
+        """Copy a result out of its segment; None when a newer one replaced it meanwhile."""
+        return self.result_segment(ref).read(specs, ref.sequence)
 
     def close(self) -> None:
         self.close_channel()

@@ -3,8 +3,9 @@
 When the daemon is on this host (``unix://`` address) and offers a handover socket in its
 ``OpenSession`` answer, the daemon source gives every block two segments (``protocol.shm``):
 
-- a **snapshot segment**, which ``submit`` fills straight from the factor tensor through a torch
-  view of the mapping (one copy, no intermediate host buffer), under the seqlock;
+- a **snapshot segment**, which the daemon source's sender thread (its only writer) fills
+  under the seqlock from the pinned host buffer a step's snapshots were packed into
+  (``DeviceTransfer.pack``: one device-to-host copy per step and device, not per block);
 - a **result segment**, which the daemon's solver worker fills with the block's results; the
   client copies them out under the seqlock when the result's header arrives on the gRPC stream.
 
@@ -22,15 +23,12 @@ import contextlib
 import os
 import select
 import socket
-import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy, mark_host
 from asteria_client.transport.peer import UntrustedDaemonError, check_peer
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.handover import (
@@ -69,11 +67,6 @@ class ClientSegment:
     segment: Segment
     role: str  # "snapshot" or "result"
     block: str  # the block's name on the daemon
-    _views: dict[tuple[ArraySpec, ...], list[torch.Tensor]] = field(default_factory=dict)
-    #: the transfer layer that page-locked the mapping for CUDA copies (None: not registered)
-    _registered: DeviceTransfer | None = None
-    #: the registration was refused once: copies into the mapping go through a bounce buffer
-    _register_refused: bool = False
 
     @classmethod
     def create(cls, role: str, block: str, specs: Sequence[ArraySpec]) -> ClientSegment:
@@ -83,68 +76,11 @@ class ClientSegment:
     def fits(self, specs: Sequence[ArraySpec]) -> bool:
         return segment_bytes(specs) <= self.segment.size_bytes
 
-    def write_tensors(self, specs: Sequence[ArraySpec], tensors: Sequence[torch.Tensor]) -> int:
-        """Copy ``tensors`` (any device) into the segment through torch views of it, under the
-        seqlock; returns the sequence that announces them."""
-        views = self._tensor_views(specs)  # made once per layout: a block's snapshots keep theirs
-        self.segment.begin_write()
-        for view, tensor in zip(views, tensors, strict=True):
-            if tensor.device.type == "cpu":  # NumPy's copy has less fixed cost than torch's
-                np.copyto(view.numpy(), tensor.detach().numpy(), casting="no")
-            else:  # one device-to-host copy straight into the segment
-                view.copy_(tensor.detach())
-        return self.segment.end_write()
-
-    def write_snapshot(
-        self, task: SolveTask, tensors: Sequence[torch.Tensor] | None = None
-    ) -> SegmentRef:
+    def write_snapshot(self, task: SolveTask) -> SegmentRef:
         """Write ``task``'s snapshot (the matrix, then the basis) into this snapshot segment
-        under the seqlock, and return the ref that announces it in ``submit(..., shm=ref)``.
-        With ``tensors`` (the same arrays as torch tensors, any device) they are copied through
-        :meth:`write_tensors`, as the daemon source does; else ``task``'s NumPy arrays are."""
-        specs = snapshot_specs(task)
-        if tensors is not None:
-            return self.ref(self.write_tensors(specs, tensors))
+        under the seqlock, and return the ref that announces it in ``submit(..., shm=ref)``."""
         arrays = [task.matrix] if task.basis is None else [task.matrix, task.basis]
-        return self.ref(self.segment.write(specs, arrays))
-
-    def start_write(
-        self,
-        specs: Sequence[ArraySpec],
-        tensors: Sequence[torch.Tensor],
-        transfer: DeviceTransfer,
-    ) -> PendingWrite:
-        """Begin writing ``tensors`` into the segment; device tensors are copied on the
-        transfer layer's side stream, straight into the (CUDA-registered) mapping, so the
-        training thread and the main stream do not wait. The seqlock stays odd — readers
-        reject the bytes — until :meth:`PendingWrite.finish` closes it."""
-        views = self._tensor_views(specs)
-        if (
-            self._registered is None
-            and not self._register_refused
-            and any(transfer.on_device(t) for t in tensors)
-        ):
-            if transfer.register(self._mapping_tensor()):
-                self._registered = transfer
-            else:  # the transfer layer bounces copies into pageable memory (it said so once)
-                self._register_refused = True
-        self.segment.begin_write()
-        copies = [transfer.copy_into(t, view) for view, t in zip(views, tensors, strict=True)]
-        return PendingWrite(self.segment, copies)
-
-    def _tensor_views(self, specs: Sequence[ArraySpec]) -> list[torch.Tensor]:
-        """Torch views of the arrays ``specs``, made once per layout (marked host memory)."""
-        key = tuple(specs)
-        views = self._views.get(key)
-        if views is None:
-            views = [mark_host(torch.from_numpy(v)) for v in self.segment.views(specs)]
-            self._views[key] = views
-        return views
-
-    def _mapping_tensor(self) -> torch.Tensor:
-        """The whole mapping as one byte tensor (what CUDA registers)."""
-        whole = self.segment.views([ArraySpec(np.dtype(np.uint8), (self.segment.capacity_bytes,))])
-        return torch.from_numpy(whole[0])
+        return self.ref(self.segment.write(snapshot_specs(task), arrays))
 
     def read(self, specs: Sequence[ArraySpec], sequence: int) -> list[np.ndarray] | None:
         return self.segment.read(specs, sequence)
@@ -153,46 +89,9 @@ class ClientSegment:
         return SegmentRef(self.segment_id, sequence)
 
     def close(self) -> None:
-        if self._registered is not None:  # unregister before the mapping goes away
-            self._registered.unregister(self._mapping_tensor())
-            self._registered = None
         with contextlib.suppress(OSError):
             os.close(self.fd)
-        self._views.clear()
         self.segment.close()
-
-
-class PendingWrite:
-    """A snapshot being copied into its segment on the side stream; :meth:`finish` waits for
-    the copies (this thread only) and closes the seqlock, once, whoever calls it first."""
-
-    def __init__(self, segment: Segment, copies: list[PendingCopy]) -> None:
-        self._segment = segment
-        self._copies = copies
-        self._lock = threading.Lock()
-        self._sequence: int | None = None
-
-    def ready(self) -> bool:
-        return self._sequence is not None or all(c.ready() for c in self._copies)
-
-    @property
-    def finished(self) -> bool:
-        """:meth:`finish` has run: it returns at once from now on."""
-        return self._sequence is not None
-
-    @property
-    def on_host(self) -> bool:
-        """Every copy was a plain host copy, complete already (no device involved)."""
-        return all(c.event is None for c in self._copies)
-
-    def finish(self) -> int:
-        """The sequence that announces this write (waits for its copies the first time)."""
-        with self._lock:
-            if self._sequence is None:
-                for copy in self._copies:
-                    copy.wait()
-                self._sequence = self._segment.end_write()
-            return self._sequence
 
 
 def segments_for(task: SolveTask) -> tuple[ClientSegment, ClientSegment]:

@@ -1,5 +1,6 @@
-"""The CUDA paths: the transfer layer's side stream, registered segments, and the optimizers on a
-GPU in every mode. Marked ``gpu``: skipped (by tests/conftest.py) where CUDA is absent."""
+"""The CUDA paths: the transfer layer's side stream, packed snapshots, staged results, and the
+optimizers on a GPU in every mode. Marked ``gpu``: skipped (by tests/conftest.py) where CUDA
+is absent."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ import torch
 from asteria_client import SOAP, Shampoo
 from asteria_client.runtime.transfer import DeviceTransfer
 from asteria_client.transport import DaemonSource
-from asteria_client.transport.shm import ClientSegment
 from asteria_server.engine import EngineConfig
-from asteria_server.protocol.shm import ArraySpec
 
 pytestmark = pytest.mark.gpu
 
@@ -48,21 +47,32 @@ def test_to_device_results_are_ready_for_the_main_stream() -> None:
     assert transfer.stats()["copies_h2d"] == 3 and transfer.stats()["pinned_buffers"] == 1
 
 
-def test_a_device_snapshot_lands_in_a_registered_segment_under_the_seqlock() -> None:
+def test_a_pack_of_device_snapshots_is_one_pinned_copy_taken_in_stream_order() -> None:
     transfer = DeviceTransfer()
-    spec = ArraySpec(np.dtype(np.float32), (300, 300))
-    segment = ClientSegment.create("snapshot", "blk", [spec])
-    try:
-        tensor = torch.randn(300, 300, device=CUDA)
-        write = segment.start_write([spec], [tensor], transfer)
-        assert segment.read([spec], segment.segment.sequence) is None  # odd: being written
-        sequence = write.finish()
-        assert write.finish() == sequence  # once, whoever asks
-        copies = segment.read([spec], sequence)
-        assert copies is not None and np.array_equal(copies[0], tensor.cpu().numpy())
-        assert transfer.stats()["registered_regions"] == 1
-    finally:
-        segment.close()
+    tensors = [torch.randn(n, n, device=CUDA) for n in (300, 64, 64, 17)]
+    expected = [t.cpu() for t in tensors]
+    copies = transfer.pack(tensors)
+    for t in tensors:
+        t.add_(1.0)  # on the main stream, right after: must not reach the snapshots
+    for copy, want in zip(copies, expected, strict=True):
+        copy.wait()
+        assert copy.host.is_pinned() and torch.equal(copy.host, want)
+    assert transfer.stats()["copies_d2h"] == 1
+
+
+def test_a_staged_result_crosses_in_one_copy_as_typed_views() -> None:
+    transfer = DeviceTransfer()
+    matrix = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    permutation = np.arange(64, dtype=np.int64)[::-1].copy()
+    staged = transfer.stage_arrays([matrix, None, permutation, None], CUDA)
+    assert staged.buffer is not None and staged.buffer.is_pinned()
+    out = transfer.staged_to_device(staged, CUDA)
+    assert out[1] is None and out[3] is None
+    assert out[0] is not None and out[2] is not None
+    assert out[0].device.type == "cuda" and out[2].dtype == torch.int64
+    assert np.array_equal(out[0].cpu().numpy(), matrix)
+    assert np.array_equal(out[2].cpu().numpy(), permutation)
+    assert transfer.stats()["copies_h2d"] == 1 and transfer.stats()["result_host_copies"] == 1
 
 
 def _model(device: torch.device) -> torch.nn.Module:

@@ -10,7 +10,7 @@
   does not reach the snapshot (the root computed from it is the old factor's);
 - **host -> GPU race**: results staged in one reused pinned buffer are not overwritten while
   their copies are in flight;
-- **close() with a copy in flight**: the copy completes before the segment is unregistered;
+- **close() with a copy in flight**: the copy completes before close() returns;
 - **bf16**: a bfloat16 model trains in every mode.
 
 The finite check runs on the device since ``_check_on_device`` (a step's updates are masked by
@@ -238,8 +238,8 @@ def test_results_staged_in_one_pinned_buffer_are_not_overwritten_in_flight() -> 
 
 
 def test_close_waits_for_a_snapshot_copy_in_flight(daemon: Daemon) -> None:
-    """A snapshot's copy into its registered segment is queued behind a long kernel; close()
-    right after must wait for it before unregistering and unmapping the segment."""
+    """A snapshot's copy into pinned memory is queued behind a long kernel; close() right
+    after must wait for it before the source lets its buffers and segments go."""
     source = DaemonSource(daemon.target)
     factor = _spd(512, 0).to(CUDA)
     request = PreconditionerRequest(
@@ -258,7 +258,7 @@ def test_close_waits_for_a_snapshot_copy_in_flight(daemon: Daemon) -> None:
     source.close()
     side = list(source._transfer._streams.values())
     assert side and all(s.query() for s in side), "close() returned with a copy in flight"
-    torch.cuda.synchronize()  # and no CUDA error surfaced from an unregistered copy
+    torch.cuda.synchronize()  # and no CUDA error surfaced from a copy into freed memory
 
 
 @pytest.mark.parametrize("mode", ("native", *ASYNC_MODES))

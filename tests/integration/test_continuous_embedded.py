@@ -13,7 +13,8 @@ from asteria_server.engine import EngineConfig
 
 
 def _copies(opt: SOAP) -> int:
-    return int(opt.source.stats()["transfer"]["copies_d2h"])  # type: ignore[attr-defined]
+    """Tensors copied to the host (a step's snapshots leave in one pack: count what it holds)."""
+    return int(opt.source.stats()["transfer"]["tensors_to_host"])  # type: ignore[attr-defined]
 
 
 def _busy(opt: SOAP) -> bool:

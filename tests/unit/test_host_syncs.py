@@ -169,7 +169,11 @@ def _quiet(name: str, mode: str) -> list[Iteration]:
 CASES = [(name, mode) for mode in MODES for name in OPTIMIZERS]
 NATIVE_SOLVES = (
     "native mode solves each block in step: torch.linalg.eigh and the solver's checks "
-    "(runtime/linalg.py) wait for the device once per block until solves are batched by shape"
+    "(runtime/linalg.py) wait for the device once per block. Batching the solves by shape "
+    "would make that once per shape, but torch's batched eigh and QR round differently from "
+    "the single call and depending on the batch (measured on CPU: a matrix's eigenvectors in "
+    "a batch of 3 differ from those in a batch of 1), and native mode is the exact baseline "
+    "(tests/unit/optim/test_reference.py fails by 0.087 with batched solves)"
 )
 
 

@@ -1,19 +1,15 @@
 """The transfer layer's device paths, run on CPU through a simulated, slowed device
-(tests/sim_device.py): a refused host registration, blocking events, copies into host memory."""
+(tests/sim_device.py): blocking events, packed snapshots, staged results."""
 
 from __future__ import annotations
 
 import ast
-import logging
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from asteria_client.runtime.transfer import DeviceTransfer, is_marked_host
-from asteria_client.transport.shm import ClientSegment
-from asteria_server.protocol.shm import ArraySpec
 from tests.sim_device import SimulatedDevice
 
 CLIENT = Path(__file__).resolve().parents[2] / "asteria_client"
@@ -34,51 +30,55 @@ def test_every_cuda_event_the_client_creates_is_blocking() -> None:
     assert [where for where, ok in found if not ok] == []
 
 
-def _segment(spec: ArraySpec) -> ClientSegment:
-    return ClientSegment.create("snapshot", "blk", [spec])
+def test_a_pack_is_one_copy_per_device_and_dtype_taken_when_asked() -> None:
+    """A step's snapshots leave the device in one copy (per dtype), whatever their number;
+    each is a view of the one pinned buffer, holding the value it had when packed."""
+    for transfer in (DeviceTransfer(), SimulatedDevice(delay_s=0.02)):
+        tensors = [torch.full((n, n), float(n)) for n in (3, 5, 8, 8, 2)]
+        tensors.append(torch.arange(6, dtype=torch.float64).reshape(2, 3))
+        copies = transfer.pack(tensors)
+        for tensor in tensors:
+            tensor.add_(100.0)  # after the pack: must not reach it
+        assert transfer.stats()["copies_d2h"] == 2  # float32 and float64
+        for copy, tensor in zip(copies, tensors, strict=True):
+            copy.wait()
+            assert is_marked_host(copy.host)
+            assert copy.host.shape == tensor.shape and copy.host.dtype == tensor.dtype
+            assert torch.equal(copy.host, tensor - 100.0)
+        floats = [c.host for c in copies[:5]]
+        assert len({t.untyped_storage().data_ptr() for t in floats}) == 1  # one buffer
 
 
-def test_a_refused_registration_bounces_copies_through_pinned_memory_and_warns_once(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """When ``cudaHostRegister`` of a segment fails, an async copy straight into the pageable
-    mapping would drain the stream; the layer copies into a pinned bounce buffer instead, moves
-    the bytes in when the copy is waited for, and says so once."""
-    device = SimulatedDevice(delay_s=0.02, register_fails=True)
-    spec = ArraySpec(np.dtype(np.float32), (16, 16))
-    segment = _segment(spec)
-    try:
-        with caplog.at_level(logging.WARNING, logger="asteria_client.runtime.transfer"):
-            for value in (1.0, 2.0):
-                tensor = torch.full((16, 16), value)
-                write = segment.start_write([spec], [tensor], device)
-                assert segment.read([spec], segment.segment.sequence) is None  # being written
-                sequence = write.finish()
-                (copy,) = segment.read([spec], sequence) or [None]
-                assert copy is not None and np.all(copy == value)
-        warnings = [r for r in caplog.records if "cudaHostRegister" in r.getMessage()]
-        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-        assert "bounce" in warnings[0].getMessage()
-        assert device.pageable_async_copies == 0
-        assert device.stats()["bounce_copies"] == 2
-    finally:
-        segment.close()
+def test_a_staged_result_is_one_host_copy_and_one_device_copy() -> None:
+    """A result's arrays go into one pinned buffer where they arrive (one host copy), and
+    cross to the device in one copy, as typed views with their shapes."""
+    device = SimulatedDevice()
+    rng = np.random.default_rng(0)
+    matrix = rng.standard_normal((5, 5)).astype(np.float32)
+    eigenvalues = rng.standard_normal(5).astype(np.float32)
+    permutation = np.array([4, 0, 3, 1, 2], dtype=np.int64)
+    arrays = [matrix, eigenvalues, permutation, None]
+    specs = [(a.dtype, a.shape) for a in arrays if a is not None]
 
+    def fill(outs: list[np.ndarray]) -> bool:
+        for out, array in zip(outs, [a for a in arrays if a is not None], strict=True):
+            np.copyto(out, array)
+        return True
 
-def test_a_registered_segment_takes_the_copy_directly() -> None:
-    device = SimulatedDevice(delay_s=0.01)
-    spec = ArraySpec(np.dtype(np.float32), (8, 8))
-    segment = _segment(spec)
-    try:
-        write = segment.start_write([spec], [torch.ones(8, 8)], device)
-        sequence = write.finish()
-        (copy,) = segment.read([spec], sequence) or [None]
-        assert copy is not None and np.all(copy == 1.0)
-        assert device.stats()["bounce_copies"] == 0 and device.pageable_async_copies == 0
-        assert device.stats()["registered_regions"] == 1
-    finally:
-        segment.close()
-    assert device.stats()["registered_regions"] == 0
+    staged = device.stage(specs, torch.device("cpu"), fill)
+    assert staged is not None and staged.buffer is not None and device.pinned(staged.buffer)
+    staged.arrays.append(None)  # the rotation this result lacks
+    out = device.staged_to_device(staged, torch.device("cpu"))
+    assert out[3] is None
+    for got, want in zip(out[:3], arrays[:3], strict=True):
+        assert got is not None and want is not None
+        assert got.dtype == torch.from_numpy(want).dtype and tuple(got.shape) == want.shape
+        assert np.array_equal(got.numpy(), want)
+    stats = device.stats()
+    assert stats["result_host_copies"] == 1 and stats["copies_h2d"] == 1
+    assert device.pageable_device_copies == 0
+    assert device.stage(specs, torch.device("cpu"), lambda outs: False) is None  # overwritten
+    assert device.stats()["result_host_copies"] == 1
 
 
 def test_a_snapshot_is_taken_when_asked_and_lands_in_marked_host_memory() -> None:
@@ -97,15 +97,3 @@ def test_drain_waits_for_every_copy_in_flight() -> None:
     device.drain()
     assert all(c.ready() for c in copies)
     assert [float(c.host[0]) for c in copies] == [0.0, 1.0, 2.0]
-
-
-def test_registered_regions_are_found_by_address() -> None:
-    device = SimulatedDevice()
-    buffers = [torch.empty(1024, dtype=torch.uint8) for _ in range(5)]
-    for buffer in buffers[:4]:
-        assert device.register(buffer)
-    for buffer in buffers[:4]:
-        assert device.page_locked(buffer[100:200]) and device.page_locked(buffer)
-    assert not device.page_locked(buffers[4])
-    device.unregister(buffers[1])
-    assert not device.page_locked(buffers[1][10:20]) and device.page_locked(buffers[2])
