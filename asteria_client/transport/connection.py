@@ -393,11 +393,13 @@ class DaemonConnection:
         *,
         reader: framing.SegmentReader | None = None,
         on_credit: Callable[[Credit], None] | None = None,
+        allocate: framing.ArrayAllocator | None = None,
     ) -> Iterator[SolveResult]:
         """The session's results as they arrive; ``on_call(cancel)`` receives a function that
         ends the stream from another thread. Raises an Asteria error when the stream fails.
         With ``reader``, blocks with a result segment get their results through it; with
-        ``on_credit``, the daemon's Credit messages are asked for and handed to it."""
+        ``on_credit``, the daemon's Credit messages are asked for and handed to it; with
+        ``allocate``, chunked results are assembled in the arrays it gives."""
         request = pb.StreamResultsRequest(
             session_id=session.session_id,
             held_versions=held_versions,
@@ -411,6 +413,7 @@ class DaemonConnection:
             max_matrix_n=session.max_matrix_n,
             reader=reader,
             on_credit=on_credit,
+            allocate=allocate,
         )
         try:
             for message in call:

@@ -94,6 +94,7 @@ _COUNTERS = (
     "shm_refused_resent",
     "snapshots_expected",
     "results_invalid",
+    "results_received",
     "credit_messages",
 )
 #: Submit times kept per block for latency measurement (versions awaiting a result).
@@ -130,6 +131,11 @@ class _HostCopies:
         for copy in self._copies:
             copy.wait()
         self._done = True
+
+
+def _filled(outs: list[np.ndarray]) -> bool:
+    """A staging that the chunks of a result fill as they arrive (see ``result_arrays``)."""
+    return True
 
 
 @dataclass
@@ -543,17 +549,33 @@ class DaemonSource(PreconditionerSource):
             block.snapshot_seg, block.result_seg = pair
         return snapshot.ref(sequence) if self._segments.is_attached(snapshot) else None
 
+    def _result_device(self, wire_name: str) -> torch.device:
+        """Where block ``wire_name``'s results go (the host until its first snapshot)."""
+        name = self._local_name(wire_name)
+        with self._lock:
+            known = None if name is None else self._blocks.get(name)
+            return torch.device("cpu") if known is None else known.device
+
+    def result_arrays(self, block: str, specs: list[ArraySpec]) -> list[np.ndarray]:
+        """Where a chunked result of ``block`` is assembled (session thread): its staging for
+        the block's device, so the assembly is the result's one host copy. (Another run's
+        result, which the stream may carry for this tenant, is assembled and dropped.)"""
+        if self._local_name(block) is None:
+            return [np.empty(spec.shape, spec.dtype) for spec in specs]
+        staged = self._transfer.stage(
+            [(spec.dtype, spec.shape) for spec in specs], self._result_device(block), _filled
+        )
+        assert staged is not None  # _filled always fills: the chunks do, as they arrive
+        self._arriving = staged  # the result() that follows on this thread is built from it
+        return [a for a in staged.arrays if a is not None]
+
     def _read_result(self, ref: SegmentRef, specs: list[ArraySpec]) -> list[np.ndarray] | None:
         """Copy a result out of its segment (session thread) straight into its staging for
         the block's device (the result's one host copy); None when a newer one replaced it."""
         segment = self._segments.result_segment(ref)
-        name = self._local_name(segment.block)
-        with self._lock:
-            known = None if name is None else self._blocks.get(name)
-            device = torch.device("cpu") if known is None else known.device
         staged = self._transfer.stage(
             [(spec.dtype, spec.shape) for spec in specs],
-            device,
+            self._result_device(segment.block),
             lambda outs: segment.segment.read_into(specs, ref.sequence, outs) is not None,
         )
         self._counts["shm_results" if staged is not None else "shm_results_overwritten"] += 1
@@ -631,6 +653,7 @@ class DaemonSource(PreconditionerSource):
         if name is None:
             return  # another job's block
         with self._lock:
+            self._counts["results_received"] += 1  # each was staged once, kept or not
             block = self._blocks.get(name)
             if block is None:  # held by the daemon from before this process: a warm start
                 block = self._blocks[name] = _Block(device=torch.device("cpu"), device_known=False)

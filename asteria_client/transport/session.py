@@ -23,8 +23,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+import numpy as np
+
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
 from asteria_server.errors import AsteriaError, UnknownSessionError
+from asteria_server.protocol.shm import ArraySpec
 from asteria_server.types import Credit, SolveResult
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,9 @@ class SessionListener(Protocol):
 
     def result(self, result: SolveResult) -> None:
         """One result from the stream."""
+
+    def result_arrays(self, block: str, specs: list[ArraySpec]) -> list[np.ndarray]:
+        """Where the chunks of a result of ``block`` (its wire name) are assembled."""
 
     def credit_wanted(self) -> bool:
         """Whether the stream should ask the daemon for Credit messages."""
@@ -173,6 +179,7 @@ class DaemonSession:
                 self._listener.held_versions(),
                 self._set_cancel,
                 reader=reader,
+                allocate=self._listener.result_arrays,
                 on_credit=self._listener.credit_received
                 if self._listener.credit_wanted()
                 else None,

@@ -30,6 +30,10 @@ from asteria_server.types import Credit, SharedArrays, SolveResult, SolveTask
 #: Copies announced arrays out of a shared-memory segment: ``reader(ref, specs)`` returns them,
 #: or None when a newer write replaced them (the announcement is then skipped).
 SegmentReader = Callable[[SegmentRef, list[ArraySpec]], list[np.ndarray] | None]
+#: Where a result's chunks are assembled: ``allocate(block, specs)`` returns writable arrays of
+#: those specs (a client stages them in pinned memory, so the assembly is the result's one host
+#: copy); without one they are new NumPy arrays.
+ArrayAllocator = Callable[[str, list[ArraySpec]], list[np.ndarray]]
 
 #: Chunk size of array streams (gRPC moved 2.3-3 GB/s on loopback in 1 MiB chunks).
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -60,9 +64,16 @@ def array_chunks(array: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> I
 class _Assembler:
     """Fills announced arrays, in order, from the chunks of a stream."""
 
-    def __init__(self, what: str, slots: Sequence[AnnouncedArray], max_chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        what: str,
+        slots: Sequence[AnnouncedArray],
+        max_chunk_bytes: int,
+        allocate: Callable[[list[ArraySpec]], list[np.ndarray]] | None = None,
+    ) -> None:
         self._what = what
         self._slots = list(slots)
+        self._allocate = allocate
         self._max_chunk_bytes = max_chunk_bytes
         #: allocated at the first chunk, not at the header: a header alone (of an unknown
         #: session, or refused by a budget) never reserves memory
@@ -100,9 +111,7 @@ class _Assembler:
                 "bytes left; a chunk never spans two arrays)",
             )
         if self._arrays is None:
-            self._arrays = [
-                np.empty(s.spec.shape, s.spec.dtype.newbyteorder("<")) for s in self._slots
-            ]
+            self._arrays = self._new_arrays()
         flat = self._arrays[self._index].reshape(-1).view(np.uint8)
         flat[self._offset : self._offset + size] = np.frombuffer(chunk, dtype=np.uint8)
         self._offset += size
@@ -110,6 +119,22 @@ class _Assembler:
         if self._offset == slot.num_bytes:
             self._index += 1
             self._offset = 0
+
+    def _new_arrays(self) -> list[np.ndarray]:
+        """The arrays the chunks fill: the allocator's when it gives the announced specs, else
+        new ones (little-endian, as on the wire)."""
+        specs = [ArraySpec(s.spec.dtype.newbyteorder("<"), s.spec.shape) for s in self._slots]
+        if self._allocate is not None:
+            given = self._allocate(specs)
+            if len(given) == len(specs) and all(
+                a.shape == spec.shape
+                and a.dtype == spec.dtype
+                and a.flags.c_contiguous
+                and a.flags.writeable
+                for a, spec in zip(given, specs, strict=True)
+            ):
+                return given
+        return [np.empty(spec.shape, spec.dtype) for spec in specs]
 
     def finish(self) -> list[np.ndarray]:
         """The filled arrays (native byte order); raises if the stream stopped short."""
@@ -256,7 +281,9 @@ class ResultReceiver:
         max_matrix_n: int = DEFAULT_MAX_MATRIX_N,
         reader: SegmentReader | None = None,
         on_credit: Callable[[Credit], None] | None = None,
+        allocate: ArrayAllocator | None = None,
     ) -> None:
+        self._allocate = allocate
         self._max_chunk_bytes = check_limit("max_chunk_bytes", max_chunk_bytes)
         self._max_matrix_n = check_limit("max_matrix_n", max_matrix_n)
         self._reader = reader
@@ -284,7 +311,13 @@ class ResultReceiver:
                 self._assembler = _Assembler(self._what, [], self._max_chunk_bytes)
                 return self._from_segment(header)
             self._header = header
-            self._assembler = _Assembler(self._what, arrays, self._max_chunk_bytes)
+            allocate = self._allocate
+            self._assembler = _Assembler(
+                self._what,
+                arrays,
+                self._max_chunk_bytes,
+                None if allocate is None else lambda specs: allocate(header.block, specs),
+            )
         elif part == "chunk":
             if self._assembler is None:
                 raise _bad("StreamResults stream", "a chunk arrived before any result header")

@@ -5,7 +5,8 @@ sources around it: an embedded engine, and a real daemon over shared memory and 
 - **per refresh, one device-to-host copy** (per device and dtype), not one per block: a step
   that publishes snapshots packs them all (``DeviceTransfer.pack``), at 4 blocks as at 12;
 - **per install, one host copy per result**: the thread that receives a result stages it once
-  into pinned memory, and the training thread issues one host-to-device copy for it.
+  into pinned memory (a segment read, or the assembly of its gRPC chunks, lands there), and
+  the training thread issues one host-to-device copy for it.
 """
 
 from __future__ import annotations
@@ -100,7 +101,11 @@ def _run(
             )
             _settle(opt)
         opt.pump()  # the last refresh's results: installed as a hook would
-        return out, {**device.stats(), "installed": _installs(opt)}
+        # every result that arrived was staged once: the daemon may deliver one twice (a
+        # resumed stream), the copy is paid and the result dropped; embedded stages at take
+        stats = opt.source.stats()
+        arrived = stats.get("results_received", _installs(opt))
+        return out, {**device.stats(), "installed": _installs(opt), "arrived": arrived}
     finally:
         opt.close()
 
@@ -119,6 +124,7 @@ def test_a_refresh_is_one_device_to_host_copy_and_an_install_one_host_copy(
         assert all(s["d2h"] == 0 for s in steps if not s["published"]), (layers, steps)
         installed = totals["installed"]
         assert installed >= 4 * layers, (layers, steps)  # every block installed several times
-        # every result received was installed (each run settles before the next refresh)
-        assert totals["result_host_copies"] == installed, (layers, totals, steps)
+        # one host copy per result that arrived, one host-to-device copy per install
+        assert totals["arrived"] >= installed, (layers, totals)
+        assert totals["result_host_copies"] == totals["arrived"], (layers, totals, steps)
         assert totals["copies_h2d"] == installed, (layers, totals, steps)
