@@ -908,6 +908,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             )
         self._plans.clear()
         self._pending_check, self._pending_error = None, None  # of the state being replaced
+        self.runtime.bases_replaced()  # the engine no longer holds the bases in use
         self.state.clear()
         self._tile_groups.clear()  # the old groups' stacks go with the state they held
         report = ReshardReport()

@@ -99,6 +99,9 @@ class EmbeddedSource(PreconditionerSource):
     def snapshot_transfer(self) -> DeviceTransfer:
         return self._transfer
 
+    def reuses_bases(self) -> bool:
+        return True  # the engine refreshes from its own newest result (engine.submit)
+
     def seconds_per_n3(self) -> float:
         return self._engine.stats().seconds_per_n3  # calibrated when the engine started
 

@@ -48,6 +48,7 @@ from asteria_client.runtime.source import (
 from asteria_client.runtime.staleness import BarrierStats, StalenessPolicy, freshness
 from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
 from asteria_server.errors import AsteriaError, InvalidInputError, SolverError
+from asteria_server.types import SolveKind
 
 if TYPE_CHECKING:
     from asteria_client.runtime.embedded import EngineConfig
@@ -208,6 +209,11 @@ class FreshnessRuntime:
         self._unsent: list[PreconditionerRequest] = []
         self._publishing = 0
         self._install_after: dict[int, tuple[TileBlocks, InstallFn]] = {}
+        #: block -> the version of the result in use when it came from the source (not a local
+        #: fallback): a source that keeps its results refreshes from its own copy of it
+        self._from_source: dict[str, int] = {}
+        self._reuses_bases = source.reuses_bases()
+        self.bases_left_home = 0  # eigenbasis requests sent without their basis
         self._continuous = (
             ContinuousScheduler(seconds_per_n3=source.seconds_per_n3())
             if policy.continuous
@@ -277,11 +283,18 @@ class FreshnessRuntime:
         unsent, self._unsent = self._unsent, []
         if unsent:
             assert self._packer is not None
-            tensors = [t for r in unsent for t in (r.matrix, r.basis) if t is not None]
+            held = [self._basis_held(r) for r in unsent]
+            tensors = [
+                t
+                for r, own in zip(unsent, held, strict=True)
+                for t in (r.matrix, None if own else r.basis)
+                if t is not None
+            ]
             copies = iter(self._packer.pack(tensors))
-            for request in unsent:
+            for request, own in zip(unsent, held, strict=True):
                 matrix = next(copies)
-                basis = None if request.basis is None else next(copies)
+                basis = None if request.basis is None or own else next(copies)
+                self.bases_left_home += own
                 self._hand_over(
                     dataclasses.replace(
                         request,
@@ -294,6 +307,23 @@ class FreshnessRuntime:
         waiting, self._install_after = self._install_after, {}
         for tile, install in waiting.values():
             self.install_ready(tile, install)
+
+    def _basis_held(self, request: PreconditionerRequest) -> bool:
+        """Whether ``request``'s basis is exactly a result its source keeps (so it stays
+        home): the result in use came from the source, not a local fallback, and was
+        installed unrounded (float32, the results' dtype)."""
+        return (
+            self._reuses_bases
+            and request.kind is SolveKind.EIGENBASIS
+            and request.basis is not None
+            and request.basis.dtype == torch.float32
+            and request.base_version >= 0
+            and self._from_source.get(request.block) == request.base_version
+        )
+
+    def bases_replaced(self) -> None:
+        """The optimizer's bases were replaced (a checkpoint loaded): none is the source's."""
+        self._from_source.clear()
 
     def _hand_over(self, snapshot: PreconditionerRequest) -> None:
         try:
@@ -483,7 +513,13 @@ class FreshnessRuntime:
                 self.install_ready(tile, install)
 
     def _install(
-        self, tile: TileBlocks, dim: int, result: PreconditionerResult, install: InstallFn
+        self,
+        tile: TileBlocks,
+        dim: int,
+        result: PreconditionerResult,
+        install: InstallFn,
+        *,
+        local: bool = False,
     ) -> None:
         """Put ``result`` into use, and log the refresh with the drift of the basis it
         replaces (its factor now against the basis in use)."""
@@ -498,6 +534,10 @@ class FreshnessRuntime:
         if self._continuous is not None:
             self._continuous.installed(block, result)
         install(tile, dim, result)
+        if local:
+            self._from_source.pop(block, None)
+        else:
+            self._from_source[block] = result.version
         # A pull counts its installs (a synchronous source's) itself; a floor result's install
         # is the amortized schedule's own cost, not the extra refreshes' budget.
         if not self._pulling and not floor:
@@ -575,10 +615,11 @@ class FreshnessRuntime:
                 start = time.perf_counter()
                 result = self.source.wait(block, required, self.policy.barrier_timeout_s)
                 self.barrier_stats.record_wait(time.perf_counter() - start, result is not None)
-            if result is None or result.version <= installed:
+            local = result is None or result.version <= installed
+            if local:
                 result = self._compute_locally(tile, dim, block, step, request)
             if result is not None and result.version > tile.versions[dim]:
-                self._install(tile, dim, result, install)
+                self._install(tile, dim, result, install, local=local)
             self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
 
     def _record_lag(self, block: str, lag_steps: int) -> None:
@@ -733,6 +774,7 @@ class FreshnessRuntime:
             "barrier_timeouts": stats.timeouts,
             "local_fallbacks": stats.local_fallbacks,
             "submit_errors": stats.submit_errors,
+            "bases_left_home": self.bases_left_home,
             "max_lag_steps": stats.max_lag_steps,
             "lag_histogram": dict(sorted(stats.lag_histogram.items())),
             "refreshes": self.refresh_stats(),

@@ -125,6 +125,14 @@ class PreconditionerSource(abc.ABC):
         mode solves on the factor's own device)."""
         return None
 
+    def reuses_bases(self) -> bool:
+        """Whether an eigenbasis request may leave out a basis this source delivered itself:
+        ``basis`` None with ``base_version`` >= 0 then asks for a QR refresh from the source's
+        own result of that version (the engine keeps its newest result), or, where it no longer
+        holds that version, a full eigendecomposition (the result's ``base_version`` -1). The
+        basis then never travels back to the engine that produced it."""
+        return False
+
     def credit(self) -> int | None:
         """How many more snapshots this source would start promptly (the continuous schedule
         copies no more): free solver workers plus one, less the snapshots already waiting for

@@ -21,6 +21,7 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import math
 import os
@@ -275,6 +276,8 @@ class PreconditionerEngine:
         #: ``_cond``, whose every notify would wake the watcher thread for nothing)
         self._stopped = threading.Event()
         self._results_epoch = 0
+        #: refreshes that named their basis by version and found it here (see submit)
+        self.bases_reused = 0
         #: tenant -> its blocks by the results epoch at which their newest results arrived
         #: (see _note_result)
         self._result_epochs: dict[str, ArrivalOrder] = {}
@@ -305,10 +308,32 @@ class PreconditionerEngine:
             raise TypeError(f"submit() takes a SolveTask, got {type(task).__name__}")
         with self._cond:
             self._check_usable()
+            if task.kind is SolveKind.EIGENBASIS and task.basis is None and task.base_version >= 0:
+                task = self._with_own_basis(task)
             outcome = self._coord.submit(task, job)
             if outcome.accepted:
                 self._pool.wakeup()
             return outcome
+
+    def _with_own_basis(self, task: SolveTask) -> SolveTask:
+        """A refresh that names its basis by version (``basis`` None, ``base_version`` v: the
+        basis this engine delivered as v, which the client kept home): from that result's
+        matrix while it is the block's newest, else a full eigendecomposition whose result says
+        it continues no basis (``base_version`` -1). Called with ``_cond`` held."""
+        if task.shm_source is None:  # (a segment's task reads its arrays from the segment)
+            self._bring_back(task.tenant, task.block)
+            held = self._coord.registry.latest_result(task.tenant, task.block)
+            if held is not None and held.shm is not None:
+                held = private_result(held)
+            if (
+                held is not None
+                and held.version == task.base_version
+                and held.kind is SolveKind.EIGENBASIS
+                and held.matrix.shape == task.matrix.shape
+            ):
+                self.bases_reused += 1
+                return dataclasses.replace(task, basis=held.matrix)
+        return dataclasses.replace(task, base_version=-1)
 
     def take_result(self, block: str, tenant: str = DEFAULT_TENANT) -> SolveResult | None:
         """The newest computed result of ``block`` not yet delivered (now delivered), or None."""
