@@ -38,7 +38,7 @@ REPLACEMENT_MARGIN_S = 15.0
 
 def _write_tenants(tmp_path: Path) -> Path:
     config = tmp_path / "asteria.toml"
-    config.write_text('[tenants]\na = "token-a"\nb = "token-b"\n')
+    config.write_text('[tenants]\na = "token-a-0123456789"\nb = "token-b-0123456789"\n')
     return config
 
 
