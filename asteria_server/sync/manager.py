@@ -930,6 +930,11 @@ class SyncManager:
         self._tick_wake = asyncio.Event()
         self._ticker = self._loop.create_task(self._tick_loop())
 
+    def set_tokens(self, tokens: Mapping[str, str]) -> None:
+        """New tenant tokens (SIGHUP): job tokens and peers' credentials are checked with them
+        from now on."""
+        self._tokens = dict(tokens)
+
     async def stop(self) -> None:
         self._closed = True
         self.engine.remove_result_listener(self._on_result)
