@@ -126,7 +126,6 @@ def test_memory_defaults_and_check_config_follow_the_cgroup_limit(tmp_path: Path
         assert value(metrics, "asteria_memory_limit_bytes") == 2 * GIB
         assert value(metrics, "asteria_memory_budget_bytes") == GIB
         assert value(metrics, "asteria_cache_budget_bytes") == GIB // 2
-        assert value(metrics, "asteria_worker_resident_bytes", worker="0") > 10 << 20
         stub = d.stub()
         sid = open_session(stub)
         submit(stub, sid, task("m:0", n=64))
@@ -136,6 +135,8 @@ def test_memory_defaults_and_check_config_follow_the_cgroup_limit(tmp_path: Path
         assert held >= 64 * 64 * 4, held
         assert value(metrics, "asteria_memory_budget_used_ratio") == pytest.approx(held / GIB)
         assert value(metrics, "asteria_cache_bytes", tier="host") >= 64 * 64 * 4
+        # The worker that solved it (a worker may still be starting at the first scrape).
+        assert value(metrics, "asteria_worker_resident_bytes", worker="0") > 10 << 20
     finally:
         stop_daemon(d)
 
@@ -261,6 +262,7 @@ def test_sigterm_drains_queued_and_running_solves_to_their_streams(tmp_path: Pat
     assert "drained in" in err and "0 dropped" in err, err
     assert not (tmp_path / "d" / "asteria.sock").exists()
     assert not (tmp_path / "d" / "asteria.sock.lock").exists()
+    assert not (tmp_path / "d" / "asteria.sock.shm").exists()
 
 
 def test_a_drain_past_its_grace_period_counts_what_it_dropped(tmp_path: Path) -> None:
