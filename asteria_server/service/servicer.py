@@ -25,7 +25,6 @@ import logging
 import time
 import uuid
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +45,7 @@ from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as p
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
 from asteria_server.service.budget import UploadBudget
+from asteria_server.service.expiry import JobExpiry
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.limits import (
     AuthThrottle,
@@ -292,8 +292,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self.quota_refusals = QuotaRefusals(logger)
         #: failed authentications by tenant label (a configured tenant, or "unknown")
         self._auth_failures: dict[str, int] = {}
-        #: (tenant, job) -> when its last session here ended, oldest first (job_ttl_s)
-        self._idle_jobs: OrderedDict[tuple[str, str], float] = OrderedDict()
+        #: jobs whose last session here ended: their blocks expire after job_ttl_s
+        self._expiry = JobExpiry(limits.job_ttl_s)
         self._job_expiry: asyncio.TimerHandle | None = None
         #: jobs whose blocks expired (job_ttl_s), and those blocks
         self.jobs_expired = 0
@@ -406,6 +406,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         """New limits and tokens (SIGHUP): calls from now on see them; sessions already open
         stay open, and what is held beyond a lowered limit stays until it is released."""
         self._limits = limits
+        self._expiry.ttl_s = limits.job_ttl_s
+        if self._job_expiry is not None:  # due sooner or later now
+            self._job_expiry.cancel()
+            self._job_expiry = None
+        self._arm_job_expiry()
         self._auth = authenticator
         self._max_sessions = max_sessions
         self._sessions.max_sessions = max_sessions
@@ -452,32 +457,21 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     def _job_idle(self, tenant: str, job: str) -> None:
         """The job's last session here ended (SessionTable): its blocks expire after
         ``job_ttl_s`` unless a session of it opens again."""
-        if self._limits.job_ttl_s <= 0:
-            return
-        self._idle_jobs.pop((tenant, job), None)
-        self._idle_jobs[(tenant, job)] = self._clock()
+        self._expiry.idle((tenant, job), self._clock())
         self._arm_job_expiry()
 
     def _job_active(self, tenant: str, job: str) -> None:
-        self._idle_jobs.pop((tenant, job), None)
+        self._expiry.active((tenant, job))
 
     def _arm_job_expiry(self) -> None:
-        loop = self._loop
-        if loop is None or self._job_expiry is not None or not self._idle_jobs:
+        loop, at = self._loop, self._expiry.next_due()
+        if loop is None or self._job_expiry is not None or at is None:
             return
-        ended_at = next(iter(self._idle_jobs.values()))
-        delay = max(0.0, ended_at + self._limits.job_ttl_s - self._clock()) + 0.05
-        self._job_expiry = loop.call_later(delay, self._expire_jobs)
+        self._job_expiry = loop.call_later(max(0.0, at - self._clock()) + 0.05, self._expire_jobs)
 
     def _expire_jobs(self) -> None:
         self._job_expiry = None
-        ttl_s = self._limits.job_ttl_s
-        now = self._clock()
-        while self._idle_jobs and ttl_s > 0:
-            (tenant, job), ended_at = next(iter(self._idle_jobs.items()))
-            if now - ended_at < ttl_s:
-                break
-            del self._idle_jobs[(tenant, job)]
+        for tenant, job in self._expiry.due(self._clock()):
             if self._sessions.job_sessions(tenant, job) > 0 or self._stopping:
                 continue
             blocks = self.forget_job(tenant, job)
@@ -488,12 +482,10 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 "%d blocks and their results",
                 job,
                 tenant,
-                ttl_s,
+                self._expiry.ttl_s,
                 len(blocks),
                 extra={"tenant": tenant, "job": job},
             )
-        if ttl_s <= 0:
-            self._idle_jobs.clear()
         self._arm_job_expiry()
 
     def forget_job(self, tenant: str, job: str) -> list[str]:
