@@ -477,6 +477,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         )
         sync.uploads = servicer.uploads  # a peer's push holds upload budget as a client's does
         sync.auth_throttle = servicer.auth_throttle  # one guesser meets one throttle everywhere
+        sync.on_auth_failed = servicer.count_auth_failure  # ... and one counter
         add_servicer_to_server(servicer, server)
         jobs = JobsServicer(
             servicer.session_tenant,

@@ -442,6 +442,10 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         """Failed authentications so far by tenant label (a copy, for the metrics)."""
         return dict(self._auth_failures)
 
+    def count_auth_failure(self, tenant: str) -> None:
+        """One failed authentication claiming ``tenant`` (here, or at the Peer service)."""
+        self._auth_failed(tenant)
+
     def _auth_failed(self, tenant: str) -> None:
         label = self._auth.label(tenant)
         self._auth_failures[label] = self._auth_failures.get(label, 0) + 1

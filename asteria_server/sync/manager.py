@@ -919,6 +919,8 @@ class SyncManager:
         self._pushes: dict[str, int] = {}
         #: failed authentications (the daemon sets the one its OpenSession uses)
         self.auth_throttle = AuthThrottle()
+        #: told the claimed tenant of every failed authentication (the daemon's counter)
+        self.on_auth_failed: Callable[[str], None] | None = None
         self._refusals = RefusalLog(logger)
         engine.add_result_listener(self._on_result)
 
@@ -1265,6 +1267,8 @@ class SyncManager:
         wrong = not hmac.compare_digest(expected.encode(), creds.job_token.encode())
         if (token is None and self._tokens) or wrong:
             self.auth_throttle.failed(key)
+            if self.on_auth_failed is not None:
+                self.on_auth_failed(creds.tenant)
             self._refusals.refused("peer call with a wrong job token", f"from {key}")
             raise AuthenticationError(
                 f"unknown tenant or wrong job token for job {creds.job[:64]!r}; the daemons of "

@@ -25,6 +25,8 @@ import grpc
 import pytest
 
 from asteria_server.engine import SolveKind, SolveResult, SolveTask
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
+from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from tests.integration.test_daemon import (
@@ -363,7 +365,13 @@ def test_quota_refusals_are_logged_once_a_minute_and_counted(tmp_path: Path) -> 
                 stub.OpenSession,
                 pb.OpenSessionRequest(tenant=tenant, token=token),
             )
+        # A peer daemon's call with a wrong job token counts too.
+        peer = ppb_grpc.PeerStub(grpc.insecure_channel(d.target))
+        creds = ppb.PeerCredentials(tenant="bob", job="j", job_token="0" * 64, node=1)
+        beat = ppb.HeartbeatRequest(credentials=creds, state=ppb.PeerState(node=1))
+        expect_code(grpc.StatusCode.UNAUTHENTICATED, peer.Heartbeat, beat)
         metrics = scrape(metrics_base(d.serving_line) + "/metrics")
+        assert value(metrics, "asteria_auth_failures_total", tenant="bob") == 1
         assert (
             value(
                 metrics, "asteria_limit_refusals_total", tenant="alice", limit="tenant_max_blocks"
