@@ -396,10 +396,6 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     return False  # results it has not looked at yet (its wake is on the way)
         return True
 
-    def work_in_flight(self) -> int:
-        """Result streams open now (each may still be sending)."""
-        return sum(len(streams) for streams in self._streams.values())
-
     def update(
         self, limits: ServiceLimits, authenticator: Authenticator, max_sessions: int
     ) -> None:
