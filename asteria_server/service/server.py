@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 
 #: The daemon's exit status when its engine broke (a supervisor restarts it).
 EXIT_ENGINE_BROKEN = 3
+#: Seconds the open result streams get, past the drain's grace period, to send the results
+#: that came in it (sending is local work; a client that reads nothing is cut off after this).
+DRAIN_FLUSH_S = 2.0
 #: How long a metrics scrape waits for the event loop to read the peer groups.
 PEER_METRICS_WAIT_S = 2.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preconditioner"].full_name
@@ -287,14 +290,25 @@ class RunningDaemon:
             left = deadline - time.monotonic()
             if left <= 0 or await asyncio.to_thread(self.engine.wait_idle, min(left, 0.25)):
                 break
-        # The results that came: the open streams send them before they end.
-        while (
-            not self.servicer.streams_idle()
-            and not self.hurry.is_set()
-            and time.monotonic() < deadline
-        ):
-            await asyncio.sleep(0.01)
-        after = self.engine.stats()
+        # The results that came: the open streams send them before they end. What is dropped
+        # is counted with every stream idle, and the streams end at once after (no await in
+        # between): a result is either sent or counted, never neither and never both.
+        flush_until = max(deadline, time.monotonic()) + DRAIN_FLUSH_S
+        while True:
+            while (
+                not self.servicer.streams_idle()
+                and not self.hurry.is_set()
+                and time.monotonic() < flush_until
+            ):
+                await asyncio.sleep(0.01)
+            after = self.engine.stats()
+            if (
+                self.servicer.streams_idle()
+                or self.hurry.is_set()
+                or time.monotonic() >= flush_until
+            ):
+                break
+        self.servicer.stop_streams()
         finished = (after.solves_done + after.solves_failed) - (
             before.solves_done + before.solves_failed
         )
