@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from asteria_server import __version__
 from asteria_server.config import (
     DEFAULT_METRICS_HOST,
     LOG_LEVELS,
@@ -27,7 +28,14 @@ from asteria_server.config import (
     effective_settings,
     env_name,
     load_config,
+    memory_limit_problem,
 )
+
+#: Exit status of a daemon that could not start (a port or socket taken, a bad directory, an
+#: engine that would not start): the same as an engine that broke, so a supervisor restarts it.
+EXIT_STARTUP_FAILED = 3
+#: Exit status of an invalid configuration (``--check-config`` too).
+EXIT_INVALID_CONFIG = 2
 
 DESCRIPTION = """\
 Asteria's per-node preconditioner daemon. Training processes on this node stream Kronecker factor
@@ -41,12 +49,20 @@ these flags (flags win). Every setting has the same name in all three: --chunk-b
 "local" with an empty token is accepted, and only on a Unix socket.
 
 Once serving it prints one line: `asteria-server serving on ADDRESS incarnation=ID workers=N
-pid=PID` (and ` metrics=URL` with --metrics-listen). SIGTERM or SIGINT shuts it down gracefully
-(exit status 0).
+pid=PID` (and ` metrics=URL` with --metrics-listen, which also serves /healthz and /readyz).
+
+SIGTERM or SIGINT drains: no new sessions or snapshots, queued and running solves get
+--grace-period-s to finish and reach their clients, what is left is dropped and counted in the
+log; then it exits 0 (a second SIGTERM stops the drain). SIGHUP reloads tenant tokens, the log
+level and the limits from the config file and environment and logs what it changed and what needs
+a restart. Exit status: 2 for an invalid configuration, 3 when the daemon cannot start (one line
+on stderr, one JSON object with --log-format json) or its engine broke.
 
 --check-config loads and validates the settings, prints them (tokens redacted) with an estimate of
-the memory the daemon may use, and exits: 0 when valid, 2 when not. --health-check asks the daemon
-at the configured address for its health: exit 0 when it is SERVING, 1 otherwise.
+the memory the daemon may use, and exits: 0 when valid, 2 when not (also when the estimate exceeds
+the memory limit of its cgroup, from which the memory defaults come). Tokens shorter than 16
+characters or holding a placeholder (REPLACE) are invalid. --health-check asks the daemon at the
+configured address for its health: exit 0 when it is SERVING, 1 otherwise.
 """
 
 
@@ -57,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
+    add("--version", action="version", version=f"asteria-server {__version__}")
     add("--config", metavar="PATH", help="TOML config file (keys: the option names below with _)")
     add(
         "--listen",
@@ -76,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace-period-s",
         type=float,
         metavar="S",
-        help="seconds in-flight calls may finish at shutdown (default 10)",
+        help=(
+            "at SIGTERM, seconds queued and running solves and in-flight calls may finish "
+            "(the drain) before the rest is dropped and counted (default 10)"
+        ),
     )
     add("--keepalive-time-s", type=float, metavar="S", help="keepalive ping interval (default 30)")
     add(
@@ -231,7 +251,10 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
         dest="max_memory_bytes",
         type=int,
         metavar="B",
-        help="host memory for queued snapshots, cached results and uploads (default: RAM / 4)",
+        help=(
+            "host memory for queued snapshots, cached results and uploads (default: RAM / 4, "
+            "at most half of the cgroup's memory limit)"
+        ),
     )
     add(
         "--tenant-queued-bytes",
@@ -331,6 +354,15 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
         help="a registered job with no session for this long is forgotten (default 120)",
     )
     add(
+        "--job-ttl-s",
+        type=float,
+        metavar="S",
+        help=(
+            "a job's blocks and results are forgotten this long after its last session here "
+            "closed or expired; 0: kept until `asteria forget` (default 600)"
+        ),
+    )
+    add(
         "--tenant-shm-segments",
         type=int,
         metavar="N",
@@ -412,6 +444,7 @@ def health_check(config: DaemonConfig, timeout_s: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     args["test_fault_prefix"] = None  # TOML or env only: never a flag
+    args["cgroup_root"] = None  # TOML or env only
     config_file = args.pop("config")
     check_config, check_health = args.pop("check_config"), args.pop("health_check")
     health_timeout_s = args.pop("health_timeout_s")
@@ -419,9 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(config_file=config_file, overrides=args)
     except ValueError as exc:
         print(f"asteria-server: invalid configuration: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INVALID_CONFIG
     if check_config:
         print(effective_settings(config), end="")
+        problem = memory_limit_problem(config)
+        if problem is not None:
+            print(f"asteria-server: invalid configuration: {problem}", file=sys.stderr)
+            return EXIT_INVALID_CONFIG
         if config.spill_dir is not None:  # the checks the daemon makes at start
             from asteria_server.service.server import (
                 SPILL_INSTEAD,
@@ -435,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             except StartupError as exc:
                 print(f"asteria-server: invalid configuration: {exc}", file=sys.stderr)
-                return 2
+                return EXIT_INVALID_CONFIG
         return 0
     if check_health:
         return health_check(config, health_timeout_s)
@@ -446,11 +483,26 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_allocator()  # before any thread: freed memory goes back to the system
 
+    def reload() -> DaemonConfig:
+        """The configuration as it reads now (SIGHUP): the file again, env, the same flags."""
+        return load_config(config_file=config_file, overrides=args)
+
     try:
-        return run(config)
+        return run(config, reload=reload)
     except StartupError as exc:
-        print(f"asteria-server: {exc}", file=sys.stderr)
-        return 1
+        return _startup_failed(config, str(exc))
+    except Exception as exc:  # whatever stops the start: one line, no traceback
+        return _startup_failed(config, f"{type(exc).__name__}: {exc}")
+
+
+def _startup_failed(config: DaemonConfig, why: str) -> int:
+    """Say in one line why the daemon did not start (one JSON object in JSON log mode)."""
+    line = f"asteria-server: could not start: {why}".replace("\n", " ")
+    if config.log_format is LogFormat.JSON:
+        logging.getLogger("asteria_server").error("%s", line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+    return EXIT_STARTUP_FAILED
 
 
 if __name__ == "__main__":

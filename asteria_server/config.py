@@ -34,6 +34,13 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: The host of a ``--metrics-listen`` given as ``:PORT``: metrics stay on this host unless a
 #: host is named.
 DEFAULT_METRICS_HOST = "127.0.0.1"
+#: The shortest tenant token accepted (``openssl rand -hex 32`` gives 64 characters).
+MIN_TOKEN_CHARS = 16
+#: A token containing this (any case) is a placeholder never replaced, such as the shipped
+#: ``REPLACE-WITH-A-RANDOM-TOKEN``: refused.
+TOKEN_PLACEHOLDER = "REPLACE"
+#: Where cgroup file systems are mounted (``cgroup_root``; tests point it at a fake tree).
+DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 class LogFormat(enum.Enum):
@@ -242,7 +249,7 @@ class DaemonConfig:
     metrics_timeout_s: float = 5.0
     log_format: LogFormat = LogFormat.TEXT
     socket_group_access: bool = False
-    max_memory_bytes: int = field(default_factory=lambda: default_max_memory_bytes())
+    max_memory_bytes: int = 0
     tenant_queued_bytes: int = 0
     tenant_cached_bytes: int = 0
     tenant_max_blocks: int = 100_000
@@ -267,8 +274,33 @@ class DaemonConfig:
     test_fault_prefix: str | None = None
     cache_memory_bytes: int = 0
     spill_dir: str | None = None
+    cgroup_root: str = DEFAULT_CGROUP_ROOT
+    job_ttl_s: float = 600.0
+    #: The memory limit of the daemon's own cgroup (derived at load, never set): see
+    #: :func:`cgroup_memory_limit`. None: no limit found.
+    cgroup_memory_limit_bytes: int | None = field(default=None, init=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cgroup_root, str) or not os.path.isabs(self.cgroup_root):
+            raise ValueError(
+                "DaemonConfig.cgroup_root must be an absolute directory path, "
+                f"got {self.cgroup_root!r}"
+            )
+        limit = cgroup_memory_limit(Path(self.cgroup_root))
+        object.__setattr__(self, "cgroup_memory_limit_bytes", None if limit is None else limit[0])
+        if self.max_memory_bytes == 0:  # derived: from the RAM and the cgroup's limit
+            object.__setattr__(
+                self, "max_memory_bytes", default_max_memory_bytes(self.cgroup_memory_limit_bytes)
+            )
+        job_ttl = self.job_ttl_s
+        if (
+            not isinstance(job_ttl, int | float)
+            or isinstance(job_ttl, bool)
+            or not (0 <= job_ttl < math.inf)
+        ):
+            raise ValueError(
+                f"DaemonConfig.job_ttl_s must be a finite number >= 0 (0: never), got {job_ttl!r}"
+            )
         _check_int("cache_memory_bytes", self.cache_memory_bytes, 0)
         if self.spill_dir is not None and not (
             isinstance(self.spill_dir, str) and os.path.isabs(self.spill_dir)
@@ -348,6 +380,18 @@ class DaemonConfig:
             if not isinstance(token, str) or not token:
                 # The token itself is never echoed.
                 raise ValueError(f"DaemonConfig.tokens: tenant {tenant!r} has an empty token")
+            if TOKEN_PLACEHOLDER in token.upper():
+                raise ValueError(
+                    f"DaemonConfig.tokens: tenant {tenant!r} still has a placeholder token (it "
+                    f"contains {TOKEN_PLACEHOLDER!r}); give it a random one, e.g. from "
+                    "`openssl rand -hex 32`"
+                )
+            if len(token) < MIN_TOKEN_CHARS:
+                raise ValueError(
+                    f"DaemonConfig.tokens: tenant {tenant!r} has a token of {len(token)} "
+                    f"characters; a token needs at least {MIN_TOKEN_CHARS} (e.g. from "
+                    "`openssl rand -hex 32`)"
+                )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(
                 f"DaemonConfig.log_level must be one of {LOG_LEVELS}, got {self.log_level!r}"
@@ -452,11 +496,43 @@ def memory_estimate_bytes(config: DaemonConfig) -> int:
     return PROCESS_BASE_BYTES + config.max_upload_bytes + config.workers * per_worker
 
 
+def total_memory_estimate_bytes(config: DaemonConfig) -> int:
+    """What the daemon may hold at most, its budgets full: :func:`memory_estimate_bytes`'s
+    processes and solves, plus the larger of ``max_memory_bytes`` (queued snapshots, cached
+    results and uploads together), the upload budget and the result cache's host tier. This is
+    what must fit in the daemon's cgroup."""
+    per_worker = PROCESS_BASE_BYTES + SOLVE_BYTES_PER_N2 * config.max_matrix_n**2
+    budgets = max(config.max_memory_bytes, config.max_upload_bytes, config.cache_budget_bytes)
+    return PROCESS_BASE_BYTES + config.workers * per_worker + budgets
+
+
+def memory_limit_problem(config: DaemonConfig) -> str | None:
+    """Why the daemon's budgets do not fit its cgroup's memory limit (None: they do, or there is
+    no limit): the kernel would kill the daemon before its own eviction began."""
+    limit = config.cgroup_memory_limit_bytes
+    if limit is None:
+        return None
+    total = total_memory_estimate_bytes(config)
+    if total <= limit:
+        return None
+    mib = 1 << 20
+    found = cgroup_memory_limit(Path(config.cgroup_root))
+    where = f" ({found[1]})" if found is not None else ""
+    return (
+        f"the daemon may use ~{total / mib:.0f} MiB ({config.workers} worker(s) solving "
+        f"max_matrix_n = {config.max_matrix_n}, max_memory_bytes = {config.max_memory_bytes}, "
+        f"max_upload_bytes = {config.max_upload_bytes}) but its cgroup's memory limit"
+        f"{where} is {limit / mib:.0f} MiB: the kernel would kill it before its own eviction "
+        "starts. Lower workers, max_matrix_n, max_memory_bytes or max_upload_bytes, or raise "
+        "the limit (systemd MemoryMax=, the container's memory limit)"
+    )
+
+
 def effective_settings(config: DaemonConfig) -> str:
     """The config as ``key = value`` lines (TOML), tokens redacted, then the memory estimate."""
     lines = []
     for f in dataclasses.fields(config):
-        if f.name == "tokens":
+        if f.name == "tokens" or not f.init:  # derived fields are shown below
             continue
         value = getattr(config, f.name)
         if f.name == "metrics_listen" and config.metrics_address is not None:
@@ -486,6 +562,12 @@ def effective_settings(config: DaemonConfig) -> str:
         f"# memory: at most ~{mib:.0f} MiB for uploads, the daemon and {config.workers} worker(s) "
         f"solving n={config.max_matrix_n}; add ~8 n^2 bytes per cached block"
     )
+    total_mib = total_memory_estimate_bytes(config) / (1 << 20)
+    limit = config.cgroup_memory_limit_bytes
+    lines.append(
+        f"# memory with the budgets full: ~{total_mib:.0f} MiB; cgroup memory limit: "
+        + ("none found" if limit is None else f"{limit / (1 << 20):.0f} MiB")
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -508,12 +590,71 @@ def _check_seconds(name: str, value: object) -> None:
         raise ValueError(f"DaemonConfig.{name} must be a finite number > 0, got {value!r}")
 
 
-def default_max_memory_bytes() -> int:
-    """A quarter of this host's RAM (1 GiB when it cannot be read)."""
+def physical_memory_bytes() -> int | None:
+    """This host's RAM (None when it cannot be read)."""
     try:
-        return max(1, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError):
-        return 1 << 30
+        return None
+
+
+def default_max_memory_bytes(cgroup_limit_bytes: int | None = None) -> int:
+    """The default ``max_memory_bytes``: a quarter of this host's RAM (the host is shared with
+    its trainers), and at most half of the daemon's cgroup limit where it has one (the cgroup is
+    the daemon's own; the other half is for its processes, solves and uploads). 1 GiB when
+    neither can be read."""
+    candidates = []
+    ram = physical_memory_bytes()
+    if ram is not None:
+        candidates.append(ram // 4)
+    if cgroup_limit_bytes is not None:
+        candidates.append(cgroup_limit_bytes // 2)
+    return max(1, min(candidates)) if candidates else 1 << 30
+
+
+#: A cgroup v1 ``memory.limit_in_bytes`` at or above this means "no limit" (the kernel writes
+#: the largest page-aligned 64-bit value).
+_V1_UNLIMITED = 1 << 62
+
+
+def cgroup_memory_limit(
+    root: Path, proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> tuple[int, Path] | None:
+    """The memory limit of this process's cgroup and the file that sets it, or None.
+
+    The cgroup comes from ``/proc/self/cgroup``: v2's ``0::/path`` (limit in
+    ``root/path/memory.max``) or v1's memory controller (``root/memory/path/
+    memory.limit_in_bytes``). The cgroup and every ancestor up to ``root`` are read and the
+    smallest limit wins, as the kernel enforces it; a missing file is skipped (inside a
+    container the process's path often names a cgroup mounted as the root itself)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    found: list[tuple[int, Path]] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            file = base.joinpath(*parts[:depth], name)
+            try:
+                text = file.read_text().strip()
+            except OSError:
+                continue
+            if text == "max" or not text.isdigit():
+                continue
+            value = int(text)
+            if value >= _V1_UNLIMITED or value <= 0:
+                continue
+            found.append((value, file))
+    return min(found, key=lambda item: item[0]) if found else None
 
 
 def parse_tokens(text: str) -> dict[str, str]:
@@ -598,8 +739,10 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "test_fault_prefix": str,
     "cache_memory_bytes": int,
     "spill_dir": str,
+    "cgroup_root": str,
+    "job_ttl_s": _as_float,
 }
-_FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)}
+_FIELDS = {f.name for f in dataclasses.fields(DaemonConfig) if f.init}
 assert set(_PARSERS) | {"tokens"} == _FIELDS, "every DaemonConfig field needs a parser"
 
 

@@ -22,3 +22,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _no_host_cgroup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process daemon configs (``--check-config`` called as a function) read no cgroup: the
+    memory defaults and the cgroup check would otherwise follow whatever limit the machine
+    running the tests has. Tests of the cgroup rules give a fake tree of their own, and daemon
+    subprocesses get an environment without ``ASTERIA_*`` (their real cgroup)."""
+    monkeypatch.setenv("ASTERIA_CGROUP_ROOT", "/nonexistent/asteria-tests-cgroup")

@@ -63,7 +63,7 @@ QUICK_DURATION_S = 40.0
 DEFAULT_SIZES = (16, 32, 64, 128, 256, 512, 64, 128)
 QUICK_SIZES = (16, 64, 128)
 #: The tokens of the benchmark's two tenants (a private daemon; they protect nothing).
-TOKENS = {"good": "soak-good-token", "bad": "soak-bad-token"}
+TOKENS = {"good": "soak-good-token-0123", "bad": "soak-bad-token-0123"}
 
 
 class SoakRunError(AsteriaError):

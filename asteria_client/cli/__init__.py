@@ -31,6 +31,7 @@ from asteria_client.cli.args import (
     Handler,
     UsageError,
 )
+from asteria_server import __version__
 from asteria_server.errors import AsteriaError
 
 __all__ = [
@@ -63,6 +64,7 @@ def build_parser() -> tuple[ArgumentParser, dict[str, Handler]]:
         description="Asteria: second-order optimizers with their matrix work off the training "
         "step.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=ArgumentParser
     )

@@ -549,6 +549,21 @@ class PreconditionerEngine:
             registry = self._coord.registry
             return (tenant, block) in registry, registry.submitted_version(tenant, block)
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until nothing is queued or running (a daemon draining at
+        shutdown); whether that came. False at once when the engine closed or broke."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            while True:
+                if self._closing or self._broken is not None:
+                    return False
+                if self._coord.queue_depth() == 0 and self._coord.scheduler.num_running() == 0:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+
     def wait_stopped(self) -> str | None:
         """Block until the engine breaks or closes; the reason it broke (None: it closed).
         For a watcher thread: it costs nothing while it waits."""

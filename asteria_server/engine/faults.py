@@ -11,6 +11,8 @@ block name is ``<prefix><fault>[-once][:anything]`` makes the worker misbehave:
 - ``nan``:   the worker solves, then overwrites its output with NaN and reports success (the
   parent's result check must catch it);
 - ``error``: the worker raises an unexpected exception;
+- ``slow``:  the worker sleeps ``SLOW_S`` before solving (a solve that takes a while: a daemon
+  draining at shutdown has work to finish);
 - ``poison``: the worker solves, checks, then writes NaN over its output (a faulty or hostile
   daemon, as its clients see it): a result written into a client's segment then reaches the
   client, whose own check must drop it.
@@ -37,6 +39,11 @@ class Fault(enum.Enum):
     NAN = "nan"
     ERROR = "error"
     POISON = "poison"
+    SLOW = "slow"
+
+
+#: Seconds the ``slow`` fault adds to a solve.
+SLOW_S = 1.0
 
 
 def fault_for(block: str, prefix: str | None, attempt: int) -> Fault | None:
@@ -66,6 +73,8 @@ def inject_before_solve(fault: Fault | None) -> None:
         time.sleep(3600.0)
     elif fault is Fault.ERROR:
         raise RuntimeError("injected worker error (test-only fault)")
+    elif fault is Fault.SLOW:
+        time.sleep(SLOW_S)
 
 
 def corrupt_output(fault: Fault | None, *arrays: np.ndarray) -> None:

@@ -119,6 +119,8 @@ class JobsServicer(jpb_grpc.JobsServicer):
         self._clock = clock
         self._jobs: dict[str, dict[str, _Job]] = {}
         self.expired = 0
+        #: told (tenant, error) of a registration refused for a quota (counted and logged)
+        self.on_busy: Callable[[str, BaseException], None] | None = None
 
     def jobs(self, tenant: str) -> list[tuple[jpb.JobLayout, int, float, int]]:
         """A tenant's jobs, newest first: (layout, node_rank, registered_at, registrations)."""
@@ -157,6 +159,7 @@ class JobsServicer(jpb_grpc.JobsServicer):
     async def RegisterJob(
         self, request: jpb.RegisterJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> jpb.RegisterJobResponse:
+        tenant = ""
         try:
             tenant = self._tenant_of(request.session_id)
             check_layout(request.layout, request.node_rank)
@@ -185,6 +188,8 @@ class JobsServicer(jpb_grpc.JobsServicer):
                 now,
             )
         except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
+            if tenant and isinstance(exc, DaemonBusyError) and self.on_busy is not None:
+                self.on_busy(tenant, exc)
             await abort_call(context, exc)
         if self._on_register is not None:
             try:

@@ -63,7 +63,13 @@ class SessionTable:
         ttl_s: float,
         incarnation_id: str,
         clock: Callable[[], float] = time.monotonic,
+        on_job_idle: Callable[[str, str], None] | None = None,
+        on_job_active: Callable[[str, str], None] | None = None,
     ) -> None:
+        #: told (tenant, job) when the last open session of a job ends, and when a job that had
+        #: none gets one (the expiry of a finished job's blocks)
+        self.on_job_idle = on_job_idle
+        self.on_job_active = on_job_active
         self.max_sessions = max_sessions
         self.tenant_max_sessions = tenant_max_sessions
         self.ttl_s = ttl_s
@@ -117,6 +123,8 @@ class SessionTable:
         self._by_tenant[session.tenant] = held + 1
         key = (session.tenant, session.job)
         self._by_job[key] = self._by_job.get(key, 0) + 1
+        if self._by_job[key] == 1 and self.on_job_active is not None:
+            self.on_job_active(*key)
 
     def get(self, session_id: str) -> Session:
         """The open session (its lease renewed), or UnknownSessionError saying why not."""
@@ -173,6 +181,8 @@ class SessionTable:
             self._by_job[key] -= 1
         else:
             del self._by_job[key]
+            if self.on_job_idle is not None:
+                self.on_job_idle(*key)
         self._ended[session_id] = why
         while len(self._ended) > ENDED_SESSIONS_KEPT:
             self._ended.popitem(last=False)
@@ -260,6 +270,87 @@ class RefusalLog:
         more = f" (and {quiet} more since the last line)" if quiet else ""
         self._logger.warning("refused %s: %s%s", what, detail, more)
         self._classes[what] = (now, 0)
+
+
+#: The settings a refusal names, as they appear in its message (the ``limit`` label of
+#: ``asteria_limit_refusals``); a refusal that names none is ``other``.
+LIMIT_NAMES = (
+    "tenant_max_blocks",
+    "tenant_queued_bytes",
+    "tenant_cached_bytes",
+    "max_memory_bytes",
+    "tenant_upload_share",
+    "max_upload_bytes",
+    "upload_idle_s",
+    "upload_max_s",
+    "tenant_max_sessions",
+    "max_sessions",
+    "tenant_max_streams",
+    "stream_stall_s",
+    "tenant_max_jobs",
+    "max_job_daemons",
+    "tenant_max_peers",
+    "tenant_shm_segments",
+    "failed authentications",
+)
+
+
+def limit_named(message: str) -> str:
+    """The limit a refusal's message names first (one of :data:`LIMIT_NAMES`), else
+    ``other``."""
+    found = [(message.find(name), name) for name in LIMIT_NAMES if name in message]
+    if not found:
+        return "other"
+    name = min(found)[1]
+    return "auth_throttle" if name == "failed authentications" else name
+
+
+class QuotaRefusals:
+    """Requests refused for a limit or quota: counted per (tenant, limit) for the metrics, and
+    logged at most once per tenant and ``every_s`` at WARNING (the first at once; later ones
+    counted and summed up in the next line), so a tenant at its quota is seen in the log without
+    a line per refused snapshot. ``tenant`` must be a bounded label (a configured tenant, or
+    ``unknown``)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self.every_s = every_s
+        self._clock = clock
+        self._counts: dict[tuple[str, str], int] = {}
+        #: tenant -> (when last logged, refusals not logged since)
+        self._logged: dict[str, tuple[float, int]] = {}
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """(tenant, limit) -> refusals so far (a copy; read from the metrics thread)."""
+        return dict(self._counts)
+
+    def refused(self, tenant: str, message: str) -> str:
+        """Count and maybe log one refusal; returns the limit it was counted under."""
+        limit = limit_named(message)
+        key = (tenant, limit)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        now = self._clock()
+        logged_at, quiet = self._logged.get(tenant, (-math.inf, 0))
+        if now - logged_at < self.every_s:
+            self._logged[tenant] = (logged_at, quiet + 1)
+            return limit
+        more = f" (and {quiet} more refusals since the last line)" if quiet else ""
+        self._logger.warning(
+            "refused a request of tenant %r (limit %s): %s%s",
+            tenant,
+            limit,
+            message,
+            more,
+            extra={"tenant": tenant},
+        )
+        self._logged[tenant] = (now, 0)
+        return limit
 
 
 def peer_host(peer: str) -> str:

@@ -13,6 +13,11 @@ Two sources feed one registry of the daemon's own, never ``prometheus_client``'s
   dispatcher thread; ``prometheus_client`` metrics are thread-safe): solves and failures by kind
   and size, solve seconds, queue wait, CPU-seconds per tenant.
 
+The HTTP port also answers ``/healthz`` (200 while the process and its engine work: the engine
+not broken or closed, a solver worker alive; 503 otherwise) and ``/readyz`` (200 while the daemon
+serves: health SERVING and not draining at shutdown; 503 otherwise), each with a one-line
+reason; any other path than these and ``/metrics`` is 404.
+
 Staleness is reported as a distribution per tenant — gauge histograms of every block's lag, in
 steps and in seconds, at scrape time — never one series per block: a job has thousands of
 blocks, and a series each would cost Prometheus more than the daemon. Every label has a bounded
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import socket
 import threading
 from collections import defaultdict
@@ -49,7 +55,7 @@ from asteria_server.config import TcpAddress
 from asteria_server.engine import BlockStatus, PreconditionerEngine
 from asteria_server.engine.engine import FinishedSolve
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
-from asteria_server.types import TransportStats
+from asteria_server.types import EngineStats, TransportStats
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +98,36 @@ def lag_seconds(block: BlockStatus) -> float:
 
 
 class DaemonSources(Protocol):
-    """What the collector reads at scrape time (the servicer provides both)."""
+    """What the collector reads at scrape time (the servicer provides all of it)."""
 
     def transport_stats(self) -> TransportStats: ...
 
     def sessions_by_tenant(self) -> Mapping[str, int]: ...
+
+    def memory_held_bytes(self) -> int: ...
+
+    @property
+    def memory_budget_bytes(self) -> int: ...
+
+    def auth_failures(self) -> Mapping[str, int]: ...
+
+    def refusal_counts(self) -> Mapping[tuple[str, str], int]: ...
+
+    def expiry_counts(self) -> tuple[int, int]: ...
+
+
+#: (ready, why): what /readyz answers.
+Readiness = Callable[[], tuple[bool, str]]
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes(pid: int) -> int | None:
+    """The resident memory of process ``pid`` (``/proc/PID/statm``), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 #: Connections the metrics endpoint serves at once, and how long one may send nothing.
@@ -145,9 +176,20 @@ class BoundedWSGIServer(ThreadingMixIn, WSGIServer):
 class DaemonMetrics:
     """The daemon's registry, its solve observer and its HTTP endpoint."""
 
-    def __init__(self, *, blas_threads: int = 1) -> None:
+    def __init__(self, *, blas_threads: int = 1, memory_limit_bytes: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._blas_threads = blas_threads
+        self.drain_finished = Counter(
+            "asteria_drain_finished_solves",
+            "Solves that finished during the shutdown drain (SIGTERM).",
+            registry=self.registry,
+        )
+        self.drain_dropped = Counter(
+            "asteria_drain_dropped_solves",
+            "Solves still queued or running when the shutdown drain's grace period ended "
+            "(grace_period_s): dropped, their clients resubmit or compute locally.",
+            registry=self.registry,
+        )
         self.solves = Counter(
             "asteria_solves",
             "Solves that produced a result, by what they computed and the factor size n.",
@@ -181,7 +223,7 @@ class DaemonMetrics:
             ["tenant"],
             registry=self.registry,
         )
-        self.collector = _StatusCollector()
+        self.collector = _StatusCollector(memory_limit_bytes)
         self.registry.register(self.collector)
         ProcessCollector(registry=self.registry)
         self._http: WSGIServer | None = None
@@ -205,9 +247,67 @@ class DaemonMetrics:
         engine: PreconditionerEngine,
         sources: DaemonSources,
         peers: PeerGroups | None = None,
+        *,
+        ready: Readiness | None = None,
     ) -> None:
-        """Start reading the running daemon's numbers at scrape time."""
+        """Start reading the running daemon's numbers at scrape time; ``ready`` says whether
+        it serves (/readyz)."""
         self.collector.bind(engine, sources, peers)
+        self._ready = ready
+
+    def drained(self, finished: int, dropped: int) -> None:
+        """The shutdown drain ended: ``finished`` solves finished in it, ``dropped`` did not."""
+        self.drain_finished.inc(finished)
+        self.drain_dropped.inc(dropped)
+
+    def health(self) -> tuple[bool, str]:
+        """What /healthz answers: the engine works and a solver worker process is alive."""
+        engine = self.collector.engine
+        if engine is None:
+            return True, "starting"
+        stats = engine.stats()
+        if stats.broken_reason is not None:
+            return False, f"engine broken: {stats.broken_reason}"
+        if stats.closed:
+            return False, "engine closed (shutting down)"
+        alive = [w for w in stats.workers if w.pid and resident_bytes(w.pid) is not None]
+        if not alive:
+            return False, "no solver worker process is alive"
+        return True, f"ok: {len(alive)} of {stats.num_workers} workers alive"
+
+    def readiness(self) -> tuple[bool, str]:
+        """What /readyz answers."""
+        ready = getattr(self, "_ready", None)
+        if ready is None or self.collector.engine is None:
+            return False, "starting"
+        healthy, why = self.health()
+        if not healthy:
+            return False, why
+        return ready()
+
+    def _app(self) -> Callable[..., Iterable[bytes]]:
+        """The WSGI app: /metrics, /healthz, /readyz; anything else 404."""
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(
+            environ: dict[str, object], start_response: Callable[..., object]
+        ) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO") or "/"
+            if path in ("/metrics", "/metrics/"):
+                return metrics_app(environ, start_response)
+            if path in ("/healthz", "/readyz"):
+                try:
+                    ok, why = self.health() if path == "/healthz" else self.readiness()
+                except Exception as exc:  # a probe must get an answer
+                    ok, why = False, f"{type(exc).__name__}: {exc}"
+                return _text(start_response, "200 OK" if ok else "503 Service Unavailable", why)
+            return _text(
+                start_response,
+                "404 Not Found",
+                "not found; this port serves /metrics, /healthz, /readyz",
+            )
+
+        return app
 
     def serve(
         self,
@@ -232,7 +332,7 @@ class DaemonMetrics:
         http: WSGIServer = make_server(
             address.host,
             address.port,
-            make_wsgi_app(self.registry),
+            self._app(),
             server_class=server_class,
             handler_class=handler,
         )
@@ -259,13 +359,26 @@ class DaemonMetrics:
             self._thread = None
 
 
+def _text(start_response: Callable[..., object], status: str, body: str) -> list[bytes]:
+    data = (body + "\n").encode()
+    start_response(
+        status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))]
+    )
+    return [data]
+
+
 class _StatusCollector(Collector):
     """Reads engine stats, block status, sessions and the data path at scrape time."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_limit_bytes: int | None = None) -> None:
         self._engine: PreconditionerEngine | None = None
         self._sources: DaemonSources | None = None
         self._peers: PeerGroups | None = None
+        self._memory_limit_bytes = memory_limit_bytes
+
+    @property
+    def engine(self) -> PreconditionerEngine | None:
+        return self._engine
 
     def bind(
         self, engine: PreconditionerEngine, sources: DaemonSources, peers: PeerGroups | None
@@ -389,8 +502,99 @@ class _StatusCollector(Collector):
             seconds,
             LAG_SECONDS_BUCKETS,
         )
+        yield from self._memory_families(stats, sources)
+        yield from _refusal_families(sources)
         if self._peers is not None:
             yield from _peer_families(self._peers)
+
+    def _memory_families(self, stats: EngineStats, sources: DaemonSources) -> Iterator[Metric]:
+        """The memory budget and its use, the result cache's tiers, each worker's RSS."""
+        held, budget = sources.memory_held_bytes(), sources.memory_budget_bytes
+        yield _gauge(
+            "asteria_memory_held_bytes",
+            "Bytes the daemon holds for clients as max_memory_bytes counts them: queued "
+            "snapshots, cached results, uploads, registrations, result streams.",
+            held,
+        )
+        yield _gauge("asteria_memory_budget_bytes", "The daemon's max_memory_bytes.", budget)
+        yield _gauge(
+            "asteria_memory_budget_used_ratio",
+            "asteria_memory_held_bytes / asteria_memory_budget_bytes (1: new blocks are refused).",
+            held / budget if budget else 0.0,
+        )
+        if self._memory_limit_bytes is not None:
+            yield _gauge(
+                "asteria_memory_limit_bytes",
+                "The memory limit of the daemon's cgroup (memory.max) it derived its defaults "
+                "from; the daemon and its workers together must stay below it.",
+                self._memory_limit_bytes,
+            )
+        cache = GaugeMetricFamily(
+            "asteria_cache_bytes",
+            "Result bytes of the cache by tier: host (daemon memory) and spill (files in "
+            "spill_dir).",
+            labels=["tier"],
+        )
+        cache.add_metric(["host"], stats.cache_host_bytes)
+        cache.add_metric(["spill"], stats.spill_bytes)
+        yield cache
+        yield _gauge(
+            "asteria_cache_budget_bytes",
+            "The cache's host tier (cache_memory_bytes): results beyond it spill or are dropped.",
+            stats.cache_budget_bytes,
+        )
+        yield _gauge(
+            "asteria_spilled_results",
+            "Results held in spill files now.",
+            stats.results_spilled,
+        )
+        yield CounterMetricFamily(
+            "asteria_cache_results_dropped",
+            "Results that left the host tier with nowhere to spill (their clients resubmit).",
+            value=stats.results_dropped,
+        )
+        rss = GaugeMetricFamily(
+            "asteria_worker_resident_bytes",
+            "Resident memory of each solver worker process (label: its slot, 0..workers-1).",
+            labels=["worker"],
+        )
+        for worker in stats.workers:
+            size = resident_bytes(worker.pid) if worker.pid else None
+            if size is not None:
+                rss.add_metric([str(worker.index)], size)
+        yield rss
+
+
+def _refusal_families(sources: DaemonSources) -> Iterator[Metric]:
+    """Requests refused for a limit or quota, failed authentications, expired jobs."""
+    refusals = CounterMetricFamily(
+        "asteria_limit_refusals",
+        "Requests refused for a limit or quota (RESOURCE_EXHAUSTED), by tenant and the setting "
+        "that refused them (tenant_max_blocks, max_memory_bytes, ...; 'other' when none).",
+        labels=["tenant", "limit"],
+    )
+    for (tenant, limit), count in sorted(sources.refusal_counts().items()):
+        refusals.add_metric([tenant, limit], count)
+    yield refusals
+    auth = CounterMetricFamily(
+        "asteria_auth_failures",
+        "Failed authentications (wrong token), by tenant ('unknown': a tenant not configured).",
+        labels=["tenant"],
+    )
+    for tenant, count in sorted(sources.auth_failures().items()):
+        auth.add_metric([tenant], count)
+    yield auth
+    jobs, blocks = sources.expiry_counts()
+    yield CounterMetricFamily(
+        "asteria_jobs_expired",
+        "Jobs whose blocks were forgotten job_ttl_s after their last session here ended.",
+        value=jobs,
+    )
+    yield CounterMetricFamily(
+        "asteria_blocks_expired",
+        "Blocks forgotten so (their results and spill files with them).",
+        value=blocks,
+    )
 
 
 def _peer_families(read: PeerGroups) -> Iterator[Metric]:

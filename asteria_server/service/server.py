@@ -1,8 +1,16 @@
 """The daemon's server: a grpc.aio server over the engine, its socket, lock and shutdown.
 
-:func:`serve` runs until SIGTERM or SIGINT, then: health NOT_SERVING, result streams end, no new
-calls are accepted, in-flight calls get ``grace_period_s`` to finish, the engine closes (worker
-processes and shared memory go with it), and the socket, lock and ready files are removed.
+:func:`serve` runs until SIGTERM or SIGINT, then drains: health NOT_SERVING, no new sessions,
+block registrations or snapshots (UNAVAILABLE: clients keep their last results and resubmit to
+the next daemon or compute locally), queued and running solves get ``grace_period_s`` to finish
+while the open result streams send their results; what is still queued or running then is
+dropped, counted and logged (never silently). Then the streams end, the engine closes (worker
+processes and shared memory go with it), and the socket, lock and ready files are removed. A
+second SIGTERM ends the drain at once.
+
+SIGHUP reloads what can change while serving (tenant tokens, the log level, the limits and
+quotas, the job TTL) from the config file and environment, and logs one line saying what it
+changed and what needs a restart (:mod:`asteria_server.service.reload`).
 
 A Unix socket lives in a directory of mode 0700 (created if missing; an existing one must be ours
 and not writable by others), has mode 0600 (0660 with ``socket_group_access``), and is guarded
@@ -19,15 +27,16 @@ import os
 import resource
 import signal
 import stat
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from asteria_server.config import DaemonConfig, TcpAddress, UnixAddress
+from asteria_server.config import DaemonConfig, TcpAddress, UnixAddress, memory_limit_problem
 from asteria_server.engine import EngineConfig, PreconditionerEngine
 from asteria_server.engine.engine import SolveObserver
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2_grpc, peer_pb2_grpc
@@ -60,6 +69,9 @@ logger = logging.getLogger(__name__)
 
 #: The daemon's exit status when its engine broke (a supervisor restarts it).
 EXIT_ENGINE_BROKEN = 3
+#: Seconds the open result streams get, past the drain's grace period, to send the results
+#: that came in it (sending is local work; a client that reads nothing is cut off after this).
+DRAIN_FLUSH_S = 2.0
 #: How long a metrics scrape waits for the event loop to read the peer groups.
 PEER_METRICS_WAIT_S = 2.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preconditioner"].full_name
@@ -68,6 +80,48 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class StartupError(RuntimeError):
     """The daemon cannot start; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """How a shutdown's drain ended: solves finished during it, and those still queued or
+    running at its end (dropped: their clients resubmit or compute locally)."""
+
+    finished: int
+    dropped_queued: int
+    dropped_running: int
+    seconds: float
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_queued + self.dropped_running
+
+
+def service_limits(config: DaemonConfig) -> ServiceLimits:
+    """What the servicer enforces, from the daemon's config (at start and on SIGHUP)."""
+    address = config.address
+    return ServiceLimits(
+        chunk_bytes=config.chunk_bytes,
+        max_message_bytes=config.max_message_bytes,
+        max_matrix_n=config.max_matrix_n,
+        max_upload_bytes=config.max_upload_bytes,
+        upload_wait_s=config.upload_wait_s,
+        max_memory_bytes=config.max_memory_bytes,
+        tenant_queued_bytes=config.tenant_queued_bytes,
+        tenant_cached_bytes=config.tenant_cached_bytes,
+        tenant_max_blocks=config.tenant_max_blocks,
+        max_block_name_bytes=config.max_block_name_bytes,
+        tenant_max_sessions=min(config.tenant_max_sessions, config.max_sessions),
+        session_ttl_s=config.session_ttl_s,
+        tenant_max_streams=config.tenant_max_streams,
+        stream_stall_s=config.stream_stall_s,
+        # One tenant (no tokens) may use the whole budget: there is no one to share with.
+        tenant_upload_share=(1.0 if config.allows_anonymous() else config.tenant_upload_share),
+        upload_idle_s=config.upload_idle_s,
+        upload_max_s=config.upload_max_s,
+        private_status=isinstance(address, TcpAddress),
+        job_ttl_s=config.job_ttl_s,
+    )
 
 
 # ---------------------------------------------------------------------------- socket and lock
@@ -206,14 +260,89 @@ class RunningDaemon:
     handover: SegmentHandover | None = None
     sync: SyncManager | None = None
     spill_lock: SocketLock | None = None
+    jobs: JobsServicer | None = None
+    #: the readiness the metrics port's /readyz reports (health SERVING, not draining)
+    serving: bool = False
+    draining: bool = False
+    #: set to end a drain early (a second SIGTERM)
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    drain_report: DrainReport | None = None
 
-    async def stop(self) -> None:
-        logger.info("shutting down (grace period %.1f s)", self.config.grace_period_s)
+    async def drain(self) -> DrainReport:
+        """Take no new work; give queued and running solves up to ``grace_period_s`` to finish
+        and the open result streams time to send them; count what is left (dropped)."""
+        grace_s = self.config.grace_period_s
+        self.draining = True
+        self.servicer.start_draining()
         await self.health.enter_graceful_shutdown()
+        before = self.engine.stats()
+        pending = before.queue_depth + before.workers_busy
+        logger.info(
+            "draining: no new sessions or snapshots; %d queued and %d running solves get up to "
+            "%.1f s to finish (grace_period_s; a second SIGTERM stops at once)",
+            before.queue_depth,
+            before.workers_busy,
+            grace_s,
+        )
+        started = time.monotonic()
+        deadline = started + grace_s
+        while pending and not self.hurry.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or await asyncio.to_thread(self.engine.wait_idle, min(left, 0.25)):
+                break
+        # The results that came: the open streams send them before they end. What is dropped
+        # is counted with every stream idle, and the streams end at once after (no await in
+        # between): a result is either sent or counted, never neither and never both.
+        flush_until = max(deadline, time.monotonic()) + DRAIN_FLUSH_S
+        while True:
+            while (
+                not self.servicer.streams_idle()
+                and not self.hurry.is_set()
+                and time.monotonic() < flush_until
+            ):
+                await asyncio.sleep(0.01)
+            after = self.engine.stats()
+            if (
+                self.servicer.streams_idle()
+                or self.hurry.is_set()
+                or time.monotonic() >= flush_until
+            ):
+                break
+        self.servicer.stop_streams()
+        finished = (after.solves_done + after.solves_failed) - (
+            before.solves_done + before.solves_failed
+        )
+        report = DrainReport(
+            finished=finished,
+            dropped_queued=after.queue_depth,
+            dropped_running=after.workers_busy,
+            seconds=time.monotonic() - started,
+        )
+        self.drain_report = report
+        dropped = report.dropped_queued + report.dropped_running
+        log = logger.warning if dropped else logger.info
+        log(
+            "drained in %.1f s: %d solves finished, %d dropped (%d queued, %d running)%s",
+            report.seconds,
+            report.finished,
+            dropped,
+            report.dropped_queued,
+            report.dropped_running,
+            "; their clients resubmit to the next daemon or compute those blocks locally"
+            if dropped
+            else "",
+        )
+        return report
+
+    async def stop(self, *, drain: bool = True) -> None:
+        """Drain (unless ``drain`` is False or it drained already), then tear down in order."""
+        if drain and self.drain_report is None:
+            await self.drain()
+        logger.info("shutting down")
         if self.sync is not None:
             await self.sync.stop()
         self.servicer.stop_streams()
-        await self.server.stop(self.config.grace_period_s)
+        await self.server.stop(1.0)
         if self.handover is not None:
             await asyncio.to_thread(self.handover.stop)
         await asyncio.to_thread(self.engine.close)
@@ -356,34 +485,13 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         servicer = PreconditionerServicer(
             cast(PreconditionerEngine, GatedEngine(engine, sync)),
             Authenticator(config.tokens, allow_anonymous=config.allows_anonymous()),
-            ServiceLimits(
-                chunk_bytes=config.chunk_bytes,
-                max_message_bytes=config.max_message_bytes,
-                max_matrix_n=config.max_matrix_n,
-                max_upload_bytes=config.max_upload_bytes,
-                upload_wait_s=config.upload_wait_s,
-                max_memory_bytes=config.max_memory_bytes,
-                tenant_queued_bytes=config.tenant_queued_bytes,
-                tenant_cached_bytes=config.tenant_cached_bytes,
-                tenant_max_blocks=config.tenant_max_blocks,
-                max_block_name_bytes=config.max_block_name_bytes,
-                tenant_max_sessions=min(config.tenant_max_sessions, config.max_sessions),
-                session_ttl_s=config.session_ttl_s,
-                tenant_max_streams=config.tenant_max_streams,
-                stream_stall_s=config.stream_stall_s,
-                # One tenant (no tokens) may use the whole budget: there is no one to share with.
-                tenant_upload_share=(
-                    1.0 if config.allows_anonymous() else config.tenant_upload_share
-                ),
-                upload_idle_s=config.upload_idle_s,
-                upload_max_s=config.upload_max_s,
-                private_status=isinstance(address, TcpAddress),
-            ),
+            service_limits(config),
             max_sessions=config.max_sessions,
             handover=handover,
         )
         sync.uploads = servicer.uploads  # a peer's push holds upload budget as a client's does
         sync.auth_throttle = servicer.auth_throttle  # one guesser meets one throttle everywhere
+        sync.on_auth_failed = servicer.count_auth_failure  # ... and one counter
         add_servicer_to_server(servicer, server)
         jobs = JobsServicer(
             servicer.session_tenant,
@@ -394,6 +502,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             max_jobs_per_tenant=config.tenant_max_jobs,
             job_idle_s=config.job_idle_s,
         )
+        jobs.on_busy = servicer.count_refusal
         jobs_pb2_grpc.add_JobsServicer_to_server(jobs, server)
 
         def forget_job(tenant: str, job: str) -> None:
@@ -436,17 +545,42 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             spill_lock.release()
         raise
     return RunningDaemon(
-        config, engine, server, servicer, health_servicer, target, lock, handover, sync, spill_lock
+        config,
+        engine,
+        server,
+        servicer,
+        health_servicer,
+        target,
+        lock,
+        handover,
+        sync,
+        spill_lock,
+        jobs,
+        serving=True,
     )
 
 
-async def serve(config: DaemonConfig) -> int:
-    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
+async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status. ``reload`` reads the
+    configuration again (SIGHUP)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    running: list[RunningDaemon] = []
+
+    def stop_signal() -> None:
+        if stop.is_set() and running:  # a second SIGTERM: end the drain now
+            logger.warning("second stop signal: ending the drain now")
+            running[0].hurry.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_signal)
+    # Until the daemon serves, SIGHUP is ignored rather than fatal (its default action).
+    loop.add_signal_handler(signal.SIGHUP, lambda: logger.warning("SIGHUP ignored while starting"))
     watch = None if config.stop_with_pid is None else _stop_with(loop, config.stop_with_pid, stop)
+    problem = memory_limit_problem(config)
+    if problem is not None:
+        logger.warning("memory: %s", problem)
     metrics, metrics_url = _start_metrics(config)
     try:
         daemon = await start(config, observer=None if metrics is None else metrics.observe)
@@ -454,14 +588,33 @@ async def serve(config: DaemonConfig) -> int:
         if metrics is not None:
             metrics.close()
         _unwatch(loop, watch)
+        loop.remove_signal_handler(signal.SIGHUP)
         raise
+    running.append(daemon)
+    current = [config]
+
+    def hangup() -> None:
+        if reload is None:
+            logger.warning("SIGHUP: this daemon has no configuration to reload")
+            return
+        if stop.is_set():
+            logger.warning("SIGHUP ignored: the daemon is shutting down")
+            return
+        current[0] = reload_config(daemon, current[0], reload)
+
+    loop.add_signal_handler(signal.SIGHUP, hangup)
     line = (
         f"asteria-server serving on {daemon.target} incarnation={daemon.engine.incarnation_id} "
         f"workers={config.workers} pid={os.getpid()}"
     )
     if metrics is not None:
         peers = None if daemon.sync is None else _peer_groups_on(loop, daemon.sync)
-        metrics.bind(daemon.engine, daemon.servicer, peers)
+        metrics.bind(
+            daemon.engine,
+            daemon.servicer,
+            peers,
+            ready=lambda: _readiness(daemon),
+        )
         line += f" metrics={metrics_url}"
     if config.ready_file:
         tmp = f"{config.ready_file}.tmp"
@@ -475,6 +628,7 @@ async def serve(config: DaemonConfig) -> int:
     reclaiming = asyncio.ensure_future(reclaim_periodically())  # garbage goes back
 
     async def set_serving(serving: bool) -> None:
+        daemon.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING
         for name in ("", SERVICE_NAME):
             await daemon.health.set(name, status)
@@ -492,6 +646,7 @@ async def serve(config: DaemonConfig) -> int:
             # non-zero so that the supervisor starts a fresh daemon.
             logger.error("the engine stopped working (%s); exiting so it can be restarted", why)
             descriptors.cancel()  # it must not say SERVING again
+            daemon.serving = False
             for name in ("", SERVICE_NAME):
                 await daemon.health.set(name, NOT_SERVING)
     finally:
@@ -499,7 +654,13 @@ async def serve(config: DaemonConfig) -> int:
         reclaiming.cancel()
         descriptors.cancel()
         _unwatch(loop, watch)
-        await daemon.stop()
+        loop.remove_signal_handler(signal.SIGHUP)
+        daemon.serving = False
+        if why is None:
+            report = await daemon.drain()
+            if metrics is not None:
+                metrics.drained(report.finished, report.dropped)
+        await daemon.stop(drain=False)
         if metrics is not None:
             await asyncio.to_thread(metrics.close)
         await broken  # the engine is closed now: the watcher has returned
@@ -559,7 +720,9 @@ def _start_metrics(config: DaemonConfig) -> tuple[DaemonMetrics | None, str]:
         return None, ""
     from asteria_server.service.metrics import DaemonMetrics
 
-    metrics = DaemonMetrics(blas_threads=config.blas_threads)
+    metrics = DaemonMetrics(
+        blas_threads=config.blas_threads, memory_limit_bytes=config.cgroup_memory_limit_bytes
+    )
     try:
         url = metrics.serve(
             address,
@@ -574,12 +737,54 @@ def _start_metrics(config: DaemonConfig) -> tuple[DaemonMetrics | None, str]:
     return metrics, url
 
 
-def run(config: DaemonConfig) -> int:
+def _readiness(daemon: RunningDaemon) -> tuple[bool, str]:
+    """What /readyz answers: ready while the daemon serves (health SERVING) and is not
+    draining."""
+    if daemon.draining:
+        return False, "draining: the daemon is shutting down"
+    if not daemon.serving:
+        return False, "not serving (health NOT_SERVING)"
+    return True, "serving"
+
+
+def reload_config(
+    daemon: RunningDaemon, old: DaemonConfig, reload: Callable[[], DaemonConfig]
+) -> DaemonConfig:
+    """SIGHUP: read the configuration again and apply what can change while serving; one log
+    line says what changed and what needs a restart. Returns the configuration now in force
+    (``old`` when the new one is invalid)."""
+    from asteria_server.service.reload import plan_reload
+
+    try:
+        new = reload()
+    except ValueError as exc:
+        logger.error("SIGHUP: the configuration is invalid; nothing reloaded: %s", exc)
+        return old
+    plan = plan_reload(old, new)
+    applied = plan.applied_config(old, new)
+    if plan.changed:
+        if "log_level" in plan.changed:
+            logging.getLogger().setLevel(applied.log_level)
+        daemon.servicer.update(
+            service_limits(applied),
+            Authenticator(applied.tokens, allow_anonymous=applied.allows_anonymous()),
+            applied.max_sessions,
+        )
+        if daemon.sync is not None:
+            daemon.sync.set_tokens(applied.tokens)
+        if daemon.jobs is not None:
+            daemon.jobs.max_jobs_per_tenant = applied.tenant_max_jobs
+            daemon.jobs.job_idle_s = applied.job_idle_s
+    logger.info("%s", plan.describe())
+    return applied
+
+
+def run(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
     """:func:`serve` on uvloop (plain asyncio, with a warning, when uvloop is missing)."""
     try:
         import uvloop
     except ImportError:
         logger.warning("uvloop is not installed; running on the plain asyncio event loop")
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, reload))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve(config))
+        return runner.run(serve(config, reload))

@@ -45,9 +45,11 @@ from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as p
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef, private_result, result_specs
 from asteria_server.service.budget import UploadBudget
+from asteria_server.service.expiry import JobExpiry
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.limits import (
     AuthThrottle,
+    QuotaRefusals,
     RefusalLog,
     Session,
     SessionTable,
@@ -112,6 +114,16 @@ class ServiceLimits:
     upload_max_s: float = 300.0
     #: Status without a session shows no daemon-wide counts (a TCP daemon: others can reach it)
     private_status: bool = False
+    #: a job's blocks are forgotten this long after its last session here ended (0: never)
+    job_ttl_s: float = 0.0
+
+
+#: What a draining daemon answers to new work (UNAVAILABLE: clients treat it as a daemon that
+#: went away, keep their last results and resubmit to its successor or compute locally).
+DRAINING = (
+    "the daemon is shutting down: it finishes the solves it has (the drain) and takes no new "
+    "sessions or snapshots; resubmit once it (or its replacement) serves again"
+)
 
 
 @dataclass(eq=False)
@@ -122,6 +134,12 @@ class _Stream:
     wake: asyncio.Event
     #: it asked for Credit messages (StreamResultsRequest.credit)
     credit: bool = False
+    #: it waits for news, having sent everything it had (a drain waits for this)
+    waiting: bool = False
+    tenant: str = ""
+    #: the blocks it sends (empty: all of its tenant's), and the results epoch it has seen
+    wanted: frozenset[str] = frozenset()
+    epoch: int = -1
 
 
 class _Frames:
@@ -191,6 +209,19 @@ class Authenticator:
         self._tokens = {t: tok.encode() for t, tok in tokens.items()}
         self._allow_anonymous = allow_anonymous
 
+    def knows(self, tenant: str) -> bool:
+        """Whether ``tenant`` is one this daemon has a token for (or its anonymous tenant): a
+        metric label may name it; any other claimed name is ``unknown``."""
+        if self._allow_anonymous:
+            return tenant in ("", ANONYMOUS_TENANT)
+        return tenant in self._tokens
+
+    def label(self, tenant: str) -> str:
+        """``tenant`` as a bounded metric label."""
+        if self._allow_anonymous and tenant == "":
+            return ANONYMOUS_TENANT
+        return tenant if self.knows(tenant) else "unknown"
+
     @property
     def allows_anonymous(self) -> bool:
         """True when no tokens are configured (tenant ``local`` only)."""
@@ -251,10 +282,24 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             ttl_s=limits.session_ttl_s,
             incarnation_id=engine.incarnation_id,
             clock=clock,
+            on_job_idle=self._job_idle,
+            on_job_active=self._job_active,
         )
         self._reaper: asyncio.TimerHandle | None = None
         self._auth_throttle = AuthThrottle()
         self._refusals = RefusalLog(logger)
+        #: refusals for a limit or quota, counted per tenant and limit, logged per tenant
+        self.quota_refusals = QuotaRefusals(logger)
+        #: failed authentications by tenant label (a configured tenant, or "unknown")
+        self._auth_failures: dict[str, int] = {}
+        #: jobs whose last session here ended: their blocks expire after job_ttl_s
+        self._expiry = JobExpiry(limits.job_ttl_s)
+        self._job_expiry: asyncio.TimerHandle | None = None
+        #: jobs whose blocks expired (job_ttl_s), and those blocks
+        self.jobs_expired = 0
+        self.blocks_expired = 0
+        #: set at shutdown: no new sessions, blocks or snapshots (see DRAINING)
+        self.draining = False
         #: told (tenant, job) when CloseSession forgets a job's blocks (the job registry, the
         #: sync's peer group of the job)
         self.on_forget_job: Callable[[str, str], None] | None = None
@@ -332,9 +377,138 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             counts[session.tenant] = counts.get(session.tenant, 0) + 1
         return counts
 
+    def start_draining(self) -> None:
+        """Take no new sessions, block registrations or snapshots from now on (shutdown): the
+        engine finishes what it has, and open result streams keep sending it."""
+        self.draining = True
+
+    def streams_idle(self) -> bool:
+        """Whether every open result stream has sent all it had and waits for news (a drain
+        ends when the engine is idle and this is true)."""
+        if self._result_wake_due:
+            return False
+        for streams in self._streams.values():
+            for stream in streams:
+                if not stream.waiting or stream.wake.is_set():
+                    return False
+                news = self._engine.blocks_with_results_since(stream.epoch, stream.tenant)
+                if any(not stream.wanted or block in stream.wanted for block in news):
+                    return False  # results it has not looked at yet (its wake is on the way)
+        return True
+
+    def update(
+        self, limits: ServiceLimits, authenticator: Authenticator, max_sessions: int
+    ) -> None:
+        """New limits and tokens (SIGHUP): calls from now on see them; sessions already open
+        stay open, and what is held beyond a lowered limit stays until it is released."""
+        self._limits = limits
+        self._expiry.ttl_s = limits.job_ttl_s
+        if self._job_expiry is not None:  # due sooner or later now
+            self._job_expiry.cancel()
+            self._job_expiry = None
+        self._arm_job_expiry()
+        self._auth = authenticator
+        self._max_sessions = max_sessions
+        self._sessions.max_sessions = max_sessions
+        self._sessions.tenant_max_sessions = limits.tenant_max_sessions
+        self._sessions.ttl_s = limits.session_ttl_s
+        self._uploads.limit_bytes = limits.max_upload_bytes
+        self._uploads.tenant_limit_bytes = max(
+            1,
+            min(limits.max_upload_bytes, int(limits.max_upload_bytes * limits.tenant_upload_share)),
+        )
+
+    def memory_held_bytes(self) -> int:
+        """What the daemon holds for clients, as ``max_memory_bytes`` counts it."""
+        return self._held_bytes()
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return self._limits.max_memory_bytes
+
+    def refusal_counts(self) -> dict[tuple[str, str], int]:
+        """Refusals for a limit or quota so far, by (tenant, limit) (for the metrics)."""
+        return self.quota_refusals.counts()
+
+    def expiry_counts(self) -> tuple[int, int]:
+        """Jobs expired (job_ttl_s) and their blocks forgotten so far."""
+        return self.jobs_expired, self.blocks_expired
+
+    def auth_failures(self) -> dict[str, int]:
+        """Failed authentications so far by tenant label (a copy, for the metrics)."""
+        return dict(self._auth_failures)
+
+    def count_auth_failure(self, tenant: str) -> None:
+        """One failed authentication claiming ``tenant`` (here, or at the Peer service)."""
+        self._auth_failed(tenant)
+
+    def _auth_failed(self, tenant: str) -> None:
+        label = self._auth.label(tenant)
+        self._auth_failures[label] = self._auth_failures.get(label, 0) + 1
+
+    def count_refusal(self, tenant: str, exc: BaseException) -> None:
+        """A request of ``tenant`` (a bounded label) was refused: count a DaemonBusyError, the
+        error of every limit and quota, and log it (rate-limited)."""
+        if isinstance(exc, DaemonBusyError):
+            self.quota_refusals.refused(tenant, str(exc))
+
+    # ------------------------------------------------------------------ job expiry
+
+    def _job_idle(self, tenant: str, job: str) -> None:
+        """The job's last session here ended (SessionTable): its blocks expire after
+        ``job_ttl_s`` unless a session of it opens again."""
+        self._expiry.idle((tenant, job), self._clock())
+        self._arm_job_expiry()
+
+    def _job_active(self, tenant: str, job: str) -> None:
+        self._expiry.active((tenant, job))
+
+    def _arm_job_expiry(self) -> None:
+        loop, at = self._loop, self._expiry.next_due()
+        if loop is None or self._job_expiry is not None or at is None:
+            return
+        self._job_expiry = loop.call_later(max(0.0, at - self._clock()) + 0.05, self._expire_jobs)
+
+    def _expire_jobs(self) -> None:
+        self._job_expiry = None
+        for tenant, job in self._expiry.due(self._clock()):
+            if self._sessions.job_sessions(tenant, job) > 0 or self._stopping:
+                continue
+            blocks = self.forget_job(tenant, job)
+            self.jobs_expired += 1
+            self.blocks_expired += len(blocks)
+            logger.info(
+                "job %r of tenant %r expired: no session of it for %g s (job_ttl_s); forgot its "
+                "%d blocks and their results",
+                job,
+                tenant,
+                self._expiry.ttl_s,
+                len(blocks),
+                extra={"tenant": tenant, "job": job},
+            )
+        self._arm_job_expiry()
+
+    def forget_job(self, tenant: str, job: str) -> list[str]:
+        """Forget every block of ``tenant``'s ``job`` (versions, queued snapshots, cached and
+        spilled results, registrations) and its entry in the job registry; returns the
+        blocks."""
+        registered = self._registered.get(tenant, {})
+        unregistered = self._unregistered.get(tenant, set())
+        blocks = self._engine.forget(tenant, job)
+        for block in blocks:
+            if registered.pop(block, None) is not None:
+                self._registration_bytes -= _registration_cost(block)
+            unregistered.discard(block)
+        if self.on_forget_job is not None:  # ... and its entry in the job registry
+            self.on_forget_job(tenant, job)
+        return blocks
+
     def stop_streams(self) -> None:
         """End every StreamResults stream now (daemon shutdown; on the event loop)."""
         self._stopping = True
+        if self._job_expiry is not None:
+            self._job_expiry.cancel()
+            self._job_expiry = None
         self._engine.remove_result_listener(self._on_result)
         self._engine.remove_capacity_listener(self._on_capacity)
         self._wake(lambda stream: True)
@@ -434,11 +608,14 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         # never locks out another tenant.
         peer = f"{peer_host(context.peer() or '')} for tenant {request.tenant[:64]!r}"
         try:
+            if self.draining:
+                raise EngineUnavailableError(DRAINING)
             self._auth_throttle.check(peer)
             try:
                 tenant = self._auth.tenant_of(request.tenant, request.token)
             except AuthenticationError:
                 self._auth_throttle.failed(peer)
+                self._auth_failed(request.tenant)
                 logger.warning(
                     "refused a session for tenant %r: wrong token",
                     request.tenant,
@@ -449,7 +626,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 self._expired(expired)
             session = Session(uuid.uuid4().hex, tenant, request.job, request.rank, self._clock())
             self._sessions.open(session)
-        except (AuthenticationError, DaemonBusyError) as exc:
+        except (AuthenticationError, DaemonBusyError, EngineUnavailableError) as exc:
+            self.count_refusal(self._auth.label(request.tenant), exc)
             await abort_call(context, exc)
         self._arm_reaper()
         logger.info(
@@ -487,6 +665,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     self._auth.tenant_of(session.tenant, request.token)
             except (UnknownSessionError, AuthenticationError) as exc:
                 self._auth_throttle.failed(key)
+                if isinstance(exc, AuthenticationError) and named is not None:
+                    self._auth_failed(named.tenant)
                 self._refusals.refused("CloseSession", f"from {key}: {type(exc).__name__}")
                 raise
         except (
@@ -499,18 +679,16 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._sessions.end(request.session_id, "was closed by CloseSession")
         self._ended(request.session_id)
         if request.forget_blocks:  # the session's job: its blocks, results and spill files
-            registered = self._registered.get(session.tenant, {})
-            for block in self._engine.forget(session.tenant, session.job):
-                if registered.pop(block, None) is not None:
-                    self._registration_bytes -= _registration_cost(block)
-            if self.on_forget_job is not None:  # ... and its entry in the job registry
-                self.on_forget_job(session.tenant, session.job)
+            self.forget_job(session.tenant, session.job)
         return pb.CloseSessionResponse()
 
     async def RegisterBlocks(
         self, request: pb.RegisterBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RegisterBlocksResponse:
+        session = None
         try:
+            if self.draining:
+                raise EngineUnavailableError(DRAINING)
             session = self._session(request.session_id)
             known = self._registered.setdefault(session.tenant, {})
             specs: dict[str, tuple[int, SolveKind]] = {}
@@ -552,7 +730,14 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             self._registration_bytes += cost
             known.update(specs)
             unregistered.difference_update(specs)
-        except (UnknownSessionError, InvalidInputError, DaemonBusyError) as exc:
+        except (
+            UnknownSessionError,
+            InvalidInputError,
+            DaemonBusyError,
+            EngineUnavailableError,
+        ) as exc:
+            if session is not None:
+                self.count_refusal(session.tenant, exc)
             await abort_call(context, exc)
         return pb.RegisterBlocksResponse(num_new=len(new), num_known=len(specs) - len(new))
 
@@ -564,7 +749,10 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.SubmitSnapshotResponse:
         answering = ""  # the session, once known: its answers are counted for its credit
+        tenant = ""
         try:
+            if self.draining:
+                raise EngineUnavailableError(DRAINING)
             first = await anext(request_iterator, None)
             if first is None:
                 raise InvalidInputError("SubmitSnapshot stream: no messages (expected a header)")
@@ -574,7 +762,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 max_matrix_n=self._limits.max_matrix_n,
             )
             session = self._session(receiver.session_id)
-            answering = session.session_id
+            answering, tenant = session.session_id, session.tenant
             num_bytes = sum(spec.num_bytes for spec in receiver.specs)
             upload = 0 if receiver.shm else num_bytes
             what = self._admit(session, receiver.header, "SubmitSnapshot", upload)
@@ -594,6 +782,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             outcome = self._queue(session, task, num_bytes)
         except SNAPSHOT_REFUSALS as exc:
             self._count_answer(answering)
+            if tenant:
+                self.count_refusal(tenant, exc)
             await abort_call(context, exc)
         self._count_answer(answering)
         return convert.outcome_to_proto(outcome)
@@ -626,8 +816,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         answers = []
         for header in request.snapshots:
             try:
+                if self.draining:
+                    raise EngineUnavailableError(DRAINING)
                 outcome = await self._announce_one(session, header)
             except SNAPSHOT_REFUSALS as exc:
+                self.count_refusal(session.tenant, exc)
                 code, message = to_status(exc)
                 answers.append(pb.AnnouncedSnapshot(error_code=code.value[0], error=message))
                 continue
@@ -849,6 +1042,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     "it no longer reads"
                 )
         except (UnknownSessionError, DaemonBusyError) as exc:
+            if isinstance(exc, DaemonBusyError):
+                self.count_refusal(session.tenant, exc)
             await abort_call(context, exc)
         wanted = set(request.blocks)
         sent: dict[str, int] = dict(request.held_versions)
@@ -857,7 +1052,13 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         #: block -> (version, its copies rejected so far)
         failed_copies: dict[str, tuple[int, int]] = {}
         loop = self._loop = asyncio.get_running_loop()
-        stream = _Stream(session.session_id, asyncio.Event(), credit=request.credit)
+        stream = _Stream(
+            session.session_id,
+            asyncio.Event(),
+            credit=request.credit,
+            tenant=tenant,
+            wanted=frozenset(wanted),
+        )
         self._streams.setdefault(tenant, set()).add(stream)
         if stream.credit:
             self._credit_streams[session.session_id] = stream
@@ -870,7 +1071,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 now_epoch = self._engine.results_epoch
                 if now_epoch != epoch or retry:
                     changed = self._engine.blocks_with_results_since(epoch, tenant)
-                    epoch = now_epoch
+                    epoch = stream.epoch = now_epoch
                     chosen = set(b for b in changed if b in wanted) if wanted else set(changed)
                     chosen |= retry
                     retry = set()
@@ -909,7 +1110,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                         await self._write(context, frame)
                         last_credit = credit
                         continue  # news may have come while this stream was sending
-                await stream.wake.wait()
+                stream.waiting = True
+                try:
+                    await stream.wake.wait()
+                finally:
+                    stream.waiting = False
             if not self._stopping and session.session_id not in self._sessions:
                 try:
                     self._sessions.get(session.session_id)
@@ -917,6 +1122,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                     ended = exc  # closed or expired: the stream says so, not OK
         except DaemonBusyError as exc:
             ended = exc
+            self.count_refusal(tenant, exc)
         finally:
             if stream.credit:
                 del self._credit_streams[session.session_id]

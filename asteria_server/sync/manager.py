@@ -919,6 +919,8 @@ class SyncManager:
         self._pushes: dict[str, int] = {}
         #: failed authentications (the daemon sets the one its OpenSession uses)
         self.auth_throttle = AuthThrottle()
+        #: told the claimed tenant of every failed authentication (the daemon's counter)
+        self.on_auth_failed: Callable[[str], None] | None = None
         self._refusals = RefusalLog(logger)
         engine.add_result_listener(self._on_result)
 
@@ -929,6 +931,11 @@ class SyncManager:
         self._loop = asyncio.get_running_loop()
         self._tick_wake = asyncio.Event()
         self._ticker = self._loop.create_task(self._tick_loop())
+
+    def set_tokens(self, tokens: Mapping[str, str]) -> None:
+        """New tenant tokens (SIGHUP): job tokens and peers' credentials are checked with them
+        from now on."""
+        self._tokens = dict(tokens)
 
     async def stop(self) -> None:
         self._closed = True
@@ -1260,6 +1267,8 @@ class SyncManager:
         wrong = not hmac.compare_digest(expected.encode(), creds.job_token.encode())
         if (token is None and self._tokens) or wrong:
             self.auth_throttle.failed(key)
+            if self.on_auth_failed is not None:
+                self.on_auth_failed(creds.tenant)
             self._refusals.refused("peer call with a wrong job token", f"from {key}")
             raise AuthenticationError(
                 f"unknown tenant or wrong job token for job {creds.job[:64]!r}; the daemons of "

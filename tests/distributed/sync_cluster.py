@@ -29,7 +29,7 @@ from asteria_client.status import StatusReader
 from tests.distributed.spawn import leave
 
 TENANT = "t"
-TOKEN = "secret"
+TOKEN = "secret-0123456789abcdef"
 JOB = "sync-job"
 
 

@@ -261,18 +261,24 @@ def _running(pid: int) -> bool:
 
 def test_tenants_are_isolated_and_sigterm_cleans_up(tmp_path: Path) -> None:
     config = tmp_path / "asteria.toml"
-    config.write_text('grace_period_s = 2.0\n[tenants]\nalice = "a-secret"\nbob = "b-secret"\n')
+    config.write_text(
+        'grace_period_s = 2.0\n[tenants]\nalice = "a-secret-0123456789"\n'
+        'bob = "b-secret-0123456789"\n'
+    )
     d = start_daemon(tmp_path, "--config", str(config))
     try:
         stub = d.stub()
         details = expect_code(
             grpc.StatusCode.UNAUTHENTICATED,
             stub.OpenSession,
-            pb.OpenSessionRequest(tenant="alice", token="b-secret"),
+            pb.OpenSessionRequest(tenant="alice", token="b-secret-0123456789"),
         )
-        assert "b-secret" not in details
+        assert "b-secret-0123456789" not in details
         expect_code(grpc.StatusCode.UNAUTHENTICATED, stub.OpenSession, pb.OpenSessionRequest())
-        alice, bob = open_session(stub, "alice", "a-secret"), open_session(stub, "bob", "b-secret")
+        alice, bob = (
+            open_session(stub, "alice", "a-secret-0123456789"),
+            open_session(stub, "bob", "b-secret-0123456789"),
+        )
         task = SolveTask(
             block="shared.name", version=3, kind=SolveKind.INVERSE_ROOT, matrix=spd(8, 4)
         )
@@ -373,7 +379,7 @@ def test_forgetting_blocks_on_close_forgets_the_sessions_job(daemon: Daemon) -> 
 
 
 def test_the_launcher_reports_a_tcp_port_its_pid_and_cpu_time() -> None:
-    with DaemonProcess(listen="127.0.0.1:0", env={"ASTERIA_TOKENS": "t=secret"}) as d:
+    with DaemonProcess(listen="127.0.0.1:0", env={"ASTERIA_TOKENS": "t=secret-0123456789abc"}) as d:
         host, port = d.address.rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0 and d.socket_path is None
         assert f"pid={d.pid}" in d.serving_line and d.cpu_s is None

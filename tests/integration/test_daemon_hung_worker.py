@@ -38,7 +38,7 @@ REPLACEMENT_MARGIN_S = 15.0
 
 def _write_tenants(tmp_path: Path) -> Path:
     config = tmp_path / "asteria.toml"
-    config.write_text('[tenants]\na = "token-a"\nb = "token-b"\n')
+    config.write_text('[tenants]\na = "token-a-0123456789"\nb = "token-b-0123456789"\n')
     return config
 
 
@@ -63,8 +63,8 @@ def test_a_stopped_worker_is_shown_killed_and_replaced_while_small_blocks_are_se
     stopped_pid = 0
     try:
         stub = daemon.stub()
-        a = open_session(stub, "a", "token-a")
-        b = open_session(stub, "b", "token-b")
+        a = open_session(stub, "a", "token-a-0123456789")
+        b = open_session(stub, "b", "token-b-0123456789")
         big = SolveTask(block="big", version=1, kind=SolveKind.EIGENBASIS, matrix=spd(2048, 1))
         submit(stub, a, big)
         deadline = time.monotonic() + 60.0
@@ -141,8 +141,8 @@ def test_a_spare_worker_serves_the_queue_while_one_is_overdue_and_retires_after(
     stopped_pid = 0
     try:
         stub = daemon.stub()
-        a = open_session(stub, "a", "token-a")
-        b = open_session(stub, "b", "token-b")
+        a = open_session(stub, "a", "token-a-0123456789")
+        b = open_session(stub, "b", "token-b-0123456789")
         big = SolveTask(block="big", version=1, kind=SolveKind.EIGENBASIS, matrix=spd(2048, 1))
         submit(stub, a, big)
         deadline = time.monotonic() + 60.0

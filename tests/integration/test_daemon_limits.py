@@ -51,7 +51,7 @@ from tests.integration.test_daemon import (
 )
 from tests.protocol_readers import read_results
 
-TOKENS = {"alice": "a-secret", "bob": "b-secret"}
+TOKENS = {"alice": "a-secret-0123456789", "bob": "b-secret-0123456789"}
 
 
 def tokens_config(tmp_path: Path) -> Path:
@@ -613,13 +613,13 @@ def test_a_header_allocates_nothing_before_the_session_and_budget_checks(
 
 
 def test_status_without_a_session_shows_no_counts_on_tcp() -> None:
-    env = {"ASTERIA_TOKENS": "alice=a-secret"}
+    env = {"ASTERIA_TOKENS": f"alice={TOKENS['alice']}"}
     with DaemonProcess(listen="127.0.0.1:0", workers=1, env=env) as d:
         stub = pb_grpc.PreconditionerStub(grpc.insecure_channel(d.address))
         reply = stub.Status(pb.StatusRequest(), timeout=CALL_TIMEOUT_S)
         assert reply.engine.incarnation_id and not reply.HasField("transport")
         assert reply.engine.num_workers == 0 and reply.engine.blocks == 0
-        session = open_session(stub, "alice", "a-secret")
+        session = open_session(stub, "alice", TOKENS["alice"])
         with_session = stub.Status(pb.StatusRequest(session_id=session), timeout=CALL_TIMEOUT_S)
         assert with_session.engine.num_workers == 1
 

@@ -32,7 +32,7 @@ from tests.integration.test_daemon import (
     submit,
 )
 
-TENANTS = {"alice": "a-secret", "bob": "b-secret"}
+TENANTS = {"alice": "a-secret-0123456789", "bob": "b-secret-0123456789"}
 STEPS, FREQ = 12, 2
 CHILD_TIMEOUT_S = 180.0  # generous: two torch imports and trainings on a small shared machine
 

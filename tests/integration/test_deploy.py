@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -41,7 +42,15 @@ SHELL_SCRIPTS = sorted(
     [*DEPLOY.rglob("*.sh"), *DEPLOY.rglob("*.sbatch"), DEPLOY.parent / "scripts/device_check.sh"]
 )
 #: ASTERIA_TOKENS as the systemd tokens file or the Kubernetes Secret would give it.
-TOKENS_ENV = "team-a=token-a,team-b=token-b"
+TOKENS_ENV = "team-a=token-a-0123456789,team-b=token-b-0123456789"
+
+
+def filled_in(tokens: str) -> str:
+    """The shipped Secret's tokens as an operator fills them in: the daemon refuses its
+    placeholders (``REPLACE-WITH-A-RANDOM-TOKEN``)."""
+    return re.sub(r"REPLACE-[A-Z-]+", lambda _: secrets.token_hex(16), tokens)
+
+
 TIMEOUT_S = 60.0
 
 
@@ -223,7 +232,7 @@ def command_lines(tmp_path: Path) -> Iterator[tuple[str, list[str], dict[str, st
     docs = k8s_docs()
     k8s_config = tmp_path / "configmap.toml"
     k8s_config.write_text(docs["ConfigMap/asteria-config"]["data"]["asteria.toml"])
-    tokens = docs["Secret/asteria-tenants"]["stringData"]["tokens"]
+    tokens = filled_in(docs["Secret/asteria-tenants"]["stringData"]["tokens"])
     (container,) = docs["DaemonSet/asteria-server"]["spec"]["template"]["spec"]["containers"]
     assert "command" not in container  # the image's ENTRYPOINT: asteria-server
     env = {"ASTERIA_TOKENS": tokens}
@@ -293,7 +302,7 @@ def test_supervisor_limits_cover_the_daemons_budgets(tmp_path: Path) -> None:
     docs = k8s_docs()
     k8s_config = tmp_path / "k8s.toml"
     k8s_config.write_text(docs["ConfigMap/asteria-config"]["data"]["asteria.toml"])
-    tokens = docs["Secret/asteria-tenants"]["stringData"]["tokens"]
+    tokens = filled_in(docs["Secret/asteria-tenants"]["stringData"]["tokens"])
     config = load_config(config_file=str(k8s_config), environ={"ASTERIA_TOKENS": tokens})
     (container,) = docs["DaemonSet/asteria-server"]["spec"]["template"]["spec"]["containers"]
     resources = container["resources"]

@@ -45,7 +45,7 @@ from tests.integration.test_daemon_client import finite, small_model, train
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "systemd" / "asteria-server.service"
 START_TIMEOUT_S = 60.0
-TOKENS = {"team-a": "token-a", "team-b": "token-b"}
+TOKENS = {"team-a": "token-a-0123456789", "team-b": "token-b-0123456789"}
 FREQ = 3
 
 

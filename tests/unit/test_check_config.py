@@ -33,7 +33,9 @@ def test_check_config_prints_effective_settings_without_tokens(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     toml = tmp_path / "a.toml"
-    toml.write_text('workers = 2\nmetrics_listen = ":9464"\n[tenants]\nann = "s3cret"\n')
+    toml.write_text(
+        'workers = 2\nmetrics_listen = ":9464"\n[tenants]\nann = "s3cret-0123456789abc"\n'
+    )
     monkeypatch.setenv("ASTERIA_LOG_FORMAT", "JSON")
     assert main(["--config", str(toml), "--listen", SOCK, "--check-config"]) == 0
     out = capsys.readouterr().out
@@ -63,9 +65,9 @@ def test_metrics_listen_forms() -> None:
     [
         ({"log_format": "yaml"}, "log_format"),
         ({"socket_group_access": True}, "no tenant tokens"),
-        ({"socket_group_access": "yes", "tokens": {"a": "b"}}, "socket_group_access"),
+        ({"socket_group_access": "yes", "tokens": {"a": "b" * 16}}, "socket_group_access"),
         (
-            {"socket_group_access": True, "tokens": {"a": "b"}, "listen": "127.0.0.1:0"},
+            {"socket_group_access": True, "tokens": {"a": "b" * 16}, "listen": "127.0.0.1:0"},
             "applies to a Unix socket",
         ),
     ],
@@ -76,7 +78,7 @@ def test_invalid_operator_settings_are_named(kwargs: dict[str, object], match: s
 
 
 def test_group_access_socket_mode_and_memory_estimate() -> None:
-    config = DaemonConfig(listen=SOCK, socket_group_access=True, tokens={"a": "b"})
+    config = DaemonConfig(listen=SOCK, socket_group_access=True, tokens={"a": "b" * 16})
     assert config.socket_mode == 0o660 and DaemonConfig(listen=SOCK).socket_mode == 0o600
     assert load_config(environ={"ASTERIA_LOG_FORMAT": "json"}).log_format is LogFormat.JSON
     small = DaemonConfig(listen=SOCK, workers=1, max_matrix_n=1024, max_upload_bytes=1 << 20)

@@ -19,13 +19,19 @@ from asteria_server.config import (
 
 def test_flags_beat_env_beat_toml(tmp_path: Path) -> None:
     toml = tmp_path / "a.toml"
-    toml.write_text('workers = 3\nblas_threads = 2\nchunk_bytes = 4096\n[tenants]\nann = "t1"\n')
+    toml.write_text(
+        "workers = 3\nblas_threads = 2\nchunk_bytes = 4096\n"
+        '[tenants]\nann = "t1-0123456789abcdef"\n'
+    )
     env = {"ASTERIA_WORKERS": "5", "ASTERIA_BLAS_THREADS": "4"}
     config = load_config(config_file=str(toml), environ=env, overrides={"workers": 7})
     assert (config.workers, config.blas_threads, config.chunk_bytes) == (7, 4, 4096)
-    assert dict(config.tokens) == {"ann": "t1"}
-    env["ASTERIA_TOKENS"] = "ann=x, bob=y"
-    assert dict(load_config(config_file=str(toml), environ=env).tokens) == {"ann": "x", "bob": "y"}
+    assert dict(config.tokens) == {"ann": "t1-0123456789abcdef"}
+    env["ASTERIA_TOKENS"] = "ann=x123456789abcdef, bob=y123456789abcdef"
+    assert dict(load_config(config_file=str(toml), environ=env).tokens) == {
+        "ann": "x123456789abcdef",
+        "bob": "y123456789abcdef",
+    }
     assert "t1" not in repr(config)
 
 
@@ -47,7 +53,7 @@ def test_tokens_and_addresses_parse() -> None:
         ({"grace_period_s": float("nan")}, "grace_period_s"),
         ({"chunk_bytes": 1 << 20, "max_message_bytes": 1 << 20}, "max_message_bytes"),
         ({"listen": "127.0.0.1:0"}, "no tenant tokens"),
-        ({"listen": "0.0.0.0:0", "tokens": {"a": "b"}}, "needs TLS"),
+        ({"listen": "0.0.0.0:0", "tokens": {"a": "b" * 16}}, "needs TLS"),
         ({"tokens": {"a": ""}}, "empty token"),
         ({"log_level": "LOUD"}, "log_level"),
         ({"stop_with_pid": 0}, "stop_with_pid must be an int >= 1, got 0"),
@@ -59,7 +65,7 @@ def test_invalid_values_are_named(kwargs: dict[str, object], match: str) -> None
 
 
 def test_tcp_with_tokens_on_loopback_is_fine() -> None:
-    config = DaemonConfig(listen="127.0.0.1:0", tokens={"a": "b"}, workers=1)
+    config = DaemonConfig(listen="127.0.0.1:0", tokens={"a": "b" * 16}, workers=1)
     assert not config.allows_anonymous()
     assert DaemonConfig(listen="unix:///tmp/x.sock", workers=1).allows_anonymous()
 
