@@ -73,7 +73,7 @@ def _refused(path: str, pid: int, uid: int, allowed: frozenset[int]) -> Untruste
     fix = (
         f"ASTERIA_DAEMON_UID is {min(allowed)}: correct it to {uid} if that daemon is the node's"
         if configured
-        else f"set ASTERIA_DAEMON_UID={uid} in the job's environment if that daemon is the node's"
+        else f"Set ASTERIA_DAEMON_UID={uid} in the job's environment if that daemon is the node's"
     )
     error = UntrustedDaemonError(
         f"the daemon socket {path} is served by pid {pid} of uid {uid}, not by an expected "

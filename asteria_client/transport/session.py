@@ -111,10 +111,11 @@ class DaemonSession:
         return self._peer_address
 
     def wait_connected(self, timeout_s: float) -> bool:
-        """Block until a session is open (True) or ``timeout_s`` passes (False)."""
+        """Block until a session is open (True), or ``timeout_s`` passes or the daemon is
+        refused for its uid (False)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._session is None and not self._closed:
+            while self._session is None and not self._closed and not self.refused:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -201,8 +202,12 @@ class DaemonSession:
     def _note_connect_error(self, exc: AsteriaError) -> None:
         message = str(exc)
         if isinstance(exc, UntrustedDaemonError):
-            self.refused = True  # transport.peer logged it once for the process, with the fix
-            self.last_connect_error = message
+            # transport.peer logged it once for the process, with the fix. Waiting for a
+            # first session is over: the uid behind the socket does not change by waiting.
+            with self._lock:
+                self.refused = True
+                self.last_connect_error = message
+                self._lock.notify_all()
         elif message != self.last_connect_error:
             self.last_connect_error = message
             logger.warning("cannot open a session with the daemon at %s: %s", self.address, exc)
