@@ -443,8 +443,88 @@ def _peer_group(address: str, tenant: str, token: str, job: str) -> dict[str, An
         reader.close()
 
 
-def test_multi_node_job_daemons_sync_over_tls_with_no_fallback(
-    tmp_path: Path, stopper: list[Daemon]
+def _slurm_node_daemon(i: int, files: Path, tls: Path, tokens: str) -> Daemon:
+    """Node ``i``'s daemon as train-with-job-daemons.sbatch starts it: asteria-job-daemon.sh."""
+    ready = files / "ready"
+    env = _clean_env(
+        ASTERIA_ADDRESS=f"unix://{files}/run/asteria.sock",
+        ASTERIA_WORKERS="1",
+        ASTERIA_TLS_DIR=str(tls),
+        ASTERIA_PEER_LISTEN="127.0.0.1:0",  # the script's 0.0.0.0:29600, on loopback
+        ASTERIA_NODE_CERT=f"node{i}",
+        ASTERIA_TOKENS=tokens,
+        ASTERIA_METRICS_LISTEN="127.0.0.1:0",
+        ASTERIA_READY_FILE=str(ready),
+        ASTERIA_STOP_WITH_PID=str(os.getpid()),
+        ASTERIA_LOG_LEVEL="INFO",
+    )
+    script = DEPLOY / "slurm" / "asteria-job-daemon.sh"
+    return _start(["bash", str(script)], env, files, ready)
+
+
+def _kubernetes_node_daemon(i: int, files: Path, tls: Path, tokens: str) -> Daemon:
+    """Node ``i``'s daemon as the multi-node-tls overlay renders the DaemonSet: its ConfigMap,
+    the image's ENV and the container's env, the node's /run/asteria and the Secret's files
+    (ca.crt, tls.crt, tls.key) mapped into ``files``, the pod IP 127.0.0.1."""
+    from tests.integration.test_deploy import KUSTOMIZATIONS, kustomize
+
+    (overlay,) = [k for k in KUSTOMIZATIONS if k.name == "multi-node-tls"]
+    docs = {d["kind"]: d for d in kustomize(overlay)}
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (tls_mount,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "peer-tls"]
+    secret_dir = files / "secret"
+    secret_dir.mkdir()
+    for key, made in (
+        ("ca.crt", "ca.crt"),
+        ("tls.crt", f"node{i}.crt"),
+        ("tls.key", f"node{i}.key"),
+    ):
+        shutil.copy(tls / made, secret_dir / key)
+    (host_path,) = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    run_dir = files / "run"
+    run_dir.mkdir(mode=0o750)
+    os.chmod(run_dir, 0o750)  # the init container's chmod
+
+    def on_node(text: str) -> str:
+        return text.replace(host_path, str(run_dir)).replace(tls_mount, str(secret_dir))
+
+    config = tomllib.loads(docs["ConfigMap"]["data"]["asteria.toml"])
+    config["metrics_listen"] = "127.0.0.1:0"
+    config_file = files / "asteria.toml"
+    config_file.write_text(
+        "\n".join(
+            f"{k} = {json.dumps(on_node(v) if isinstance(v, str) else v)}"
+            for k, v in config.items()
+        )
+    )
+    env = {k: on_node(v) for k, v in _containerfile_env().items()}
+    for entry in container["env"]:
+        if "value" in entry:
+            env[entry["name"]] = on_node(entry["value"].replace("$(POD_IP)", "127.0.0.1"))
+        elif "secretKeyRef" in entry["valueFrom"]:
+            env[entry["name"]] = tokens
+        else:
+            env[entry["name"]] = "127.0.0.1"  # POD_IP from the downward API
+    assert env["ASTERIA_PEER_LISTEN"] == "0.0.0.0:9465"
+    env["ASTERIA_PEER_LISTEN"] = "127.0.0.1:0"  # two "nodes" on one host: a free port each
+    del env["ASTERIA_PEER_ADVERTISE"]  # and the bound one advertised
+    ready = files / "ready"
+    env["ASTERIA_METRICS_LISTEN"] = "127.0.0.1:0"  # the pod IP's 9464, here a free port
+    env = _clean_env(
+        **env,
+        ASTERIA_WORKERS="1",
+        ASTERIA_READY_FILE=str(ready),
+        ASTERIA_STOP_WITH_PID=str(os.getpid()),
+        ASTERIA_LOG_LEVEL="INFO",
+    )
+    args = [str(config_file) if a == "/etc/asteria/asteria.toml" else a for a in container["args"]]
+    return _start([sys.executable, "-m", "asteria_server", *args], env, files, ready)
+
+
+@pytest.mark.parametrize("topology", ["slurm", "kubernetes"])
+def test_multi_node_daemons_sync_over_tls_with_no_fallback(
+    tmp_path: Path, stopper: list[Daemon], topology: str
 ) -> None:
     from tests.distributed import sync_cluster as sc
     from tests.distributed.test_daemon_sync import _solved_once
@@ -458,25 +538,12 @@ def test_multi_node_job_daemons_sync_over_tls_with_no_fallback(
         timeout=60,
     )
     assert made.returncode == 0, made.stderr
+    start = _slurm_node_daemon if topology == "slurm" else _kubernetes_node_daemon
     daemons = []
     for i in range(2):
         files = tmp_path / f"node{i}"
         files.mkdir()
-        ready = files / "ready"
-        env = _clean_env(
-            ASTERIA_ADDRESS=f"unix://{files}/run/asteria.sock",
-            ASTERIA_WORKERS="1",
-            ASTERIA_TLS_DIR=str(tls),
-            ASTERIA_PEER_LISTEN="127.0.0.1:0",
-            ASTERIA_NODE_CERT=f"node{i}",
-            ASTERIA_TOKENS=f"{sc.TENANT}={sc.TOKEN}",
-            ASTERIA_METRICS_LISTEN="127.0.0.1:0",
-            ASTERIA_READY_FILE=str(ready),
-            ASTERIA_STOP_WITH_PID=str(os.getpid()),
-            ASTERIA_LOG_LEVEL="INFO",
-        )
-        script = DEPLOY / "slurm" / "asteria-job-daemon.sh"
-        daemons.append(_start(["bash", str(script)], env, files, ready))
+        daemons.append(start(i, files, tls, f"{sc.TENANT}={sc.TOKEN}"))
         stopper.append(daemons[-1])
     assert all(d.address.startswith("unix://") for d in daemons)  # the ranks' side
 
