@@ -348,6 +348,27 @@ def _add_limit_flags(add: Callable[..., object]) -> None:
         ),
     )
     add(
+        "--peer-listen",
+        metavar="HOST:PORT",
+        help=(
+            "a second listener, for the peer daemons of multi-node jobs (mutual TLS: needs "
+            "--peer-tls-cert, --peer-tls-key and --peer-tls-ca); the node's ranks keep --listen"
+        ),
+    )
+    add(
+        "--peer-advertise",
+        metavar="HOST:PORT",
+        help="the address other nodes dial for --peer-listen (default: it, or this host's name)",
+    )
+    add("--peer-tls-cert", metavar="PEM", help="certificate this daemon shows its peers")
+    add("--peer-tls-key", metavar="PEM", help="private key of --peer-tls-cert")
+    add("--peer-tls-ca", metavar="PEM", help="CA that signs the cluster's daemons (mutual TLS)")
+    add(
+        "--peer-tls-server-name",
+        metavar="NAME",
+        help="the name every peer's certificate carries (default asteria-peer)",
+    )
+    add(
         "--job-idle-s",
         type=float,
         metavar="S",

@@ -108,6 +108,18 @@ def parse_metrics_listen(text: str) -> TcpAddress:
     return TcpAddress(host, int(port))
 
 
+def _parse_tcp(name: str, text: str) -> TcpAddress:
+    """``HOST:PORT`` or ``[V6]:PORT`` for the field ``name``; ValueError naming it."""
+    where = f"DaemonConfig.{name} must be HOST:PORT (TCP), got {text!r}"
+    if not isinstance(text, str) or text.startswith("unix:"):
+        raise ValueError(where)
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(where)
+    return TcpAddress(host, int(port))
+
+
 def parse_listen(listen: str) -> UnixAddress | TcpAddress:
     """``unix:///abs/path.sock`` or ``HOST:PORT`` (``[::1]:PORT`` for IPv6)."""
     if listen.startswith("unix:"):
@@ -217,6 +229,20 @@ class DaemonConfig:
         tenant_shm_segments: shared-memory segments (one descriptor each) one tenant may have
             handed over, all its connections together. 0: half of the daemon's descriptor
             budget (all of it when there are no tenant tokens).
+        peer_listen: a second listener, ``HOST:PORT``, for the peer daemons of multi-node jobs
+            (the node's own ranks keep ``listen``, typically its Unix socket). Always TLS, with
+            ``peer_tls_cert``/``peer_tls_key``; mutual TLS with ``peer_tls_ca``: a peer must
+            present a certificate that CA signed (the cluster's). None: no such listener.
+        peer_advertise: the address other nodes' daemons dial to reach ``peer_listen``
+            (``HOST:PORT``); told to this daemon's clients, which put it in their job's layout.
+            Default: ``peer_listen`` itself, or this host's name with its port when it listens
+            on every address (``0.0.0.0``, ``::``).
+        peer_tls_cert: PEM certificate chain this daemon shows its peers (server and client).
+        peer_tls_key: PEM private key of ``peer_tls_cert``.
+        peer_tls_ca: PEM CA certificate(s) that sign the cluster's daemons: peers are verified
+            against it, both ways (mutual TLS).
+        peer_tls_server_name: the name a peer's certificate must carry (subjectAltName), checked
+            instead of the address dialed, so one name covers every node whatever its IP.
         socket_group_access: make the Unix socket (and its ``.shm`` socket) 0660 instead of 0600,
             so members of the daemon's group connect; the directory must then be 0750 (the
             daemon refuses a group-writable one). Needs tenant tokens: without them every group
@@ -267,6 +293,12 @@ class DaemonConfig:
     tenant_max_peers: int = 256
     tenant_max_push_streams: int = 16
     peer_allow: str = ""
+    peer_listen: str | None = None
+    peer_advertise: str | None = None
+    peer_tls_cert: str | None = None
+    peer_tls_key: str | None = None
+    peer_tls_ca: str | None = None
+    peer_tls_server_name: str = "asteria-peer"
     tenant_shm_segments: int = 0
     solve_timeout_s: float = 600.0
     solve_timeout_floor_s: float = 30.0
@@ -413,6 +445,53 @@ class DaemonConfig:
                     f"DaemonConfig.listen {self.listen!r} is not a loopback address: serving "
                     "beyond this host needs TLS (--tls-cert and --tls-key)"
                 )
+        self._check_peer_listener(address)
+
+    def _check_peer_listener(self, address: UnixAddress | TcpAddress) -> None:
+        """``peer_listen`` and its TLS files: all or nothing, TCP only, never plaintext."""
+        peer_files = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")
+        if self.peer_listen is None:
+            given = [name for name in (*peer_files, "peer_advertise") if getattr(self, name)]
+            if given:
+                raise ValueError(
+                    f"DaemonConfig.{given[0]} is set but peer_listen is not: set peer_listen "
+                    "(HOST:PORT) for the peer listener they belong to"
+                )
+            return
+        peer = _parse_tcp("peer_listen", self.peer_listen)
+        if not self.tokens:
+            raise ValueError(
+                f"DaemonConfig.peer_listen {self.peer_listen!r} needs tenant tokens: peers "
+                "present their job's tenant token. Add a [tenants] table or set ASTERIA_TOKENS"
+            )
+        missing = [name for name in peer_files if not getattr(self, name)]
+        if missing:
+            raise ValueError(
+                f"DaemonConfig.peer_listen {self.peer_listen!r} needs {', '.join(missing)}: peer "
+                "daemons reach each other over mutual TLS only (deploy/tls/make-cluster-certs.sh "
+                "makes a CA and one certificate per node)"
+            )
+        if isinstance(address, TcpAddress) and address.port == peer.port and peer.port != 0:
+            raise ValueError(
+                f"DaemonConfig.peer_listen {self.peer_listen!r} uses the port of listen "
+                f"{self.listen!r}: give the peer listener a port of its own"
+            )
+        if self.peer_advertise is not None:
+            advertised = _parse_tcp("peer_advertise", self.peer_advertise)
+            if advertised.port == 0:
+                raise ValueError(
+                    f"DaemonConfig.peer_advertise {self.peer_advertise!r} must name a port"
+                )
+        if not isinstance(self.peer_tls_server_name, str) or not self.peer_tls_server_name:
+            raise ValueError(
+                "DaemonConfig.peer_tls_server_name must be a non-empty name, got "
+                f"{self.peer_tls_server_name!r}"
+            )
+
+    @property
+    def peer_address(self) -> TcpAddress | None:
+        """Where the peer listener binds (None: no peer listener)."""
+        return None if self.peer_listen is None else _parse_tcp("peer_listen", self.peer_listen)
 
     def _check_limits(self) -> None:
         """The resource limits of issue 10; 0 in the ``tenant_*_bytes`` fields means derived."""
@@ -732,6 +811,12 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "tenant_max_peers": int,
     "tenant_max_push_streams": int,
     "peer_allow": str,
+    "peer_listen": str,
+    "peer_advertise": str,
+    "peer_tls_cert": str,
+    "peer_tls_key": str,
+    "peer_tls_ca": str,
+    "peer_tls_server_name": str,
     "tenant_shm_segments": int,
     "solve_timeout_s": _as_float,
     "solve_timeout_floor_s": _as_float,

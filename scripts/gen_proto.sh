@@ -23,10 +23,10 @@ PYTHON="${PYTHON:-python}"
 PROTO_ROOT=proto
 OUT_DIR=asteria_server/protocol/generated
 
-mode=write
+mode="write"
 case "${1:-}" in
     "") ;;
-    --check) mode=check ;;
+    --check) mode="check" ;;
     -h | --help)
         sed -n '2,8p' "$0"
         exit 0

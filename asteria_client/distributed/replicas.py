@@ -439,7 +439,10 @@ def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> 
     from asteria_client.transport.connection import JobNodeInfo, RegisteredJob
 
     gathered: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(gathered, (daemon.address, daemon.incarnation_id), group=group)
+    # A daemon with a peer listener is named by it: the address its ranks use is often a Unix
+    # socket, the same path on every node, that no other node's daemon can reach.
+    reachable = daemon.peer_address or daemon.address
+    dist.all_gather_object(gathered, (reachable, daemon.incarnation_id), group=group)
     nodes = tuple(
         JobNodeInfo(
             host=layout.hosts[ranks[0]],

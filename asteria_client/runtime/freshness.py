@@ -633,13 +633,23 @@ class FreshnessRuntime:
         """The last-resort native computation of one block (the source was late or failed)."""
         if not self.source.synchronous:
             self.barrier_stats.local_fallbacks += 1
-            self._warn_once(
-                "fallback",
-                f"block {block}: no result within the staleness budget "
-                f"(S={self.policy.budget_intervals}, barrier {self.policy.barrier_timeout_s} s);"
-                " computing it locally. Further fallbacks are counted in "
-                "preconditioner_status(), not logged.",
-            )
+            refused = self.source.refused_reason()
+            if refused is not None:
+                self.barrier_stats.local_fallbacks_daemon_refused += 1
+                self._warn_once(
+                    "fallback-refused",
+                    f"block {block}: computing it locally because the daemon was refused: "
+                    f"{refused}. Further fallbacks are counted in runtime_stats() "
+                    "(local_fallbacks_daemon_refused), not logged.",
+                )
+            else:
+                self._warn_once(
+                    "fallback",
+                    f"block {block}: no result within the staleness budget "
+                    f"(S={self.policy.budget_intervals}, barrier "
+                    f"{self.policy.barrier_timeout_s} s); computing it locally. Further "
+                    "fallbacks are counted in preconditioner_status(), not logged.",
+                )
         elif tile.versions[dim] >= 0 or not self.needs_first():
             return None  # native: the failure was recorded at submit; keep the last good result
         try:
@@ -773,6 +783,7 @@ class FreshnessRuntime:
             "barrier_max_wait_s": stats.max_wait_s,
             "barrier_timeouts": stats.timeouts,
             "local_fallbacks": stats.local_fallbacks,
+            "local_fallbacks_daemon_refused": stats.local_fallbacks_daemon_refused,
             "submit_errors": stats.submit_errors,
             "bases_left_home": self.bases_left_home,
             "max_lag_steps": stats.max_lag_steps,

@@ -163,6 +163,12 @@ class PreconditionerSource(abc.ABC):
         """Source-wide counters for ``runtime_stats()`` (engine, connection, transfers)."""
         return {}
 
+    def refused_reason(self) -> str | None:
+        """Why this source refused the daemon it was given (the daemon runs as an unexpected
+        user, transport.peer), while it does; None otherwise. Local fallbacks meanwhile are
+        counted apart: a deployment mistake, not a slow daemon."""
+        return None
+
     def seconds_per_n3(self) -> float:
         """The cost model's constant: one eigendecomposition of an n×n factor takes about
         ``seconds_per_n3() * n**3`` seconds on one core. Sources with a calibrated engine

@@ -142,6 +142,8 @@ class BarrierStats:
     max_wait_s: float = 0.0
     timeouts: int = 0
     local_fallbacks: int = 0
+    #: of ``local_fallbacks``: while the source refused its daemon (an untrusted uid)
+    local_fallbacks_daemon_refused: int = 0
     submit_errors: int = 0
     max_lag_steps: int = 0
     lag_histogram: dict[int, int] = field(default_factory=dict)

@@ -135,6 +135,8 @@ class SessionInfo:
     max_chunk_bytes: int
     max_matrix_n: int
     shm_socket: str = ""  # the daemon's segment-handover socket; empty: no shared memory
+    #: where other nodes' daemons reach this one (its peer listener); empty: none
+    peer_address: str = ""
 
 
 #: Status pages read for one report (a page holds thousands of blocks).
@@ -206,6 +208,7 @@ class DaemonConnection:
             max_chunk_bytes=reply.limits.max_chunk_bytes or framing.DEFAULT_CHUNK_BYTES,
             max_matrix_n=reply.limits.max_matrix_n or framing.DEFAULT_MAX_MATRIX_N,
             shm_socket=reply.shm_socket,
+            peer_address=reply.peer_address,
         )
 
     def close_session(self, session_id: str, *, forget_blocks: bool = False) -> None:

@@ -50,6 +50,7 @@ from asteria_client.runtime.source import (
     result_from_engine,
 )
 from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy, StagedArrays
+from asteria_client.transport import peer
 from asteria_client.transport.connection import (
     DaemonClientConfig,
     DaemonConnection,
@@ -261,7 +262,8 @@ class DaemonSource(PreconditionerSource):
         )
         self._session.start()
         self._sender.start()
-        if not self.wait_connected(self.config.connect_timeout_s):
+        if not self.wait_connected(self.config.connect_timeout_s) and not self._session.refused:
+            # (a refused daemon was logged once for the process, with the fix: transport.peer)
             logger.warning(
                 "no session with the daemon at %s after %.1f s (%s); training starts with local "
                 "computations and switches to the daemon once it answers",
@@ -281,6 +283,13 @@ class DaemonSource(PreconditionerSource):
         """The incarnation of the daemon last connected to ('' before the first session)."""
         with self._lock:
             return self._session.incarnation_id
+
+    @property
+    def peer_address(self) -> str:
+        """The address this daemon's peers reach it at (its peer listener), as its last session
+        said; '' when it has none (or before the first session)."""
+        with self._lock:
+            return self._session.peer_address
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Block until a session is open (True) or ``timeout_s`` passes (False)."""
@@ -908,8 +917,16 @@ class DaemonSource(PreconditionerSource):
                 "shm_segments": len(self._segments),
                 "shm_rehandovers": self._segments.rehandovers,
                 "shm_blocks_refused": sum(bool(b.shm_error) for b in self._blocks.values()),
+                # Daemons refused for their uid: by this source now, by the process ever.
+                "daemon_refused": self._session.refused,
+                "daemon_refusals": peer.refusals(),
                 **{k: self._counts[k] for k in _COUNTERS},
             }
+
+    def refused_reason(self) -> str | None:
+        with self._lock:
+            refused = self._session.current is None and self._session.refused
+            return self._session.last_connect_error if refused else None
 
     def segments(self) -> dict[str, ClientSegment]:
         """This source's shared-memory segments by id (tests and diagnostics)."""

@@ -8,6 +8,11 @@ the process that accepted it and refuses anyone but the expected one: by default
 own user or root (root can read any process's memory anyway), or exactly the uid that
 ``ASTERIA_DAEMON_UID`` names (a system daemon run as its own user).
 
+A refusal leaves training to compute every block locally, so it is never quiet: the first one
+in a process is logged at WARNING with the uid seen, the uids expected and the fix
+(``ASTERIA_DAEMON_UID``), and every one is counted (:func:`refusals`, shown in the daemon source's
+``stats()`` and by the local fallbacks it causes in ``runtime_stats()``).
+
 gRPC does not expose its socket, so for the gRPC socket the check is made on a connection of our
 own to the same path just before the session opens; the handover socket is checked on the very
 connection that carries the segments.
@@ -15,15 +20,25 @@ connection that carries the segments.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
+import threading
 
 from asteria_client.config import client_env
 from asteria_server.errors import AuthenticationError
 
+logger = logging.getLogger(__name__)
+
 #: ``struct ucred`` as Linux returns it for SO_PEERCRED: pid, uid, gid.
 _UCRED = struct.Struct("3i")
+
+_lock = threading.Lock()
+#: Refusals in this process (every check that found an unexpected uid), and whether the one
+#: WARNING has been logged.
+_refusals = 0
+_warned = False
 
 
 class UntrustedDaemonError(AuthenticationError):
@@ -45,16 +60,40 @@ def peer_uid(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
+def refusals() -> int:
+    """How many times this process refused a daemon for its uid (every check counts)."""
+    with _lock:
+        return _refusals
+
+
+def _refused(path: str, pid: int, uid: int, allowed: frozenset[int]) -> UntrustedDaemonError:
+    """Count a refusal, log the first of the process at WARNING, and build its error."""
+    global _refusals, _warned
+    configured = client_env().daemon_uid is not None
+    fix = (
+        f"ASTERIA_DAEMON_UID is {min(allowed)}: correct it to {uid} if that daemon is the node's"
+        if configured
+        else f"Set ASTERIA_DAEMON_UID={uid} in the job's environment if that daemon is the node's"
+    )
+    error = UntrustedDaemonError(
+        f"the daemon socket {path} is served by pid {pid} of uid {uid}, not by an expected "
+        f"user (uid(s) {', '.join(map(str, sorted(allowed)))}): refusing to send it a token or "
+        f"memory, so its blocks are computed locally. {fix}"
+    )
+    with _lock:
+        _refusals += 1
+        first, _warned = not _warned, True
+    if first:
+        logger.warning("%s (logged once per process; refusals are counted)", error)
+    return error
+
+
 def check_peer(sock: socket.socket, path: str) -> None:
     """Raise :class:`UntrustedDaemonError` unless the peer of ``sock`` runs as an expected user."""
     pid, uid = peer_uid(sock)
     allowed = expected_uids()
     if uid not in allowed:
-        raise UntrustedDaemonError(
-            f"the daemon socket {path} is served by pid {pid} of uid {uid}, not by an expected "
-            f"user (uids {sorted(allowed)}): refusing to send it a token or memory. If that "
-            "daemon is the node's, set ASTERIA_DAEMON_UID to its uid"
-        )
+        raise _refused(path, pid, uid, allowed)
 
 
 def check_socket_owner(address: str, *, timeout_s: float = 5.0) -> None:

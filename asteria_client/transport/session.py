@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from asteria_client.transport.connection import DaemonClientConfig, DaemonConnection, SessionInfo
+from asteria_client.transport.peer import UntrustedDaemonError
 from asteria_server.errors import AsteriaError, UnknownSessionError
 from asteria_server.protocol.shm import ArraySpec
 from asteria_server.types import Credit, SolveResult
@@ -83,10 +84,13 @@ class DaemonSession:
         self._listener = listener
         self._session: SessionInfo | None = None
         self._incarnation = ""
+        self._peer_address = ""
         self.incarnations_seen = 0
         self._cancel_stream: Any = None
         self._closed = False
         self.last_connect_error = ""
+        #: True while the last attempt to connect refused the daemon (its uid, transport.peer)
+        self.refused = False
         self._thread = threading.Thread(
             target=self._run, name="asteria-daemon-session", daemon=True
         )
@@ -108,11 +112,16 @@ class DaemonSession:
     def incarnation_id(self) -> str:
         return self._incarnation
 
+    @property
+    def peer_address(self) -> str:
+        return self._peer_address
+
     def wait_connected(self, timeout_s: float) -> bool:
-        """Block until a session is open (True) or ``timeout_s`` passes (False)."""
+        """Block until a session is open (True), or ``timeout_s`` passes or the daemon is
+        refused for its uid (False)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._session is None and not self._closed:
+            while self._session is None and not self._closed and not self.refused:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -165,8 +174,10 @@ class DaemonSession:
             if self._incarnation != session.incarnation_id:
                 self.incarnations_seen += 1
             self._incarnation = session.incarnation_id
+            self._peer_address = session.peer_address
             self._session = session
             self.last_connect_error = ""
+            self.refused = False
             self._listener.session_opened(session, restarted)
             self._lock.notify_all()
         logger.info("session open with the daemon at %s (%s)", self.address, session.incarnation_id)
@@ -197,7 +208,14 @@ class DaemonSession:
 
     def _note_connect_error(self, exc: AsteriaError) -> None:
         message = str(exc)
-        if message != self.last_connect_error:
+        if isinstance(exc, UntrustedDaemonError):
+            # transport.peer logged it once for the process, with the fix. Waiting for a
+            # first session is over: the uid behind the socket does not change by waiting.
+            with self._lock:
+                self.refused = True
+                self.last_connect_error = message
+                self._lock.notify_all()
+        elif message != self.last_connect_error:
             self.last_connect_error = message
             logger.warning("cannot open a session with the daemon at %s: %s", self.address, exc)
 

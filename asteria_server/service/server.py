@@ -26,6 +26,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -385,6 +386,54 @@ def _credentials(config: DaemonConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)])
 
 
+@dataclass(frozen=True)
+class PeerTls:
+    """The peer listener's mutual TLS, read once at start: the credentials it serves with and
+    those this daemon dials its peers with (the same certificate, the same cluster CA)."""
+
+    server: grpc.ServerCredentials
+    channel: grpc.ChannelCredentials
+    server_name: str
+
+
+def _peer_tls(config: DaemonConfig) -> PeerTls | None:
+    """None without ``peer_listen``; StartupError naming the unreadable file."""
+    if config.peer_listen is None:
+        return None
+    files = {}
+    for name in ("peer_tls_cert", "peer_tls_key", "peer_tls_ca"):
+        path = getattr(config, name)
+        try:
+            files[name] = Path(path).read_bytes()
+        except OSError as exc:
+            raise StartupError(f"cannot read {name} {path}: {exc.strerror}") from exc
+    cert, key, ca = files["peer_tls_cert"], files["peer_tls_key"], files["peer_tls_ca"]
+    return PeerTls(
+        # require_client_auth: a peer without a certificate of the cluster's CA is refused in
+        # the handshake, before any call (the job token is checked on top, per call).
+        server=grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=True
+        ),
+        channel=grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        ),
+        server_name=config.peer_tls_server_name,
+    )
+
+
+def advertised_peer_address(config: DaemonConfig, port: int) -> str:
+    """What other nodes dial for the peer listener bound on ``port``: ``peer_advertise``, else
+    ``peer_listen`` with the bound port (this host's name when it binds every address)."""
+    if config.peer_advertise is not None:
+        return config.peer_advertise
+    bound = config.peer_address
+    assert bound is not None
+    host = bound.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    return TcpAddress(host, port).target
+
+
 async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) -> RunningDaemon:
     """Bind, start the engine and the server; raises StartupError with a clear message.
 
@@ -462,6 +511,11 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             )
         # The daemons of a multi-node job sync through the Peer service: a block another
         # daemon owns is not solved here (asteria_server/sync).
+        peer_tls = _peer_tls(config)
+        peer_address = config.peer_address
+        # Which peers a group may dial without peer_allow: loopback ones only, unless this
+        # daemon listens for peers (or clients) on another interface, behind TLS.
+        reach = address if peer_address is None else peer_address
         sync = SyncManager(
             engine,
             config.tokens,
@@ -469,12 +523,14 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
             max_message_bytes=config.max_message_bytes,
             max_matrix_n=config.max_matrix_n,
             tls_root=None if config.tls_cert is None else Path(config.tls_cert).read_bytes(),
+            peer_credentials=None if peer_tls is None else peer_tls.channel,
+            peer_server_name=None if peer_tls is None else peer_tls.server_name,
             max_push_streams=config.tenant_max_push_streams,
             policy=PeerPolicy(
                 max_job_daemons=config.max_job_daemons,
                 tenant_max_peers=config.tenant_max_peers,
                 allow=parse_patterns(config.peer_allow),
-                loopback_only=isinstance(address, UnixAddress) or address.is_loopback,
+                loopback_only=isinstance(reach, UnixAddress) or reach.is_loopback,
             ),
             push_timeouts=PushTimeouts(
                 wait_s=config.upload_wait_s,
@@ -522,6 +578,19 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
                 port = server.add_insecure_port(address.target)
             if isinstance(address, TcpAddress) and port == 0:
                 raise StartupError(f"cannot listen on {address.target}: the port is not free")
+            if peer_address is not None:
+                assert peer_tls is not None
+                bound = server.add_secure_port(peer_address.target, peer_tls.server)
+                if bound == 0:
+                    raise StartupError(
+                        f"cannot listen for peers on {peer_address.target}: the port is not free"
+                    )
+                servicer.peer_address = advertised_peer_address(config, bound)
+                logger.info(
+                    "peer listener on %s (mutual TLS), advertised to peers as %s",
+                    TcpAddress(peer_address.host, bound).target,
+                    servicer.peer_address,
+                )
             await server.start()
             sync.job_sessions = servicer.job_sessions
             sync.start()

@@ -328,6 +328,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         engine.add_result_listener(self._on_result)
         engine.add_capacity_listener(self._on_capacity)
         self._handover = handover
+        #: where other nodes' daemons reach this one (its peer listener), told to every session
+        self.peer_address = ""
         share = max(1, int(limits.max_upload_bytes * limits.tenant_upload_share))
         self._uploads = UploadBudget(limits.max_upload_bytes, share)
 
@@ -646,6 +648,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 max_matrix_n=self._limits.max_matrix_n,
             ),
             shm_socket="" if self._handover is None else str(self._handover.path),
+            peer_address=self.peer_address,
         )
 
     async def CloseSession(

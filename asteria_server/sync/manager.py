@@ -55,6 +55,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -887,6 +888,8 @@ class SyncManager:
         max_matrix_n: int,
         config: SyncConfig | None = None,
         tls_root: bytes | None = None,
+        peer_credentials: grpc.ChannelCredentials | None = None,
+        peer_server_name: str | None = None,
         uploads: UploadBudget | None = None,
         push_timeouts: PushTimeouts | None = None,
         policy: PeerPolicy | None = None,
@@ -900,6 +903,10 @@ class SyncManager:
         self.max_message_bytes = max_message_bytes
         self.max_matrix_n = max_matrix_n
         self._tls_root = tls_root
+        #: mutual TLS to peer listeners (the cluster CA and this daemon's certificate), checked
+        #: against ``peer_server_name`` rather than the address dialed; None: ``tls_root``
+        self._peer_credentials = peer_credentials
+        self._peer_server_name = peer_server_name
         self.jobs: dict[tuple[str, str], JobSync] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -1104,7 +1111,7 @@ class SyncManager:
 
     def _stub(self, peer: _Peer) -> ppb_grpc.PeerStub:
         if peer.stub is None:
-            options = [
+            options: list[tuple[str, Any]] = [
                 ("grpc.max_send_message_length", self.max_message_bytes),
                 ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.keepalive_time_ms", 5000),
@@ -1115,7 +1122,13 @@ class SyncManager:
                 ("grpc.max_reconnect_backoff_ms", int(1000 * self.config.heartbeat_s * 4)),
             ]
             target = peer.address.removeprefix("dns:")
-            if self._tls_root is not None:
+            if self._peer_credentials is not None:
+                if self._peer_server_name:
+                    options.append(("grpc.ssl_target_name_override", self._peer_server_name))
+                peer.channel = grpc.aio.secure_channel(
+                    target, self._peer_credentials, options=options
+                )
+            elif self._tls_root is not None:
                 creds = grpc.ssl_channel_credentials(root_certificates=self._tls_root)
                 peer.channel = grpc.aio.secure_channel(target, creds, options=options)
             else:

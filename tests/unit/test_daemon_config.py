@@ -75,3 +75,74 @@ def test_cli_reports_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[st
     toml.write_text("wrokers = 2\n")
     assert main(["--config", str(toml)]) == 2
     assert "unknown key 'wrokers'" in capsys.readouterr().err
+
+
+PEER_TLS = {
+    "peer_tls_cert": "/etc/asteria/tls/node.crt",
+    "peer_tls_key": "/etc/asteria/tls/node.key",
+    "peer_tls_ca": "/etc/asteria/tls/ca.crt",
+}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"peer_listen": "0.0.0.0:29600", "tokens": {"t": "x" * 32}}, "needs peer_tls_cert"),
+        ({"peer_listen": "0.0.0.0:29600", **PEER_TLS}, "needs tenant tokens"),
+        ({"peer_listen": "unix:///tmp/p.sock", "tokens": {"t": "x" * 32}, **PEER_TLS}, "HOST:PORT"),
+        ({"peer_tls_ca": "/etc/ca.crt"}, "peer_tls_ca is set but peer_listen is not"),
+        (
+            {
+                "listen": "127.0.0.1:7000",
+                "peer_listen": "127.0.0.1:7000",
+                "tokens": {"t": "x" * 32},
+                **PEER_TLS,
+            },
+            "port of its own",
+        ),
+        (
+            {
+                "peer_listen": "0.0.0.0:29600",
+                "peer_advertise": "node-a:0",
+                "tokens": {"t": "x" * 32},
+                **PEER_TLS,
+            },
+            "must name a port",
+        ),
+    ],
+)
+def test_the_peer_listener_is_mutual_tls_with_tokens_or_nothing(
+    kwargs: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        DaemonConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_peer_listener_beside_a_unix_socket_is_valid_and_advertised() -> None:
+    from asteria_server.service.server import advertised_peer_address
+
+    config = DaemonConfig(
+        listen="unix:///run/asteria/asteria.sock",
+        peer_listen="0.0.0.0:29600",
+        tokens={"t": "x" * 32},
+        **PEER_TLS,  # type: ignore[arg-type]
+    )
+    assert config.peer_address is not None and config.peer_address.port == 29600
+    # Every address bound: peers are told this host's name, with the port bound.
+    assert advertised_peer_address(config, 29600).endswith(":29600")
+    assert not advertised_peer_address(config, 29600).startswith("0.0.0.0")
+    named = DaemonConfig(
+        listen="unix:///run/asteria/asteria.sock",
+        peer_listen="127.0.0.1:0",
+        peer_advertise="10.0.0.7:29600",
+        tokens={"t": "x" * 32},
+        **PEER_TLS,  # type: ignore[arg-type]
+    )
+    assert advertised_peer_address(named, 41000) == "10.0.0.7:29600"
+    loopback = DaemonConfig(
+        listen="unix:///run/asteria/asteria.sock",
+        peer_listen="127.0.0.1:0",
+        tokens={"t": "x" * 32},
+        **PEER_TLS,  # type: ignore[arg-type]
+    )
+    assert advertised_peer_address(loopback, 41000) == "127.0.0.1:41000"

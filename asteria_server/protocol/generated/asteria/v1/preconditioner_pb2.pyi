@@ -224,6 +224,7 @@ class OpenSessionResponse(_message.Message):
     INCARNATION_ID_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     SHM_SOCKET_FIELD_NUMBER: _builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Opaque id naming this session in every later call."""
     incarnation_id: _builtins.str
@@ -234,6 +235,11 @@ class OpenSessionResponse(_message.Message):
     """The daemon's segment-handover socket (a Unix socket path) when it offers the shared-memory
     transport to this session; empty otherwise. A client on the same host hands memfd segments
     over it (SCM_RIGHTS) and then announces snapshots with SnapshotHeader.shm.
+    """
+    peer_address: _builtins.str
+    """Where the daemons of other nodes reach this one (HOST:PORT of its peer listener, mutual
+    TLS), when it has one; empty otherwise. A multi-node job puts it in its layout instead of
+    the address its ranks use (often a Unix socket no other node can reach).
     """
     @_builtins.property
     def limits(self) -> Global___ServerLimits:
@@ -246,10 +252,11 @@ class OpenSessionResponse(_message.Message):
         incarnation_id: _builtins.str = ...,
         limits: Global___ServerLimits | None = ...,
         shm_socket: _builtins.str = ...,
+        peer_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation_id", b"incarnation_id", "limits", b"limits", "session_id", b"session_id", "shm_socket", b"shm_socket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation_id", b"incarnation_id", "limits", b"limits", "peer_address", b"peer_address", "session_id", b"session_id", "shm_socket", b"shm_socket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
