@@ -609,13 +609,13 @@ def test_the_peer_listener_refuses_a_client_without_the_clusters_certificate(
         ASTERIA_TLS_DIR=str(tls),
         ASTERIA_PEER_LISTEN="127.0.0.1:0",
         ASTERIA_NODE_CERT="node0",
-        ASTERIA_TOKENS="t=secret",
+        ASTERIA_TOKENS="t=" + "s" * 32,
         ASTERIA_READY_FILE=str(ready),
         ASTERIA_STOP_WITH_PID=str(os.getpid()),
     )
     daemon = _start(["bash", str(DEPLOY / "slurm" / "asteria-job-daemon.sh")], env, tmp_path, ready)
     stopper.append(daemon)
-    conn = DaemonConnection(daemon.address, tenant="t", token="secret")
+    conn = DaemonConnection(daemon.address, tenant="t", token="s" * 32)
     try:
         peer_address = conn.open_session().peer_address
     finally:
