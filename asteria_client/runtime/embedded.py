@@ -23,9 +23,10 @@ from asteria_client.runtime.source import (
     PreconditionerResult,
     PreconditionerSource,
     SourceRecord,
+    result_fields,
     result_from_engine,
 )
-from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
+from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy, StagedArrays
 from asteria_server.engine import (
     EighSolver,
     EngineConfig,
@@ -79,6 +80,15 @@ class EmbeddedSource(PreconditionerSource):
         self._submit_errors = 0
         self._refused: dict[str, str] = {}  # block -> why its last refused snapshot was refused
         self._closed = False
+        #: results bound for a device are staged in pinned memory as they arrive, by a thread
+        #: of this source (the engine tells it), so ``take`` only issues the host-to-device
+        #: copy: block -> (version, staging), and the blocks told about, not staged yet
+        self._staged: dict[str, tuple[int, StagedArrays]] = {}
+        self._taken: dict[str, int] = {}  # block -> newest version taken (never staged again)
+        self._to_stage: set[str] = set()
+        self._stage_cond = threading.Condition()
+        self._stager: threading.Thread | None = None
+        self._engine.add_result_listener(self._result_arrived)
 
     @property
     def engine(self) -> PreconditionerEngine:
@@ -182,11 +192,60 @@ class EmbeddedSource(PreconditionerSource):
         self.pump()
 
     # ------------------------------------------------------------------ results out
+    def _result_arrived(self, tenant: str, block: str) -> None:
+        """The engine's listener (its dispatcher thread: quick, no copy here): a result bound
+        for a device is queued for the staging thread."""
+        device = self._devices.get(block)
+        if tenant != self.tenant or device is None or not self._transfer.to_accelerator(device):
+            return
+        with self._stage_cond:
+            if self._closed:
+                return
+            self._to_stage.add(block)
+            if self._stager is None:
+                self._stager = threading.Thread(
+                    target=self._stage_loop, name="asteria-embedded-staging", daemon=True
+                )
+                self._stager.start()
+            self._stage_cond.notify()
+
+    def _stage_loop(self) -> None:
+        """Copy each newly arrived result once into pinned staging (this thread pays the host
+        copy, never the training thread)."""
+        while True:
+            with self._stage_cond:
+                while not self._to_stage and not self._closed:
+                    self._stage_cond.wait()
+                if self._closed:
+                    return
+                block = self._to_stage.pop()
+            try:
+                result = self._engine.peek_result(block, self.tenant)
+            except AsteriaError:
+                continue
+            if result is None:
+                continue
+            with self._stage_cond:
+                held = self._staged.get(block)
+                newest = max(held[0] if held else -1, self._taken.get(block, -1))
+            if newest >= result.version:
+                continue  # staged already, or taken (and staged by take) meanwhile
+            device = self._devices.get(block, torch.device("cpu"))
+            staged = self._transfer.stage_arrays(result_fields(result), device)
+            with self._stage_cond:
+                held = self._staged.get(block)
+                if held is None or held[0] < result.version:
+                    self._staged[block] = (result.version, staged)
+
     def _to_torch(self, result: SolveResult | None) -> PreconditionerResult | None:
         if result is None:
             return None
         device = self._devices.get(result.block, torch.device("cpu"))
-        return result_from_engine(result, device, self._transfer)
+        with self._stage_cond:
+            held = self._staged.pop(result.block, None)
+            self._taken[result.block] = max(self._taken.get(result.block, -1), result.version)
+        staged = held[1] if held is not None and held[0] == result.version else None
+        return result_from_engine(result, device, self._transfer, staged=staged)
 
     def take(self, block: str) -> PreconditionerResult | None:
         self.pump()
@@ -247,6 +306,11 @@ class EmbeddedSource(PreconditionerSource):
 
     def close(self) -> None:
         if not self._closed:
-            self._closed = True
+            with self._stage_cond:
+                self._closed = True
+                self._stage_cond.notify_all()
+            if self._stager is not None:
+                self._stager.join(timeout=5.0)
+            self._engine.remove_result_listener(self._result_arrived)
             self._transfer.drain()  # no copy lands in a buffer after its source let it go
             self._engine.close()

@@ -11,6 +11,7 @@ sources around it: an embedded engine, and a real daemon over shared memory and 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,9 @@ import torch
 from asteria_client import SOAP, Shampoo
 from asteria_client.optim.base import AsteriaOptimizer
 from asteria_client.runtime.embedded import EmbeddedSource, EngineConfig
+from asteria_client.runtime.source import PreconditionerRequest
 from asteria_client.transport import DaemonClientConfig, DaemonSource
+from asteria_server.types import SolveKind
 from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
 from tests.sim_device import SimulatedDevice
 
@@ -128,3 +131,38 @@ def test_a_refresh_is_one_device_to_host_copy_and_an_install_one_host_copy(
         assert totals["arrived"] >= installed, (layers, totals)
         assert totals["result_host_copies"] == totals["arrived"], (layers, totals, steps)
         assert totals["copies_h2d"] == installed, (layers, totals, steps)
+
+
+def test_the_embedded_engines_results_are_staged_off_the_training_thread() -> None:
+    """The engine tells the embedded source of each new result; a thread of the source copies
+    it into pinned staging then, so ``take`` (the training thread) only issues the
+    host-to-device copy."""
+    device = SimulatedDevice()
+    threads: list[str] = []
+    stage_arrays = device.stage_arrays
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return stage_arrays(*args, **kwargs)
+
+    device.stage_arrays = recording  # type: ignore[method-assign]
+    source = EmbeddedSource(EngineConfig(num_workers=1, calibrate=False), transfer=device)
+    try:
+        a = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+        source.submit(
+            PreconditionerRequest(
+                block="b", version=1, kind=SolveKind.INVERSE_ROOT, matrix=a @ a.T + torch.eye(8)
+            )
+        )
+        deadline = time.monotonic() + WAIT_S
+        while device.stats()["result_host_copies"] < 1:
+            assert time.monotonic() < deadline, "the result was never staged"
+            source.pump()  # the snapshot's (simulated) copy landed: to the engine
+            time.sleep(0.01)
+        result = source.take("b")
+        assert result is not None and result.version == 1
+        assert threads == ["asteria-embedded-staging"], threads
+        stats = device.stats()
+        assert stats["result_host_copies"] == 1 and stats["copies_h2d"] == 1, stats
+    finally:
+        source.close()
