@@ -411,10 +411,7 @@ def command_lines(tmp_path: Path) -> Iterator[tuple[str, list[str], dict[str, st
     assert "command" not in container  # the image's ENTRYPOINT: asteria-server
     env = {"ASTERIA_TOKENS": tokens}
     yield "DaemonSet args", config_path(container["args"], k8s_config), env
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        probe_argv = container[probe]["exec"]["command"]
-        assert probe_argv[0] == "asteria-server" and "--health-check" in probe_argv
-        yield f"DaemonSet {probe}", config_path(probe_argv[1:], k8s_config), env
+    # (its probes are HTTP GETs of the metrics port: test_supervisors_probe_reload_and_...)
 
     # Slurm (the job's daemons have a peer listener: they get the job's token).
     for script in SHELL_SCRIPTS:
@@ -445,7 +442,7 @@ def test_every_command_line_in_deploy_passes_check_config(
     where_all = [w for w, _ in seen]
     assert sum(w.startswith("systemd") for w in where_all) == 1 + len(DROPINS)
     assert sum(w.startswith("Containerfile") for w in where_all) == 2
-    assert sum(w.startswith("DaemonSet") for w in where_all) == 4
+    assert sum(w.startswith("DaemonSet") for w in where_all) == 1  # its args (probes: HTTP)
     slurm = [s for w, s in seen if ".sbatch" in w or ".sh:" in w]
     assert len(slurm) == 2, where_all
     # What each supervisor means to run is what the daemon would run.
@@ -606,3 +603,31 @@ def test_container_image_builds_and_checks_its_config() -> None:
     assert 'listen = "unix:///run/asteria/asteria.sock"' in done.stdout
     no_torch = run([podman, "run", "--rm", "--entrypoint", "python", tag, "-c", "import torch"])
     assert no_torch.returncode != 0
+
+
+def test_supervisors_probe_reload_and_wait_for_the_drain() -> None:
+    """The shipped supervisors use what the daemon offers: Kubernetes probes the metrics
+    port's /healthz (liveness) and /readyz (startup, readiness) on the port the ConfigMap's
+    daemon listens on; systemd reloads with SIGHUP; both wait longer than the SIGTERM drain
+    (grace_period_s, plus the 2 s the open result streams get) before they kill."""
+    docs = k8s_docs()
+    pod = docs["DaemonSet/asteria-server"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    probes = {
+        k: container[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")
+    }
+    assert {k: v["path"] for k, v in probes.items()} == {
+        "startupProbe": "/readyz",
+        "livenessProbe": "/healthz",
+        "readinessProbe": "/readyz",
+    }
+    assert {ports[v["port"]] for v in probes.values()} == {9464}
+    toml = docs["ConfigMap/asteria-config"]["data"]["asteria.toml"]
+    assert 'metrics_listen = "0.0.0.0:9464"' in toml
+    grace = load_config(config_file=str(DEPLOY / "asteria.toml"), environ={}).grace_period_s
+    assert pod["terminationGracePeriodSeconds"] >= grace + 2 + 5
+    directives = unit_directives(UNIT)
+    assert directives["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    (stop,) = directives["TimeoutStopSec"]
+    assert stop.endswith("s") and float(stop[:-1]) >= grace + 2 + 5
