@@ -25,7 +25,6 @@ own blocks" with one warning — a lost peer never stops training.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
@@ -35,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from asteria_client.distributed.groups import SideGroup, group_members
 from asteria_client.distributed.layout import JobLayout, discover_layout
+from asteria_client.runtime.agreement import InstallAgreement
 from asteria_client.runtime.source import (
     PreconditionerRequest,
     PreconditionerResult,
@@ -170,12 +171,9 @@ class ExchangeSource(PreconditionerSource):
         ranks = list(range(layout.world_size))
         self.owners = BlockOwners(ranks)
         # A group of its own, on gloo whatever the training backend: the exchange runs on a
-        # side thread and must never interleave with the training's collectives.
-        self._group = dist.new_group(
-            ranks=None if group is None else dist.get_process_group_ranks(group),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S),
-        )
+        # side thread and must never interleave with the training's collectives; made by the
+        # group's members alone, so any mesh can make it in any order (see .groups).
+        self._group = SideGroup(group_members(group), "exchange", timeout_s=EXCHANGE_TIMEOUT_S)
         self._cond = threading.Condition()
         self._ready: dict[str, PreconditionerResult] = {}  # newest result not taken yet
         self._received: dict[str, int] = {}  # newest version received per block
@@ -238,8 +236,7 @@ class ExchangeSource(PreconditionerSource):
             while True:
                 out = self._outgoing()
                 closing = self._closing
-                gathered: list[Any] = [None] * self.layout.world_size
-                dist.all_gather_object(gathered, (closing, out), group=self._group)
+                gathered = self._group.all_gather_object((closing, out))
                 moved = sum(len(items) for _, items in gathered)
                 arrived = self._to_devices(
                     [i for _, items in gathered for k, i in items if k == "result"]
@@ -394,6 +391,17 @@ def _to_device(result: PreconditionerResult, device: torch.device) -> Preconditi
         base_version=result.base_version,
         solve_time_s=result.solve_time_s,
     )
+
+
+def replica_agreement(group: Any = None, *, timeout_s: float) -> InstallAgreement | None:
+    """The agreement on install steps among the data-parallel replicas of ``group`` (None: the
+    world), over a gloo side group of its own; None for a group of one. Collective over the
+    group. Its collectives wait up to ``timeout_s`` (longer than any barrier: a replica that
+    waits for a late result keeps the others in the collective meanwhile)."""
+    members = group_members(group)
+    if len(members) < 2:
+        return None
+    return InstallAgreement(SideGroup(members, "agree", timeout_s=timeout_s), _shared)
 
 
 def job_source(
