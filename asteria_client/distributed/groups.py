@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -66,13 +66,23 @@ class SideGroup:
 
     def all_min(self, values: Sequence[int]) -> list[int]:
         """The element-wise minimum of every member's ``values`` (equal lengths)."""
+        return self.start_min(values)()
+
+    def start_min(self, values: Sequence[int]) -> Callable[[], list[int]]:
+        """Start :meth:`all_min` on gloo's own threads; the returned call waits for it. Every
+        member starts its collectives on this group in the same order."""
         tensor = torch.tensor(list(values), dtype=torch.int64)
         if tensor.numel() == 0 or self.size == 1:
-            return [int(v) for v in tensor.tolist()]
+            return lambda: [int(v) for v in tensor.tolist()]
         options: Any = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        self._pg.allreduce([tensor], options).wait()
-        return [int(v) for v in tensor.tolist()]
+        work = self._pg.allreduce([tensor], options)
+
+        def finish() -> list[int]:
+            work.wait()
+            return [int(v) for v in tensor.tolist()]
+
+        return finish
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every member's ``obj``, by group rank (pickled: members trust each other, as

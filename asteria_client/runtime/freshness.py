@@ -490,30 +490,67 @@ class FreshnessRuntime:
 
     def begin_step(self, tiles: Iterable[TileBlocks], step: int, install: InstallFn) -> None:
         """A step starts (every replica calls it, with the same tiles in the same order):
-        install the results of replicated blocks that every replica holds (one collective,
-        none when no block has a snapshot pending); see :mod:`.agreement`. A no-op without an
-        agreement, and at S = 0, where each block's barrier installs its newest version."""
+        finish the agreement round of the step before and install, on every replica, the
+        results that all of them held; then start this step's round over the replicated
+        blocks with a snapshot pending (none when there is none); see :mod:`.agreement`. A
+        no-op without an agreement, and at S = 0, where each block's barrier installs its
+        newest version."""
         agreement = self.agreement
         self._step_now = step
         if agreement is None or agreement.failed or self.policy.budget_intervals == 0:
             return
         self.source.pump()
-        pending = [
-            (tile, dim, block)
-            for tile in tiles
-            for dim, block in tile.preconditioned()
-            if tile.submitted[dim] > tile.versions[dim] and agreement.covers(block)
-        ]
-        if not pending:
-            return
         with torch.no_grad():
-            versions = [self._hold(block) for _, _, block in pending]
-            agreed = agreement.agree(versions)
-            for (tile, dim, block), version in zip(pending, agreed, strict=True):
-                if version > tile.versions[dim]:
-                    self._install(tile, dim, agreement.release(block, step), install)
-                elif version >= 0:
-                    agreement.drop_older(block, tile.versions[dim])
+            for (tile, dim, block), version in agreement.finish_round():
+                if version > tile.versions[dim] and agreement.covers(block):
+                    self._install(tile, dim, agreement.release(block, version, step), install)
+            self._agree_due(tiles, step, install)
+            pending = [
+                (tile, dim, block)
+                for tile in tiles
+                for dim, block in tile.preconditioned()
+                if tile.submitted[dim] > tile.versions[dim] and agreement.covers(block)
+            ]
+            for tile, dim, block in pending:
+                self._hold(block)
+                agreement.drop_older(block, tile.versions[dim])
+            agreement.start_round(pending, [agreement.held_version(b) for _, _, b in pending])
+
+    def _agree_due(self, tiles: Iterable[TileBlocks], step: int, install: InstallFn) -> None:
+        """The replicated blocks that reach their deadline at this step (as the tiles stand
+        now): every replica waits (bounded) for each, then one collective for all of them
+        installs those whose newest held version every replica shares; the rest go through
+        :meth:`_agreed_barrier` when the step uses them (one collective each)."""
+        agreement = self.agreement
+        assert agreement is not None
+        due = []
+        for tile in tiles:
+            for dim, block in tile.preconditioned():
+                frequency = self._frequency.get(block, 1)
+                required = self.policy.required_version(
+                    tile.submitted[dim], frequency, self.needs_first(), step=step
+                )
+                if tile.versions[dim] < required and agreement.covers(block):
+                    due.append((tile, dim, block, required))
+        if not due:
+            return
+        give_up_at = time.monotonic() + self.policy.barrier_timeout_s
+        haves = []
+        for _, _, block, required in due:
+            have = self._hold(block)
+            left = give_up_at - time.monotonic()
+            if have < required and left > 0:
+                start = time.perf_counter()
+                result = self.source.wait(block, required, left)
+                self.barrier_stats.record_wait(time.perf_counter() - start, result is not None)
+                agreement.hold(result, step)
+                have = agreement.held_version(block)
+            haves.append(have)
+        for (tile, dim, block, required), version in zip(
+            due, agreement.agree_all(haves), strict=True
+        ):
+            if version >= required:
+                self._install(tile, dim, agreement.release(block, version, step), install)
 
     def _agreed_barrier(
         self,
@@ -544,12 +581,12 @@ class FreshnessRuntime:
             decision = agreement.agree_forced(have, have < target)
             if decision is None:  # the agreement failed: this rank alone, as without one
                 if have >= required:
-                    self._install(tile, dim, agreement.release(block, step), install)
+                    self._install(tile, dim, agreement.release(block, have, step), install)
                     return
                 break
             low, high, missing = decision
             if low == high and low >= required:
-                self._install(tile, dim, agreement.release(block, step), install)
+                self._install(tile, dim, agreement.release(block, low, step), install)
                 return
             if missing:
                 agreement.agreed_fallbacks += 1
@@ -564,8 +601,9 @@ class FreshnessRuntime:
         """A ready result for ``block`` newer than ``installed_version``; older ones are dropped."""
         result = self.source.take(block)
         held = self.agreement  # results held before the agreement failed go into use now
-        if result is None and held is not None and held.held_version(block) > installed_version:
-            result = held.release(block, self._step_now)
+        newest = -1 if held is None else held.held_version(block)
+        if result is None and held is not None and newest > installed_version:
+            result = held.release(block, newest, self._step_now)
         if result is None or result.version <= installed_version:
             return None
         return result
