@@ -14,9 +14,11 @@ one **owner**, and only the owner hands its snapshots over:
   every rank installs them like its own. At S = 0 every rank waits for the same version, so all
   of them install it at the same step.
 
-Owners are chosen by cost, greedily: a new block goes to the member with the least estimated
-work so far (n³ per solve; ties to the lower rank). Every replica sees the same blocks in the
-same order with the same sizes, so all of them compute the same map without talking.
+Owners are chosen by the rule the daemons use between nodes (:func:`asteria_server.owners.
+owner_map`: longest processing time first, cost n³), over the blocks the optimizer plans at
+construction (:meth:`BlockOwners.plan`); every replica plans the same blocks with the same
+sizes, so all of them compute the same map without talking. A block that was not planned (a
+param group added later) goes to the member with the least estimated work so far.
 
 Blocks of sharded parameters (FSDP2: the name carries the shard's coordinates, ``@``) differ
 from rank to rank and are never shared. A failed exchange turns into "every rank computes its
@@ -28,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +45,7 @@ from asteria_client.runtime.source import (
     PreconditionerSource,
     SourceRecord,
 )
+from asteria_server.owners import block_cost, is_shard_block, owner_map
 
 if TYPE_CHECKING:
     from asteria_client.runtime.embedded import EngineConfig
@@ -50,8 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Marks the name of a shard's block (FSDP2): it belongs to one rank and is never shared.
-SHARD_MARK = "@"
 #: Seconds a result exchange round may take before the exchange is declared failed.
 EXCHANGE_TIMEOUT_S = 30.0
 #: Pause between exchange rounds: short right after results moved, longer while idle.
@@ -60,7 +61,8 @@ _ROUND_PAUSE_MAX_S = 0.01
 
 
 class BlockOwners:
-    """Which member (a rank) owns each block: the least loaded one when the block is first seen."""
+    """Which member (a rank) owns each block: by :func:`~asteria_server.owners.owner_map` over
+    the planned blocks, else the least loaded member when an unplanned block is first seen."""
 
     def __init__(self, members: Sequence[int]) -> None:
         if not members:
@@ -69,12 +71,20 @@ class BlockOwners:
         self._load = dict.fromkeys(self.members, 0.0)
         self._owner: dict[str, int] = {}
 
+    def plan(self, blocks: Mapping[str, int]) -> None:
+        """Owners for ``blocks`` (name -> n), all of them at once by the shared rule; blocks
+        that have an owner already keep it (every replica plans the same blocks alike)."""
+        new = {b: n for b, n in blocks.items() if b not in self._owner and _shared(b)}
+        for block, member in owner_map(new, self.members, self.members).items():
+            self._owner[block] = member
+            self._load[member] += block_cost(new[block])
+
     def owner(self, block: str, n: int) -> int:
         found = self._owner.get(block)
         if found is None:
             found = min(self.members, key=lambda m: (self._load[m], m))
             self._owner[block] = found
-            self._load[found] += float(n) ** 3
+            self._load[found] += block_cost(n)
         return found
 
     def owned_by(self, member: int) -> list[str]:
@@ -86,7 +96,7 @@ class BlockOwners:
 
 
 def _shared(block: str) -> bool:
-    return SHARD_MARK not in block
+    return not is_shard_block(block)
 
 
 def _delegate_rest(cls: type) -> type:
@@ -134,6 +144,10 @@ class NodeShareSource(PreconditionerSource):
             self.left_to_peers += 1
             self.left_bytes += size
             self.inner.expect(request)
+
+    def plan_blocks(self, blocks: Mapping[str, int]) -> None:
+        self.owners.plan(blocks)
+        self.inner.plan_blocks(blocks)
 
     def take(self, block: str) -> PreconditionerResult | None:
         return self.inner.take(block)
@@ -191,6 +205,11 @@ class ExchangeSource(PreconditionerSource):
         self._thread.start()
 
     # ------------------------------------------------------------------ snapshots in
+    def plan_blocks(self, blocks: Mapping[str, int]) -> None:
+        with self._cond:
+            self.owners.plan(blocks)
+        self.inner.plan_blocks(blocks)
+
     def _is_mine(self, block: str, n: int) -> bool:
         return bool(self.failed) or self.owners.owner(block, n) == self.layout.rank
 

@@ -229,6 +229,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         )
         self.skipped_steps = 0
         self._warn_costly_blocks()
+        source.plan_blocks(self._planned_blocks())  # replicas' owners from the whole set
         if agreement is None:
             self._warn_replicas_may_drift(mode, policy, process_group)
 
@@ -360,6 +361,21 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             UserWarning,
             stacklevel=4,
         )
+
+    def _planned_blocks(self) -> dict[str, int]:
+        """Every block this optimizer will submit (name -> n), from the blocking plans."""
+        blocks = {}
+        for name, p, group in self.named_params():
+            key, local = self.state_key(name, p), local_tensor(p)
+            if local.numel() == 0:
+                continue
+            for tile in self.plan(key, local, group).tiles:
+                for dim, (size, pre) in enumerate(
+                    zip(tile.shape, tile.preconditioned, strict=True)
+                ):
+                    if pre:
+                        blocks[block_name(key, tile.index, dim)] = int(size)
+        return blocks
 
     def _warn_costly_blocks(self) -> None:
         """Warn once, at construction, when a block's solve is estimated to take long."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,10 @@ class PreconditionerSource(abc.ABC):
     def in_flight_version(self, block: str) -> int | None:
         """The version being computed (or queued) for ``block``, if any."""
         return None
+
+    def plan_blocks(self, blocks: Mapping[str, int]) -> None:  # noqa: B027 - optional
+        """The blocks (name -> n) the optimizer will submit, told once at its construction: a
+        source that shares blocks among replicas assigns their owners from the whole set."""
 
     def credit(self) -> int | None:
         """How many more snapshots this source would start promptly (the continuous schedule

@@ -17,7 +17,7 @@ import torch
 
 from asteria_client.cli import main
 from asteria_server.errors import AsteriaError
-from asteria_server.sync.owners import balance, owner_map
+from asteria_server.owners import balance, owner_map
 from tests.distributed import sync_cluster as sc
 
 
