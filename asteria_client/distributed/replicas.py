@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,17 +64,18 @@ class BlockOwners:
     """Which member (a rank) owns each block: by :func:`~asteria_server.owners.owner_map` over
     the planned blocks, else the least loaded member when an unplanned block is first seen."""
 
-    def __init__(self, members: Sequence[int]) -> None:
+    def __init__(self, members: Sequence[int], shared: Callable[[str], bool] | None = None) -> None:
         if not members:
             raise ValueError("BlockOwners needs at least one member")
         self.members = tuple(members)
+        self.shared = _shared if shared is None else shared
         self._load = dict.fromkeys(self.members, 0.0)
         self._owner: dict[str, int] = {}
 
     def plan(self, blocks: Mapping[str, int]) -> None:
         """Owners for ``blocks`` (name -> n), all of them at once by the shared rule; blocks
         that have an owner already keep it (every replica plans the same blocks alike)."""
-        new = {b: n for b, n in blocks.items() if b not in self._owner and _shared(b)}
+        new = {b: n for b, n in blocks.items() if b not in self._owner and self.shared(b)}
         for block, member in owner_map(new, self.members, self.members).items():
             self._owner[block] = member
             self._load[member] += block_cost(new[block])
@@ -122,10 +123,14 @@ class NodeShareSource(PreconditionerSource):
 
     synchronous = False
 
-    def __init__(self, inner: DaemonSource, layout: JobLayout) -> None:
+    def __init__(
+        self, inner: DaemonSource, layout: JobLayout, shared: Callable[[str], bool] | None = None
+    ) -> None:
         self.inner = inner
         self.layout = layout
-        self.owners = BlockOwners(layout.local_ranks)
+        #: whether a block is shared among the group's ranks (else this rank's alone)
+        self.shared = _shared if shared is None else shared
+        self.owners = BlockOwners(layout.local_ranks, self.shared)
         self.uploaded = 0  # snapshots this rank handed to the daemon
         self.left_to_peers = 0  # snapshots another local rank uploads
         self.uploaded_bytes = 0  # their bytes (factor, and basis when sent)
@@ -136,7 +141,8 @@ class NodeShareSource(PreconditionerSource):
         size = sum(
             t.numel() * t.element_size() for t in (request.matrix, request.basis) if t is not None
         )
-        if not _shared(request.block) or self.owners.owner(request.block, n) == self.layout.rank:
+        shared = self.shared(request.block)
+        if not shared or self.owners.owner(request.block, n) == self.layout.rank:
             self.uploaded += 1
             self.uploaded_bytes += size
             self.inner.submit(request)
@@ -179,11 +185,19 @@ class ExchangeSource(PreconditionerSource):
 
     synchronous = False
 
-    def __init__(self, inner: PreconditionerSource, layout: JobLayout, group: Any = None) -> None:
+    def __init__(
+        self,
+        inner: PreconditionerSource,
+        layout: JobLayout,
+        group: Any = None,
+        shared: Callable[[str], bool] | None = None,
+    ) -> None:
         self.inner = inner
         self.layout = layout
+        #: whether a block is shared among the group's ranks (else this rank's alone)
+        self.shared = _shared if shared is None else shared
         ranks = list(range(layout.world_size))
-        self.owners = BlockOwners(ranks)
+        self.owners = BlockOwners(ranks, self.shared)
         # A group of its own, on gloo whatever the training backend: the exchange runs on a
         # side thread and must never interleave with the training's collectives; made by the
         # group's members alone, so any mesh can make it in any order (see .groups).
@@ -215,7 +229,7 @@ class ExchangeSource(PreconditionerSource):
 
     def submit(self, request: PreconditionerRequest) -> None:
         block = request.block
-        if not _shared(block):  # a shard's block: this rank's alone, never exchanged
+        if not self.shared(block):  # a shard's block: this rank's alone, never exchanged
             self.inner.submit(request)
             return
         with self._cond:
@@ -308,7 +322,7 @@ class ExchangeSource(PreconditionerSource):
 
     # ------------------------------------------------------------------ results out
     def take(self, block: str) -> PreconditionerResult | None:
-        if not _shared(block):
+        if not self.shared(block):
             return self.inner.take(block)
         with self._cond:
             result = self._ready.pop(block, None)
@@ -318,7 +332,7 @@ class ExchangeSource(PreconditionerSource):
         return result
 
     def wait(self, block: str, min_version: int, timeout_s: float) -> PreconditionerResult | None:
-        if not _shared(block):
+        if not self.shared(block):
             return self.inner.wait(block, min_version, timeout_s)
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -339,7 +353,7 @@ class ExchangeSource(PreconditionerSource):
         return self.inner.wait(block, min_version, max(0.0, deadline - time.monotonic()))
 
     def in_flight_version(self, block: str) -> int | None:
-        if not _shared(block):
+        if not self.shared(block):
             return self.inner.in_flight_version(block)
         with self._cond:
             if self.failed:
@@ -355,7 +369,7 @@ class ExchangeSource(PreconditionerSource):
         out = self.inner.records()
         with self._cond:
             for block, expected in self._expected.items():
-                owner = self.owners.owner(block, 0) if _shared(block) else self.layout.rank
+                owner = self.owners.owner(block, 0) if self.shared(block) else self.layout.rank
                 record = out.setdefault(block, SourceRecord(submitted_version=expected))
                 record.computed_version = max(
                     record.computed_version, self._received.get(block, -1)
@@ -412,7 +426,13 @@ def _to_device(result: PreconditionerResult, device: torch.device) -> Preconditi
     )
 
 
-def replica_agreement(group: Any = None, *, timeout_s: float) -> InstallAgreement | None:
+def _everything(block: str) -> bool:
+    return True
+
+
+def replica_agreement(
+    group: Any = None, *, timeout_s: float, share_shards: bool = False
+) -> InstallAgreement | None:
     """The agreement on install steps among the data-parallel replicas of ``group`` (None: the
     world), over a gloo side group of its own; None for a group of one. Collective over the
     group. Its collectives wait up to ``timeout_s`` (longer than any barrier: a replica that
@@ -420,7 +440,8 @@ def replica_agreement(group: Any = None, *, timeout_s: float) -> InstallAgreemen
     members = group_members(group)
     if len(members) < 2:
         return None
-    return InstallAgreement(SideGroup(members, "agree", timeout_s=timeout_s), _shared)
+    shared = _everything if share_shards else _shared
+    return InstallAgreement(SideGroup(members, "agree", timeout_s=timeout_s), shared)
 
 
 def job_source(
@@ -429,21 +450,25 @@ def job_source(
     *,
     address: str | None,
     group: Any = None,
+    share_shards: bool = False,
 ) -> tuple[PreconditionerSource, JobLayout | None]:
     """The embedded or daemon source of this rank of a ``torch.distributed`` job, sharing its
-    blocks with the job's other replicas, and the job's layout. Collective: every rank of
+    blocks with the job's other replicas, and the job's layout. ``share_shards``: ``group`` is
+    the replicas of this rank's shards (HSDP's replicate dim), so a shard's blocks (``@``) are
+    shared among it too. Collective: every rank of
     ``group`` calls it (the optimizer's constructor does). Outside a job (one process, or a
     world of one) it is the plain source, and the layout is None for a single process."""
     from asteria_client.runtime import Mode
 
     layout = discover_layout(group)
+    shared = _everything if share_shards else _shared
     if mode is Mode.EMBEDDED:
         from asteria_client.runtime.embedded import EmbeddedSource
 
         embedded = EmbeddedSource(engine_config)
         if layout is None or layout.world_size == 1:
             return embedded, layout
-        return ExchangeSource(embedded, layout, group), layout
+        return ExchangeSource(embedded, layout, group, shared), layout
     from asteria_client.config import resolve_address
     from asteria_client.transport.daemon import DaemonSource
 
@@ -457,7 +482,7 @@ def job_source(
     register_job(daemon, layout, group)
     if layout.local_world_size == 1:
         return daemon, layout
-    return NodeShareSource(daemon, layout), layout
+    return NodeShareSource(daemon, layout, shared), layout
 
 
 def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> None:

@@ -217,8 +217,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         # asteria_client.runtime.agreement): collective, like the shared source.
         agreement = None
         if self.layout is not None and self.layout.world_size > 1:
+            group, shards = self._replica_group(process_group)
             agreement = replica_agreement(
-                process_group, timeout_s=2 * policy.barrier_timeout_s + 30.0
+                group, timeout_s=2 * policy.barrier_timeout_s + 30.0, share_shards=shards
             )
         self.runtime = FreshnessRuntime(
             source,
@@ -275,8 +276,33 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.layout = None
         if mode is Mode.NATIVE or not share_blocks or not distributed_job():
             return make_source(mode, engine_config, address=address, pulls=pulls)
-        source, self.layout = job_source(mode, engine_config, address=address, group=process_group)
+        group, shards = self._replica_group(process_group)
+        source, self.layout = job_source(
+            mode, engine_config, address=address, group=group, share_shards=shards
+        )
         return source
+
+    def _replica_group(self, process_group: Any) -> tuple[Any, bool]:
+        """The group whose ranks hold the same blocks, and whether those include shards' blocks.
+
+        Under HSDP (every parameter a DTensor on one mesh, replicated along one mesh dim and
+        sharded along the others) a shard's replicas are the ranks along that replicate dim:
+        they share the shard's blocks, ``@`` names and all. Otherwise ``process_group`` (None:
+        the world), whose ranks share the replicated parameters' blocks."""
+        params: list[Any] = [p for _, p, _ in self.named_params()]
+        if not params or not all(is_dtensor(p) for p in params):
+            return process_group, False
+        mesh = params[0].device_mesh
+        if any(p.device_mesh != mesh for p in params) or mesh.ndim < 2:
+            return process_group, False
+        replicated = [
+            dim
+            for dim in range(mesh.ndim)
+            if all(type(p.placements[dim]).__name__ == "Replicate" for p in params)
+        ]
+        if len(replicated) != 1:
+            return process_group, False
+        return mesh.get_group(replicated[0]), True
 
     # ------------------------------------------------------------------ parameters and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -168,3 +168,75 @@ def test_daemon_ddp_replicas_stay_bitwise_identical(
     spawn(_replica, world, str(tmp_path), "daemon", budget, node_daemon.target)
     runs = _check(tmp_path, world, budget, "daemon", node_daemon.target)
     assert all(run["stats"]["source"]["snapshots_left_to_peers"] > 0 for run in runs)
+
+
+# --------------------------------------------------------------------------- HSDP
+
+
+def _hsdp_replica(rank: int, world: int, tmp: str, mode: str, budget: int, address: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.distributed import spawn as ranks
+
+    init(rank, world, tmp)
+    try:
+        # replicate across the mesh's first dim, shard within its second: ranks 0 and 2 hold
+        # rows 0:12 of every weight, ranks 1 and 3 rows 12:24
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        net = ranks.shard(ranks.model(), mesh=mesh)
+        opt = _optimizer(net, mode, budget, address)
+        try:
+            losses = ranks.train(net, opt, ranks.batches(STEPS, world * BATCH), rank, world)
+            stats = opt.runtime_stats()
+        finally:
+            opt.close()
+        local = {k: v.to_local().detach().clone() for k, v in net.state_dict().items()}
+        torch.save({"params": local, "losses": losses, "stats": stats}, f"{tmp}/replica{rank}.pt")
+        del net, opt
+    finally:
+        ranks.finish()
+
+
+def _hsdp_one_process(mode: str, budget: int, address: str) -> float:
+    from tests.distributed import spawn as ranks
+
+    torch.set_num_threads(1)
+    net = ranks.model()
+    opt = _optimizer(net, mode, budget, address)
+    try:
+        return _tail(ranks.train(net, opt, ranks.batches(STEPS, 4 * BATCH)))
+    finally:
+        opt.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("budget", [1, 2])
+def test_hsdp_shard_replicas_share_their_blocks_and_stay_bitwise_identical(
+    tmp_path: Path, budget: int
+) -> None:
+    """HSDP 2 x 2: the two replicas of each shard share its blocks (one owner solves each,
+    the other receives it) and install every result at the same step. Before, a shard's
+    blocks (``@`` names) were never shared: each replica solved them itself and installed
+    them as they arrived, so the replicas of a shard parted."""
+    spawn(_hsdp_replica, 4, str(tmp_path), "embedded", budget, "")
+    runs = [torch.load(tmp_path / f"replica{r}.pt", weights_only=False) for r in range(4)]
+    for a, b in ((0, 2), (1, 3)):  # the replicas of one shard
+        for key, value in runs[a]["params"].items():
+            other = runs[b]["params"][key]
+            assert torch.equal(value, other), (
+                f"ranks {a} and {b} hold the same shard of {key}; they differ by "
+                f"{(value - other).abs().max().item():.3g} at S={budget}"
+            )
+        owned = [runs[r]["stats"]["source"]["blocks_owned"] for r in (a, b)]
+        assert min(owned) > 0, owned  # each replica solves some of the shard's blocks ...
+        assert all(runs[r]["stats"]["source"]["exchange_results_received"] > 0 for r in (a, b))
+    for run in runs:
+        assert run["stats"]["agreement_failed"] == "" and run["stats"]["agreement_rounds"] > 0
+        assert run["stats"]["max_lag_steps"] <= budget * FREQUENCY
+    losses = runs[0]["losses"]
+    assert losses[-1] < 0.7 * losses[0]
+    native = _hsdp_one_process("native", 0, "")
+    stale = _hsdp_one_process("embedded", budget, "")
+    low, high = min(native, stale), max(native, stale)
+    assert 0.95 * low <= _tail(losses) <= 1.05 * high, (_tail(losses), native, stale)
