@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asteria_client import SOAP
+from asteria_client import SOAP, Shampoo
 from asteria_server.engine import EngineConfig
 from tests.distributed.spawn import init, leave, spawn
 from tests.integration.test_daemon import LaunchedDaemon, start_daemon, stop_daemon
@@ -45,7 +45,9 @@ def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (model(x) - x.flip(1)).square().mean()
 
 
-def _optimizer(model: torch.nn.Module, mode: str, budget: int, address: str) -> SOAP:
+def _optimizer(model: torch.nn.Module, mode: str, budget: int, address: str) -> Any:
+    """SOAP in ``mode``; ``shampoo-<mode>``: Shampoo (it snapshots inside the step)."""
+    name, _, mode = mode.rpartition("-")
     kwargs: dict[str, Any] = {"mode": mode, "precondition_frequency": FREQUENCY}
     if mode == "embedded":
         kwargs["engine_config"] = EngineConfig(num_workers=1, calibrate=False)
@@ -53,7 +55,8 @@ def _optimizer(model: torch.nn.Module, mode: str, budget: int, address: str) -> 
         kwargs["address"] = address
     if mode != "native":
         kwargs["staleness_budget"] = budget
-    return SOAP(model.named_parameters(), lr=1e-2, **kwargs)
+    cls = Shampoo if name == "shampoo" else SOAP
+    return cls(model.named_parameters(), lr=1e-2, **kwargs)
 
 
 def _replica(rank: int, world: int, tmp: str, mode: str, budget: int, address: str) -> None:
@@ -136,7 +139,8 @@ def _check(
     # which each basis lands moves the curve by up to ~15% (native, every basis in step, ends
     # highest; S = 2 lowest: the first steps run in the identity basis longer), so the noise is
     # the span between one process in native mode and one at this budget, 5% either side.
-    native = _tail(_one_process(world, "native", 0, ""))
+    native_mode = "shampoo-native" if mode.startswith("shampoo-") else "native"
+    native = _tail(_one_process(world, native_mode, 0, ""))
     stale = _tail(_one_process(world, mode, budget, address))
     losses = runs[0]["losses"]
     assert losses[-1] < 0.7 * losses[0]  # it learned: the comparison below is not vacuous
@@ -156,6 +160,15 @@ def test_embedded_ddp_replicas_stay_bitwise_identical(
     runs = _check(tmp_path, world, budget, "embedded")
     # each rank solved its own blocks and received the others': the results were shared
     assert all(run["stats"]["source"]["exchange_results_received"] > 0 for run in runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_shampoo_ddp_replicas_stay_bitwise_identical(tmp_path: Path) -> None:
+    """Shampoo snapshots inside the step, after the step start's agreement: its deadlines are
+    met by the barrier's own agreement (one collective per block)."""
+    spawn(_replica, 2, str(tmp_path), "shampoo-embedded", 1, "")
+    _check(tmp_path, 2, 1, "shampoo-embedded")
 
 
 @pytest.mark.slow
