@@ -7,6 +7,7 @@ from asteria_client.distributed.replicas import (
     ExchangeSource,
     NodeShareSource,
     job_source,
+    replica_agreement,
 )
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "discover_layout",
     "distributed_job",
     "job_source",
+    "replica_agreement",
 ]

@@ -14,9 +14,11 @@ one **owner**, and only the owner hands its snapshots over:
   every rank installs them like its own. At S = 0 every rank waits for the same version, so all
   of them install it at the same step.
 
-Owners are chosen by cost, greedily: a new block goes to the member with the least estimated
-work so far (n³ per solve; ties to the lower rank). Every replica sees the same blocks in the
-same order with the same sizes, so all of them compute the same map without talking.
+Owners are chosen by the rule the daemons use between nodes (:func:`asteria_server.owners.
+owner_map`: longest processing time first, cost n³), over the blocks the optimizer plans at
+construction (:meth:`BlockOwners.plan`); every replica plans the same blocks with the same
+sizes, so all of them compute the same map without talking. A block that was not planned (a
+param group added later) goes to the member with the least estimated work so far.
 
 Blocks of sharded parameters (FSDP2: the name carries the shard's coordinates, ``@``) differ
 from rank to rank and are never shared. A failed exchange turns into "every rank computes its
@@ -25,23 +27,25 @@ own blocks" with one warning — a lost peer never stops training.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from asteria_client.distributed.groups import SideGroup, group_members
 from asteria_client.distributed.layout import JobLayout, discover_layout
+from asteria_client.runtime.agreement import InstallAgreement
 from asteria_client.runtime.source import (
     PreconditionerRequest,
     PreconditionerResult,
     PreconditionerSource,
     SourceRecord,
 )
+from asteria_server.owners import block_cost, is_shard_block, owner_map
 
 if TYPE_CHECKING:
     from asteria_client.runtime.embedded import EngineConfig
@@ -49,8 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Marks the name of a shard's block (FSDP2): it belongs to one rank and is never shared.
-SHARD_MARK = "@"
 #: Seconds a result exchange round may take before the exchange is declared failed.
 EXCHANGE_TIMEOUT_S = 30.0
 #: Pause between exchange rounds: short right after results moved, longer while idle.
@@ -59,21 +61,31 @@ _ROUND_PAUSE_MAX_S = 0.01
 
 
 class BlockOwners:
-    """Which member (a rank) owns each block: the least loaded one when the block is first seen."""
+    """Which member (a rank) owns each block: by :func:`~asteria_server.owners.owner_map` over
+    the planned blocks, else the least loaded member when an unplanned block is first seen."""
 
-    def __init__(self, members: Sequence[int]) -> None:
+    def __init__(self, members: Sequence[int], shared: Callable[[str], bool] | None = None) -> None:
         if not members:
             raise ValueError("BlockOwners needs at least one member")
         self.members = tuple(members)
+        self.shared = _shared if shared is None else shared
         self._load = dict.fromkeys(self.members, 0.0)
         self._owner: dict[str, int] = {}
+
+    def plan(self, blocks: Mapping[str, int]) -> None:
+        """Owners for ``blocks`` (name -> n), all of them at once by the shared rule; blocks
+        that have an owner already keep it (every replica plans the same blocks alike)."""
+        new = {b: n for b, n in blocks.items() if b not in self._owner and self.shared(b)}
+        for block, member in owner_map(new, self.members, self.members).items():
+            self._owner[block] = member
+            self._load[member] += block_cost(new[block])
 
     def owner(self, block: str, n: int) -> int:
         found = self._owner.get(block)
         if found is None:
             found = min(self.members, key=lambda m: (self._load[m], m))
             self._owner[block] = found
-            self._load[found] += float(n) ** 3
+            self._load[found] += block_cost(n)
         return found
 
     def owned_by(self, member: int) -> list[str]:
@@ -85,7 +97,7 @@ class BlockOwners:
 
 
 def _shared(block: str) -> bool:
-    return SHARD_MARK not in block
+    return not is_shard_block(block)
 
 
 def _delegate_rest(cls: type) -> type:
@@ -111,10 +123,14 @@ class NodeShareSource(PreconditionerSource):
 
     synchronous = False
 
-    def __init__(self, inner: DaemonSource, layout: JobLayout) -> None:
+    def __init__(
+        self, inner: DaemonSource, layout: JobLayout, shared: Callable[[str], bool] | None = None
+    ) -> None:
         self.inner = inner
         self.layout = layout
-        self.owners = BlockOwners(layout.local_ranks)
+        #: whether a block is shared among the group's ranks (else this rank's alone)
+        self.shared = _shared if shared is None else shared
+        self.owners = BlockOwners(layout.local_ranks, self.shared)
         self.uploaded = 0  # snapshots this rank handed to the daemon
         self.left_to_peers = 0  # snapshots another local rank uploads
         self.uploaded_bytes = 0  # their bytes (factor, and basis when sent)
@@ -125,7 +141,8 @@ class NodeShareSource(PreconditionerSource):
         size = sum(
             t.numel() * t.element_size() for t in (request.matrix, request.basis) if t is not None
         )
-        if not _shared(request.block) or self.owners.owner(request.block, n) == self.layout.rank:
+        shared = self.shared(request.block)
+        if not shared or self.owners.owner(request.block, n) == self.layout.rank:
             self.uploaded += 1
             self.uploaded_bytes += size
             self.inner.submit(request)
@@ -133,6 +150,10 @@ class NodeShareSource(PreconditionerSource):
             self.left_to_peers += 1
             self.left_bytes += size
             self.inner.expect(request)
+
+    def plan_blocks(self, blocks: Mapping[str, int]) -> None:
+        self.owners.plan(blocks)
+        self.inner.plan_blocks(blocks)
 
     def take(self, block: str) -> PreconditionerResult | None:
         return self.inner.take(block)
@@ -164,18 +185,23 @@ class ExchangeSource(PreconditionerSource):
 
     synchronous = False
 
-    def __init__(self, inner: PreconditionerSource, layout: JobLayout, group: Any = None) -> None:
+    def __init__(
+        self,
+        inner: PreconditionerSource,
+        layout: JobLayout,
+        group: Any = None,
+        shared: Callable[[str], bool] | None = None,
+    ) -> None:
         self.inner = inner
         self.layout = layout
+        #: whether a block is shared among the group's ranks (else this rank's alone)
+        self.shared = _shared if shared is None else shared
         ranks = list(range(layout.world_size))
-        self.owners = BlockOwners(ranks)
+        self.owners = BlockOwners(ranks, self.shared)
         # A group of its own, on gloo whatever the training backend: the exchange runs on a
-        # side thread and must never interleave with the training's collectives.
-        self._group = dist.new_group(
-            ranks=None if group is None else dist.get_process_group_ranks(group),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S),
-        )
+        # side thread and must never interleave with the training's collectives; made by the
+        # group's members alone, so any mesh can make it in any order (see .groups).
+        self._group = SideGroup(group_members(group), "exchange", timeout_s=EXCHANGE_TIMEOUT_S)
         self._cond = threading.Condition()
         self._ready: dict[str, PreconditionerResult] = {}  # newest result not taken yet
         self._received: dict[str, int] = {}  # newest version received per block
@@ -193,12 +219,17 @@ class ExchangeSource(PreconditionerSource):
         self._thread.start()
 
     # ------------------------------------------------------------------ snapshots in
+    def plan_blocks(self, blocks: Mapping[str, int]) -> None:
+        with self._cond:
+            self.owners.plan(blocks)
+        self.inner.plan_blocks(blocks)
+
     def _is_mine(self, block: str, n: int) -> bool:
         return bool(self.failed) or self.owners.owner(block, n) == self.layout.rank
 
     def submit(self, request: PreconditionerRequest) -> None:
         block = request.block
-        if not _shared(block):  # a shard's block: this rank's alone, never exchanged
+        if not self.shared(block):  # a shard's block: this rank's alone, never exchanged
             self.inner.submit(request)
             return
         with self._cond:
@@ -238,8 +269,7 @@ class ExchangeSource(PreconditionerSource):
             while True:
                 out = self._outgoing()
                 closing = self._closing
-                gathered: list[Any] = [None] * self.layout.world_size
-                dist.all_gather_object(gathered, (closing, out), group=self._group)
+                gathered = self._group.all_gather_object((closing, out))
                 moved = sum(len(items) for _, items in gathered)
                 arrived = self._to_devices(
                     [i for _, items in gathered for k, i in items if k == "result"]
@@ -292,7 +322,7 @@ class ExchangeSource(PreconditionerSource):
 
     # ------------------------------------------------------------------ results out
     def take(self, block: str) -> PreconditionerResult | None:
-        if not _shared(block):
+        if not self.shared(block):
             return self.inner.take(block)
         with self._cond:
             result = self._ready.pop(block, None)
@@ -302,7 +332,7 @@ class ExchangeSource(PreconditionerSource):
         return result
 
     def wait(self, block: str, min_version: int, timeout_s: float) -> PreconditionerResult | None:
-        if not _shared(block):
+        if not self.shared(block):
             return self.inner.wait(block, min_version, timeout_s)
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -323,7 +353,7 @@ class ExchangeSource(PreconditionerSource):
         return self.inner.wait(block, min_version, max(0.0, deadline - time.monotonic()))
 
     def in_flight_version(self, block: str) -> int | None:
-        if not _shared(block):
+        if not self.shared(block):
             return self.inner.in_flight_version(block)
         with self._cond:
             if self.failed:
@@ -339,7 +369,7 @@ class ExchangeSource(PreconditionerSource):
         out = self.inner.records()
         with self._cond:
             for block, expected in self._expected.items():
-                owner = self.owners.owner(block, 0) if _shared(block) else self.layout.rank
+                owner = self.owners.owner(block, 0) if self.shared(block) else self.layout.rank
                 record = out.setdefault(block, SourceRecord(submitted_version=expected))
                 record.computed_version = max(
                     record.computed_version, self._received.get(block, -1)
@@ -396,27 +426,49 @@ def _to_device(result: PreconditionerResult, device: torch.device) -> Preconditi
     )
 
 
+def _everything(block: str) -> bool:
+    return True
+
+
+def replica_agreement(
+    group: Any = None, *, timeout_s: float, share_shards: bool = False
+) -> InstallAgreement | None:
+    """The agreement on install steps among the data-parallel replicas of ``group`` (None: the
+    world), over a gloo side group of its own; None for a group of one. Collective over the
+    group. Its collectives wait up to ``timeout_s`` (longer than any barrier: a replica that
+    waits for a late result keeps the others in the collective meanwhile)."""
+    members = group_members(group)
+    if len(members) < 2:
+        return None
+    shared = _everything if share_shards else _shared
+    return InstallAgreement(SideGroup(members, "agree", timeout_s=timeout_s), shared)
+
+
 def job_source(
     mode: Any,
     engine_config: EngineConfig | None,
     *,
     address: str | None,
     group: Any = None,
+    share_shards: bool = False,
 ) -> tuple[PreconditionerSource, JobLayout | None]:
     """The embedded or daemon source of this rank of a ``torch.distributed`` job, sharing its
-    blocks with the job's other replicas, and the job's layout. Collective: every rank of
+    blocks with the job's other replicas, and the job's layout. ``share_shards``: ``group`` is
+    the replicas of this rank's shards (HSDP's replicate dim), so a shard's blocks (``@``) are
+    shared among it too. Collective: every rank of
     ``group`` calls it (the optimizer's constructor does). Outside a job (one process, or a
     world of one) it is the plain source, and the layout is None for a single process."""
     from asteria_client.runtime import Mode
 
     layout = discover_layout(group)
+    shared = _everything if share_shards else _shared
     if mode is Mode.EMBEDDED:
         from asteria_client.runtime.embedded import EmbeddedSource
 
         embedded = EmbeddedSource(engine_config)
         if layout is None or layout.world_size == 1:
             return embedded, layout
-        return ExchangeSource(embedded, layout, group), layout
+        return ExchangeSource(embedded, layout, group, shared), layout
     from asteria_client.config import resolve_address
     from asteria_client.transport.daemon import DaemonSource
 
@@ -430,7 +482,7 @@ def job_source(
     register_job(daemon, layout, group)
     if layout.local_world_size == 1:
         return daemon, layout
-    return NodeShareSource(daemon, layout), layout
+    return NodeShareSource(daemon, layout, shared), layout
 
 
 def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from asteria_client.distributed import JobLayout, distributed_job, job_source
+from asteria_client.distributed import JobLayout, distributed_job, job_source, replica_agreement
 from asteria_client.optim import grouped as batched
 from asteria_client.optim.blocking import BlockingPlan, LargeDimPolicy, plan_blocking
 from asteria_client.optim.grouped import (
@@ -203,6 +203,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.finite_check_waits = 0  # reads of a check that had not landed (a host wait)
         super().__init__(named_param_groups(params, self._namer), defaults)
         #: Where results come from and how fresh they are: the only thing the math talks to.
+        self.layout: JobLayout | None = None
+        #: the optimizer's group: every collective of its own runs on it or on one made from it
+        self._process_group = process_group
         if source is None:
             # Continuous refresh pulls by each rank's own credit, so replicas would snapshot
             # different blocks: they compute their own (sharing is for the amortized schedule).
@@ -210,15 +213,26 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             source = self._make_source(
                 mode, engine_config, address, process_group, share, pulls=policy.continuous
             )
+        # Replicas that share their blocks install each result at one agreed step (see
+        # asteria_client.runtime.agreement): collective, like the shared source.
+        agreement = None
+        if self.layout is not None and self.layout.world_size > 1:
+            group, shards = self._replica_group(process_group)
+            agreement = replica_agreement(
+                group, timeout_s=2 * policy.barrier_timeout_s + 30.0, share_shards=shards
+            )
         self.runtime = FreshnessRuntime(
             source,
             policy,
             mode=mode,
             needs_first_result=self.needs_first_result,
+            agreement=agreement,
         )
         self.skipped_steps = 0
         self._warn_costly_blocks()
-        self._warn_replicas_may_drift(mode, policy, process_group)
+        source.plan_blocks(self._planned_blocks())  # replicas' owners from the whole set
+        if agreement is None:
+            self._warn_replicas_may_drift(mode, policy, process_group)
 
     #: Whether ``compile=`` is supported: the optimizer's group math is written as functions
     #: whose arguments that change every step are tensors.
@@ -259,11 +273,36 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         :mod:`asteria_client.distributed.replicas`. Collective then: every rank constructs.
         ``pulls``: the continuous schedule pulls from it (see ``make_source``)."""
         #: This rank's place in its job (None: a single process, or sharing turned off).
-        self.layout: JobLayout | None = None
+        self.layout = None
         if mode is Mode.NATIVE or not share_blocks or not distributed_job():
             return make_source(mode, engine_config, address=address, pulls=pulls)
-        source, self.layout = job_source(mode, engine_config, address=address, group=process_group)
+        group, shards = self._replica_group(process_group)
+        source, self.layout = job_source(
+            mode, engine_config, address=address, group=group, share_shards=shards
+        )
         return source
+
+    def _replica_group(self, process_group: Any) -> tuple[Any, bool]:
+        """The group whose ranks hold the same blocks, and whether those include shards' blocks.
+
+        Under HSDP (every parameter a DTensor on one mesh, replicated along one mesh dim and
+        sharded along the others) a shard's replicas are the ranks along that replicate dim:
+        they share the shard's blocks, ``@`` names and all. Otherwise ``process_group`` (None:
+        the world), whose ranks share the replicated parameters' blocks."""
+        params: list[Any] = [p for _, p, _ in self.named_params()]
+        if not params or not all(is_dtensor(p) for p in params):
+            return process_group, False
+        mesh = params[0].device_mesh
+        if any(p.device_mesh != mesh for p in params) or mesh.ndim < 2:
+            return process_group, False
+        replicated = [
+            dim
+            for dim in range(mesh.ndim)
+            if all(type(p.placements[dim]).__name__ == "Replicate" for p in params)
+        ]
+        if len(replicated) != 1:
+            return process_group, False
+        return mesh.get_group(replicated[0]), True
 
     # ------------------------------------------------------------------ parameters and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -330,7 +369,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self, mode: Mode, policy: StalenessPolicy, process_group: Any
     ) -> None:
         """Warn once, at construction, when data-parallel replicas may install results at
-        different steps (see the message; README "Known problems")."""
+        different steps: their optimizers do not share blocks (``share_blocks=False``, or a
+        source of the caller's own), so nothing agrees on their install steps."""
         if mode is Mode.NATIVE or policy.budget_intervals == 0 or not distributed_job():
             return
         if torch.distributed.get_world_size(process_group) < 2:
@@ -339,14 +379,29 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             return  # FSDP2 shards: each rank preconditions its own blocks
         warnings.warn(
             f"{type(self).__name__} with staleness_budget={policy.budget_intervals} in a "
-            "torch.distributed job: each rank installs a result in the step it arrives there, "
-            "which can differ by a step between ranks, so the replicas of a replicated (DDP) "
-            "parameter drift apart slightly (the averaged gradients keep them close, but they "
-            "are no longer equal). staleness_budget=0 keeps replicas identical (each refresh "
-            "then waits for its solves).",
+            "torch.distributed job, without shared blocks (share_blocks=False or a source of "
+            "your own): each rank installs a result in the step it arrives there, which can "
+            "differ by a step between ranks, so the replicas of a replicated (DDP) parameter "
+            "drift apart slightly. Leave share_blocks=True (its replicas agree on install "
+            "steps), or pass staleness_budget=0 to keep replicas identical.",
             UserWarning,
             stacklevel=4,
         )
+
+    def _planned_blocks(self) -> dict[str, int]:
+        """Every block this optimizer will submit (name -> n), from the blocking plans."""
+        blocks = {}
+        for name, p, group in self.named_params():
+            key, local = self.state_key(name, p), local_tensor(p)
+            if local.numel() == 0:
+                continue
+            for tile in self.plan(key, local, group).tiles:
+                for dim, (size, pre) in enumerate(
+                    zip(tile.shape, tile.preconditioned, strict=True)
+                ):
+                    if pre:
+                        blocks[block_name(key, tile.index, dim)] = int(size)
+        return blocks
 
     def _warn_costly_blocks(self) -> None:
         """Warn once, at construction, when a block's solve is estimated to take long."""
@@ -434,7 +489,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         position = stepping[first].position if first < len(stepping) else len(named)
         sharded = next(p for _, p, _ in self.named_params() if is_dtensor(p))
         flag = torch.tensor([position], device=local_tensor(sharded).device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        torch.distributed.all_reduce(
+            flag, op=torch.distributed.ReduceOp.MIN, group=self._process_group
+        )
         agreed = int(flag.item())
         return named[agreed] if agreed < len(named) else None
 
@@ -470,7 +527,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             none = sum(1 for _ in self.named_params())
             positions = self._tile_positions(steps)
             bad_at = torch.where(torch.isfinite(norms_all), none, positions).min().reshape(1)
-            torch.distributed.all_reduce(bad_at, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(
+                bad_at, op=torch.distributed.ReduceOp.MIN, group=self._process_group
+            )
             finite = (bad_at == none).reshape(())
         record = torch.cat([finite.to(norms_all.dtype).reshape(1), norms_all])
         self._pending_check = _DeviceCheck(
@@ -589,6 +648,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if steps is None and regular:
             steps = self._tile_groups.steps(regular, self.storage_spec)
         if steps:
+            # replicated blocks: the results every replica holds go into use now, on all
+            self.runtime.begin_step(
+                [tile for work in steps for tile in work.tiles if isinstance(tile, TileBlocks)],
+                max(work.step for work in steps),
+                self._install,
+            )
             self._step_groups(steps)
         return True
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asteria_client.runtime.agreement import InstallAgreement
 from asteria_client.runtime.refresh import ContinuousScheduler, RefreshLog
 from asteria_client.runtime.source import (
     NativeSource,
@@ -171,9 +172,14 @@ class FreshnessRuntime:
         *,
         mode: Mode,
         needs_first_result: bool,
+        agreement: InstallAgreement | None = None,
     ) -> None:
         self.source = source
         self.policy = policy
+        #: data-parallel replicas: installs of replicated blocks agreed across ranks (see
+        #: :mod:`.agreement`); None: a result goes into use when it arrives
+        self.agreement = agreement
+        self._step_now = 0  # the step being taken (what held results are stamped with)
         self._transfer: DeviceTransfer | None = None  # the optimizer's own small host copies
         self.mode = mode
         #: a SOAP / KL-Shampoo basis: the block cannot be used before its first result at S = 0
@@ -557,6 +563,9 @@ class FreshnessRuntime:
             self._scanned[id(tile)] = (weakref.ref(tile), epoch)
         in_dim_order = self.policy.budget_intervals == 0 and not self.continuous
         for dim, block in tile.preconditioned():
+            if self._agreed(block):  # held until the replicas agree (begin_step, sync)
+                self._hold(block)
+                continue
             result = self._take_newer(block, tile.versions[dim])
             if result is not None:
                 self._install(tile, dim, result, install)
@@ -569,9 +578,131 @@ class FreshnessRuntime:
                 # order once this one is in.
                 break
 
+    def _agreed(self, block: str) -> bool:
+        return self.agreement is not None and self.agreement.covers(block)
+
+    def _hold(self, block: str) -> int:
+        """Take ``block``'s ready result into the agreement's hold; the version held."""
+        assert self.agreement is not None
+        self.agreement.hold(self.source.take(block), self._step_now)
+        return self.agreement.held_version(block)
+
+    def begin_step(self, tiles: Iterable[TileBlocks], step: int, install: InstallFn) -> None:
+        """A step starts (every replica calls it, with the same tiles in the same order):
+        finish the agreement round of the step before and install, on every replica, the
+        results that all of them held; then start this step's round over the replicated
+        blocks with a snapshot pending (none when there is none); see :mod:`.agreement`. A
+        no-op without an agreement, and at S = 0, where each block's barrier installs its
+        newest version."""
+        agreement = self.agreement
+        self._step_now = step
+        if agreement is None or agreement.failed or self.policy.budget_intervals == 0:
+            return
+        self.source.pump()
+        with torch.no_grad():
+            for (tile, dim, block), version in agreement.finish_round():
+                if version > tile.versions[dim] and agreement.covers(block):
+                    self._install(tile, dim, agreement.release(block, version, step), install)
+            self._agree_due(tiles, step, install)
+            pending = [
+                (tile, dim, block)
+                for tile in tiles
+                for dim, block in tile.preconditioned()
+                if tile.submitted[dim] > tile.versions[dim] and agreement.covers(block)
+            ]
+            for tile, dim, block in pending:
+                self._hold(block)
+                agreement.drop_older(block, tile.versions[dim])
+            agreement.start_round(pending, [agreement.held_version(b) for _, _, b in pending])
+
+    def _agree_due(self, tiles: Iterable[TileBlocks], step: int, install: InstallFn) -> None:
+        """The replicated blocks that reach their deadline at this step (as the tiles stand
+        now): every replica waits (bounded) for each, then one collective for all of them
+        installs those whose newest held version every replica shares; the rest go through
+        :meth:`_agreed_barrier` when the step uses them (one collective each)."""
+        agreement = self.agreement
+        assert agreement is not None
+        due = []
+        for tile in tiles:
+            for dim, block in tile.preconditioned():
+                frequency = self._frequency.get(block, 1)
+                required = self.policy.required_version(
+                    tile.submitted[dim], frequency, self.needs_first(), step=step
+                )
+                if tile.versions[dim] < required and agreement.covers(block):
+                    due.append((tile, dim, block, required))
+        if not due:
+            return
+        give_up_at = time.monotonic() + self.policy.barrier_timeout_s
+        haves = []
+        for _, _, block, required in due:
+            have = self._hold(block)
+            left = give_up_at - time.monotonic()
+            if have < required and left > 0:
+                start = time.perf_counter()
+                result = self.source.wait(block, required, left)
+                self.barrier_stats.record_wait(time.perf_counter() - start, result is not None)
+                agreement.hold(result, step)
+                have = agreement.held_version(block)
+            haves.append(have)
+        for (tile, dim, block, required), version in zip(
+            due, agreement.agree_all(haves), strict=True
+        ):
+            if version >= required:
+                self._install(tile, dim, agreement.release(block, version, step), install)
+
+    def _agreed_barrier(
+        self,
+        tile: TileBlocks,
+        dim: int,
+        block: str,
+        required: int,
+        step: int,
+        request: RequestFn,
+        install: InstallFn,
+    ) -> None:
+        """A replicated block at its deadline: every replica waits (bounded) for a result of
+        at least ``required``, then they agree on one (the newest any holds) or, if any could
+        not get one, all compute it locally (see :mod:`.agreement`)."""
+        agreement = self.agreement
+        assert agreement is not None
+        give_up_at = time.monotonic() + self.policy.barrier_timeout_s
+        target = required
+        while True:
+            have = self._hold(block)
+            left = give_up_at - time.monotonic()
+            if have < target and not self.source.synchronous and left > 0:
+                start = time.perf_counter()
+                result = self.source.wait(block, target, left)
+                self.barrier_stats.record_wait(time.perf_counter() - start, result is not None)
+                agreement.hold(result, step)
+                have = agreement.held_version(block)
+            decision = agreement.agree_forced(have, have < target)
+            if decision is None:  # the agreement failed: this rank alone, as without one
+                if have >= required:
+                    self._install(tile, dim, agreement.release(block, have, step), install)
+                    return
+                break
+            low, high, missing = decision
+            if low == high and low >= required:
+                self._install(tile, dim, agreement.release(block, low, step), install)
+                return
+            if missing:
+                agreement.agreed_fallbacks += 1
+                break
+            target = high  # all have one, not the same: the older ones wait for the newest
+        result = self._compute_locally(tile, dim, block, step, request)
+        if result is not None and result.version > tile.versions[dim]:
+            self._install(tile, dim, result, install)
+            agreement.drop_older(block, tile.versions[dim])
+
     def _take_newer(self, block: str, installed_version: int) -> PreconditionerResult | None:
         """A ready result for ``block`` newer than ``installed_version``; older ones are dropped."""
         result = self.source.take(block)
+        held = self.agreement  # results held before the agreement failed go into use now
+        newest = -1 if held is None else held.held_version(block)
+        if result is None and held is not None and newest > installed_version:
+            result = held.release(block, newest, self._step_now)
         if result is None or result.version <= installed_version:
             return None
         return result
@@ -589,6 +720,7 @@ class FreshnessRuntime:
         if self._unsent:
             self.flush()  # what is waited for below must have been handed over
         self.source.pump()  # finished transfers move on even when nothing is taken
+        self._step_now = step
         for dim, block in tile.preconditioned():
             self._requests[block] = (request, dim, weakref.ref(tile))
             self.refresh_log.record_step(block, step)
@@ -608,6 +740,10 @@ class FreshnessRuntime:
             installed = tile.versions[dim]
             if installed >= required:
                 self._record_lag(block, self.policy.lag_steps(newest, installed, step))
+                continue
+            if self._agreed(block):
+                self._agreed_barrier(tile, dim, block, required, step, request, install)
+                self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
                 continue
             result = None
             if not self.source.synchronous:
@@ -790,6 +926,7 @@ class FreshnessRuntime:
             "lag_histogram": dict(sorted(stats.lag_histogram.items())),
             "refreshes": self.refresh_stats(),
             "source": self.source.stats(),
+            **({} if self.agreement is None else self.agreement.stats()),
         }
 
     def refresh_stats(self) -> dict[str, Any]:

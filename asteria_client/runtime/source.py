@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +133,10 @@ class PreconditionerSource(abc.ABC):
         holds that version, a full eigendecomposition (the result's ``base_version`` -1). The
         basis then never travels back to the engine that produced it."""
         return False
+
+    def plan_blocks(self, blocks: Mapping[str, int]) -> None:  # noqa: B027 - optional
+        """The blocks (name -> n) the optimizer will submit, told once at its construction: a
+        source that shares blocks among replicas assigns their owners from the whole set."""
 
     def credit(self) -> int | None:
         """How many more snapshots this source would start promptly (the continuous schedule

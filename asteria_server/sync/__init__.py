@@ -6,7 +6,7 @@
 - :mod:`.service`: the gRPC ``asteria.v1.Peer`` servicer over the manager.
 """
 
+from asteria_server.owners import balance, block_cost, owner_map
 from asteria_server.sync.manager import SyncConfig, SyncManager
-from asteria_server.sync.owners import balance, block_cost, owner_map
 
 __all__ = ["SyncConfig", "SyncManager", "balance", "block_cost", "owner_map"]

@@ -61,6 +61,7 @@ import grpc
 
 from asteria_server.engine import PreconditionerEngine
 from asteria_server.errors import AuthenticationError, DaemonBusyError, InvalidInputError
+from asteria_server.owners import block_cost, is_shard_block, owner_map
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
@@ -68,15 +69,12 @@ from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_gr
 from asteria_server.protocol.shm import private_result
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.limits import AuthThrottle, RefusalLog
-from asteria_server.sync.owners import block_cost, owner_map
 from asteria_server.sync.policy import UNPROVEN_HEARTBEAT_MAX_S, PeerPolicy
 from asteria_server.sync.push import BlockUse, PushStream, PushTimeouts, check_header
 from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
 logger = logging.getLogger(__name__)
 
-#: Marks a shard's block (FSDP2): it belongs to one rank's node and is never synced.
-SHARD_MARK = "@"
 #: Seconds between heartbeats to a peer declared dead.
 DEAD_PEER_HEARTBEAT_S = 1.0
 #: Versions solved here that a block's status lists.
@@ -143,7 +141,7 @@ def blocks_digest(blocks: Mapping[str, int]) -> str:
 
 
 def replicated(block: str, prefix: str) -> bool:
-    return block.startswith(prefix) and SHARD_MARK not in block
+    return block.startswith(prefix) and not is_shard_block(block)
 
 
 @dataclass

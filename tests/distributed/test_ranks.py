@@ -199,17 +199,20 @@ def _warning_rank(rank: int, tmp: str) -> None:
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(_model())
         seen = {}
-        for budget in (0, 1):
+        for budget, share in ((0, True), (1, True), (2, True), (0, False), (1, False)):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 opt = SOAP(
                     ddp.module.named_parameters(),
                     mode="embedded",
                     staleness_budget=budget,
+                    share_blocks=share,
                     engine_config=EngineConfig(num_workers=1, calibrate=False),
                 )
                 opt.close()
-            seen[budget] = [str(w.message) for w in caught if "drift apart" in str(w.message)]
+            seen[budget, share] = [
+                str(w.message) for w in caught if "drift apart" in str(w.message)
+            ]
         torch.save(seen, f"{tmp}/warnings{rank}.pt")
         del ddp
         leave()
@@ -217,15 +220,19 @@ def _warning_rank(rank: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def test_ddp_replicas_are_warned_that_a_budget_lets_them_drift(tmp_path: Path) -> None:
-    """Replicas install results in the step they arrive on each rank, so with S >= 1 their
-    parameters may drift apart (measured in the issue notes): every rank is told so at
-    construction, and how to keep them identical; at S = 0 nobody is warned."""
+def test_ddp_replicas_are_warned_only_where_nothing_agrees_their_installs(
+    tmp_path: Path,
+) -> None:
+    """Replicas that share their blocks agree on install steps, so they stay identical at any
+    budget (test_replicas_agree) and nobody is warned. With ``share_blocks=False`` each rank
+    installs a result in the step it arrives there, so with S >= 1 their parameters may drift
+    apart: every rank is told so at construction, and how to keep them identical."""
     _spawn(_warning_rank, str(tmp_path))
     for rank in range(WORLD):
         seen = torch.load(tmp_path / f"warnings{rank}.pt")
-        assert seen[0] == [], seen
-        assert len(seen[1]) == 1 and "staleness_budget=0 keeps replicas identical" in seen[1][0]
+        assert seen[0, True] == seen[1, True] == seen[2, True] == seen[0, False] == [], seen
+        assert len(seen[1, False]) == 1
+        assert "staleness_budget=0 to keep replicas identical" in seen[1, False][0]
 
 
 @pytest.mark.parametrize(

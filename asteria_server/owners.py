@@ -1,14 +1,24 @@
-"""Which daemon of a job owns (alone computes) each replicated block.
+"""Who owns (alone computes) each replicated block: one rule for the daemons and the client.
 
-The rule is a pure function of the job's replicated blocks (name and dimension), the job's nodes
-and which of them are alive, so every daemon computes the same map without a coordinator:
+The daemons of a job choose an owner daemon per block replicated across nodes
+(:mod:`asteria_server.sync.manager`); the ranks of a job choose an owner rank per block their
+data-parallel replicas share (``asteria_client.distributed.replicas``: the rank that uploads it
+to its node's daemon, or whose engine solves it). Both apply :func:`owner_map`, with nodes or
+ranks as the members. A leaf: it imports nothing of the project, so the client takes it without
+the daemon's gRPC.
+
+Which blocks are shared at all is the other half of the rule: a block of a parameter shard
+(FSDP2) carries the shard's global coordinates after :data:`SHARD_MARK` in its name.
+
+The owner rule is a pure function of the replicated blocks (name and dimension), the members
+and which of them are alive, so every member computes the same map without a coordinator:
 
 1. **Base map, over every node of the layout** (alive or not): longest processing time first.
    Blocks are taken largest first (cost n³; equal sizes in the order of a hash of the name), and
    each goes to the node with the least work so far (equal loads: the lowest hash of block and
    node, so ties do not all fall to node 0). LPT keeps the largest load within 4/3 of the
    optimum, and for many blocks of mixed sizes much closer.
-2. **Dead nodes' blocks move to the living**, again largest first to the least loaded living
+2. **Dead members' blocks move to the living**, again largest first to the least loaded living
    node. Blocks of living nodes never move, so a death moves only the dead node's blocks, and
    when it comes back (alive again, or a new incarnation) exactly those move back.
 
@@ -21,6 +31,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+
+#: Marks the name of a shard's block (FSDP2): ``fc.weight@rows0:12/tile0/dim0``.
+SHARD_MARK = "@"
+
+
+def is_shard_block(block: str) -> bool:
+    """Whether ``block`` belongs to a parameter shard (its name carries :data:`SHARD_MARK`)."""
+    return SHARD_MARK in block
 
 
 def block_cost(n: int) -> float:
