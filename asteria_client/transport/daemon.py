@@ -62,6 +62,7 @@ from asteria_client.transport.shm import ClientSegment, PendingWrite
 from asteria_server.errors import (
     AsteriaError,
     DaemonBusyError,
+    EngineUnavailableError,
     InvalidInputError,
 )
 from asteria_server.protocol.shm import (
@@ -826,6 +827,20 @@ class DaemonSource(PreconditionerSource):
             return self._conn.status(session.session_id, timeout_s=self.config.status_timeout_s)
         except AsteriaError:
             return None
+
+    def status_page(self) -> int:
+        """One Status RPC of this session (its first page): what a dashboard polling the
+        daemon costs it. Raises an AsteriaError when there is no session or the call fails."""
+        with self._lock:
+            session = self._session.current
+        if session is None:
+            raise EngineUnavailableError("no session with the daemon")
+        return self._conn.status_page(session.session_id, timeout_s=self.config.status_timeout_s)
+
+    def registered_blocks(self) -> int:
+        """How many blocks the current session has declared to the daemon (RegisterBlocks)."""
+        with self._lock:
+            return len(self._registered)
 
     def records(self) -> dict[str, SourceRecord]:
         answer = self.status()
