@@ -182,11 +182,16 @@ class SyntheticTrainer:
         self.tiles: list[TileBlocks] = []
         self.requests: list[Callable[[int, int], PreconditionerRequest]] = []
         self.step_count = 0
+        self._request_of: dict[int, Callable[[int, int], PreconditionerRequest]] = {}
 
     def load(self, blocks: list[tuple[str, int]]) -> None:
         tiles = _tiles(blocks, self.cfg.surrogate_n)
         self.tiles = list(tiles)
         self.requests = [self._request_fn(tile) for tile in tiles]
+        self._request_of = {id(t): r for t, r in zip(tiles, self.requests, strict=True)}
+
+    def request_of(self, tile: Any) -> Callable[[int, int], PreconditionerRequest]:
+        return self._request_of[id(tile)]
 
     def _request_fn(self, tile: _Tile) -> Callable[[int, int], PreconditionerRequest]:
         runtime, frequency = self.runtime, self.cfg.precondition_frequency
@@ -216,8 +221,12 @@ class SyntheticTrainer:
         runtime, install = self.runtime, self.install
         for _ in range(HOOK_SIGNALS):  # the model's forward and backward hooks
             runtime.pump(self._all_tiles, install)
-        for tile, request in zip(self.tiles, self.requests, strict=True):
-            runtime.sync(tile, step, f, request, install)
+        sync_tiles = getattr(runtime, "sync_tiles", None)
+        if sync_tiles is not None:  # as the optimizers sync a tile group
+            sync_tiles(self.tiles, step, f, self.request_of, install)
+        else:  # a runtime from before sync_tiles: the optimizers synced tile by tile
+            for tile, request in zip(self.tiles, self.requests, strict=True):
+                runtime.sync(tile, step, f, request, install)
         if refresh:
             for tile, request in zip(self.tiles, self.requests, strict=True):
                 runtime.submit(tile, step, f, request, install)
@@ -309,12 +318,15 @@ def measure_embedded(cfg: BlocksConfig, n: int) -> dict[str, Any]:
 
 
 def _background_client(
-    address: str, cfg: BlocksConfig, n: int, index: int, ready: Any, stop: Any
+    address: str, cfg: BlocksConfig, n: int, index: int, go: Any, ready: Any, stop: Any
 ) -> None:
-    """One more client (a process): registers ``n`` blocks of its own job, then trains."""
+    """One more client (a process): once told to go, registers ``n`` blocks of its own job,
+    then trains until told to stop."""
     from asteria_client.transport.daemon import DaemonSource
 
     torch.set_num_threads(1)
+    ready.put(-index)  # started: the measured client runs on a quiet host from here
+    go.wait()
     source = DaemonSource(address, tenant=TENANT, token="", job=f"client{index}")
     trainer = SyntheticTrainer(source, Mode.DAEMON, cfg)
     trainer.load(first_blocks(cfg.model, cfg.max_preconditioner_dim, n))
@@ -347,21 +359,31 @@ def _status_read(address: str) -> tuple[float, int, int]:
 
 
 @contextlib.contextmanager
-def _clients(address: str, cfg: BlocksConfig, n: int, count: int) -> Iterator[list[Any]]:
+def _clients(address: str, cfg: BlocksConfig, n: int, count: int) -> Iterator[Callable[[], None]]:
+    """``count`` more client processes, started now (before the measured client holds its
+    descriptors); the function it yields tells them to register and returns once they have."""
     context = multiprocessing.get_context("spawn")
-    ready, stop = context.Queue(), context.Event()
+    go, ready, stop = context.Event(), context.Queue(), context.Event()
     procs = [
         context.Process(
-            target=_background_client, args=(address, cfg, n, i + 1, ready, stop), daemon=True
+            target=_background_client,
+            args=(address, cfg, n, i + 1, go, ready, stop),
+            daemon=True,
         )
         for i in range(count)
     ]
     for p in procs:
         p.start()
-    try:
+    for _ in procs:
+        ready.get(timeout=cfg.result_timeout_s)
+
+    def start() -> None:
+        go.set()
         for _ in procs:
             ready.get(timeout=cfg.result_timeout_s)
-        yield procs
+
+    try:
+        yield start
     finally:
         stop.set()
         for p in procs:
@@ -382,83 +404,94 @@ def _status_rpcs(source: Any, seconds: float) -> list[float]:
 
 
 def measure_daemon(cfg: BlocksConfig, n: int) -> dict[str, Any]:
-    from asteria_client.transport.daemon import DaemonSource
-
     blocks = first_blocks(cfg.model, cfg.max_preconditioner_dim, n)
     daemon = DaemonProcess(workers=1)
     daemon.start()
+    with contextlib.ExitStack() as stack:
+        stack.callback(daemon.stop)
+        more = stack.enter_context(_clients(daemon.address, cfg, n, cfg.clients - 1))
+        return _measure_daemon(cfg, n, blocks, daemon, more)
+    raise AssertionError("unreachable")
+
+
+def _measure_daemon(
+    cfg: BlocksConfig,
+    n: int,
+    blocks: list[tuple[str, int]],
+    daemon: DaemonProcess,
+    more_clients: Callable[[], None],
+) -> dict[str, Any]:
+    from asteria_client.transport.daemon import DaemonSource
+
+    time.sleep(0.5)
+    base_mem = _proc_status(daemon.pid)
+    start = time.perf_counter()
+    source = DaemonSource(daemon.address, tenant=TENANT, token="", job="client0", pulls=True)
+    open_s = time.perf_counter() - start
+    trainer = SyntheticTrainer(source, Mode.DAEMON, cfg)
     try:
-        time.sleep(0.5)
-        base_mem = _proc_status(daemon.pid)
+        trainer.load(blocks)
         start = time.perf_counter()
-        source = DaemonSource(daemon.address, tenant=TENANT, token="", job="client0")
-        open_s = time.perf_counter() - start
-        trainer = SyntheticTrainer(source, Mode.DAEMON, cfg)
-        try:
-            trainer.load(blocks)
-            start = time.perf_counter()
-            first = trainer.step(refresh=True)
-            deadline = time.monotonic() + cfg.result_timeout_s
-            while source.registered_blocks() < n and time.monotonic() < deadline:
-                time.sleep(0.005)
-            register_s = time.perf_counter() - start
-            trainer.receive_all(cfg.result_timeout_s)
-            _progress(f"daemon N={n}: registered in {register_s:.2f} s; idle steps")
-            idle, receiving = _idle_steps(trainer, cfg.idle_steps)
-            start = time.perf_counter()
-            for _ in range(CREDIT_CALLS):
-                source.credit()
-            credit_s = (time.perf_counter() - start) / CREDIT_CALLS
-            cpu0 = _cpu_s(daemon.pid)
-            refresh = [trainer.step(refresh=True)]
-            trainer.receive_all(cfg.result_timeout_s)
-            refresh.append(trainer.step(refresh=True))
-            trainer.receive_all(cfg.result_timeout_s)
-            daemon_cpu = (_cpu_s(daemon.pid) - cpu0) / (2 * n)
-            time.sleep(0.2)
-            mem = _proc_status(daemon.pid)
-            payload = 2 * n * 4 * cfg.surrogate_n * cfg.surrogate_n
-            rss_per_block = (mem["RssAnon"] - base_mem["RssAnon"] - payload) / n
-            stats = source.stats()
-            one_status = _status_read(daemon.address)
-            result: dict[str, Any] = {
-                "open_s": open_s,
-                "register_s": register_s,
-                "first_step_s": first,
-                "idle_step": _summary(idle, n),
-                "idle_steps_receiving": receiving,
-                "refresh_step": _summary(refresh, n),
-                "credit_call_s": credit_s,
-                "daemon_cpu_per_snapshot_and_result_s": daemon_cpu,
-                "daemon_rss_anon_bytes": mem["RssAnon"] - base_mem["RssAnon"],
-                "daemon_rss_per_block_bytes": rss_per_block,
-                "payload_bytes": payload,
-                "shm_segments": stats.get("shm_segments"),
-                "shm_blocks_refused": stats.get("shm_blocks_refused"),
-                "chunked_snapshots": stats.get("chunked_snapshots"),
-                "status_1_client": {"s": one_status[0], "bytes": one_status[1]},
+        first = trainer.step(refresh=True)
+        deadline = time.monotonic() + cfg.result_timeout_s
+        while source.registered_blocks() < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        register_s = time.perf_counter() - start
+        trainer.receive_all(cfg.result_timeout_s)
+        _progress(f"daemon N={n}: registered in {register_s:.2f} s; idle steps")
+        idle, receiving = _idle_steps(trainer, cfg.idle_steps)
+        start = time.perf_counter()
+        for _ in range(CREDIT_CALLS):
+            source.credit()
+        credit_s = (time.perf_counter() - start) / CREDIT_CALLS
+        cpu0 = _cpu_s(daemon.pid)
+        refresh = [trainer.step(refresh=True)]
+        trainer.receive_all(cfg.result_timeout_s)
+        refresh.append(trainer.step(refresh=True))
+        trainer.receive_all(cfg.result_timeout_s)
+        daemon_cpu = (_cpu_s(daemon.pid) - cpu0) / (2 * n)
+        time.sleep(0.2)
+        mem = _proc_status(daemon.pid)
+        payload = 2 * n * 4 * cfg.surrogate_n * cfg.surrogate_n
+        rss_per_block = (mem["RssAnon"] - base_mem["RssAnon"] - payload) / n
+        stats = source.stats()
+        one_status = _status_read(daemon.address)
+        result: dict[str, Any] = {
+            "open_s": open_s,
+            "register_s": register_s,
+            "first_step_s": first,
+            "idle_step": _summary(idle, n),
+            "idle_steps_receiving": receiving,
+            "refresh_step": _summary(refresh, n),
+            "credit_call_s": credit_s,
+            "daemon_cpu_per_snapshot_and_result_s": daemon_cpu,
+            "daemon_rss_anon_bytes": mem["RssAnon"] - base_mem["RssAnon"],
+            "daemon_rss_per_block_bytes": rss_per_block,
+            "payload_bytes": payload,
+            "shm_segments": stats.get("shm_segments"),
+            "shm_blocks_refused": stats.get("shm_blocks_refused"),
+            "chunked_snapshots": stats.get("chunked_snapshots"),
+            "status_1_client": {"s": one_status[0], "bytes": one_status[1]},
+        }
+        if cfg.clients > 1:
+            _progress(f"daemon N={n}: {cfg.clients - 1} more clients register and train")
+            more_clients()
+            reads = [_status_read(daemon.address) for _ in range(3)]
+            latencies = _status_rpcs(source, cfg.status_rpc_s)
+            result["status_all_clients"] = {
+                "clients": cfg.clients,
+                "blocks": reads[0][2],
+                "median_s": percentile([r[0] for r in reads], 50),
+                "bytes": reads[0][1],
             }
-            if cfg.clients > 1:
-                _progress(f"daemon N={n}: {cfg.clients - 1} more clients register and train")
-                with _clients(daemon.address, cfg, n, cfg.clients - 1):
-                    reads = [_status_read(daemon.address) for _ in range(3)]
-                    latencies = _status_rpcs(source, cfg.status_rpc_s)
-                result["status_all_clients"] = {
-                    "clients": cfg.clients,
-                    "blocks": reads[0][2],
-                    "median_s": percentile([r[0] for r in reads], 50),
-                    "bytes": reads[0][1],
-                }
-                result["status_rpc"] = {
-                    "calls": len(latencies),
-                    "p50_s": percentile(latencies, 50),
-                    "p99_s": percentile(latencies, 99),
-                    "max_s": max(latencies),
-                }
-        finally:
-            trainer.runtime.close()
+            result["status_rpc"] = {
+                "calls": len(latencies),
+                "p50_s": percentile(latencies, 50),
+                "p99_s": percentile(latencies, 99),
+                "max_s": max(latencies),
+            }
     finally:
-        daemon.stop()
+        trainer.runtime.close()
     return result
 
 

@@ -150,10 +150,10 @@ class Shampoo(AsteriaOptimizer):
             if not stacks.has_blocks:
                 continue
             due = (work.step - 1) % group["precondition_frequency"] == 0
-            for tile in work.tiles:
-                if due:
+            if due:
+                for tile in work.tiles:
                     self._submit_tile(tile, work.step, group)
-                self._sync_tile(tile, work.step, group)
+            self._sync_tiles(work.tiles, work.step, group)
         updates = [
             (work, self._direction(work), -work.hyper["lr"], _decay(work.hyper)) for work in steps
         ]

@@ -220,3 +220,13 @@ class Coordinator:
         tier_of: Callable[[tuple[str, str], SolveResult | None], str] | None = None,
     ) -> list[BlockStatus]:
         return self.registry.status(tenant, self.scheduler.positions(), tier_of)
+
+    def status_page(
+        self,
+        tenant: str,
+        after: str,
+        limit: int,
+        tier_of: Callable[[tuple[str, str], SolveResult | None], str] | None = None,
+    ) -> tuple[list[BlockStatus], int]:
+        positions = self.scheduler.positions() if len(self.scheduler) else None
+        return self.registry.status_page(tenant, after, limit, positions, tier_of)

@@ -536,6 +536,13 @@ class PreconditionerEngine:
         with self._cond:
             return self._coord.status(tenant, self._tiers.tier)
 
+    def status_page(self, tenant: str, after: str, limit: int) -> tuple[list[BlockStatus], int]:
+        """The status of at most ``limit`` of ``tenant``'s blocks, the first by name after
+        ``after`` (from the first when empty), and how many blocks the tenant has: what one
+        Status answer carries, at the cost of the page, not of every block."""
+        with self._cond:
+            return self._coord.status_page(tenant, after, limit, self._tiers.tier)
+
     def stats(self, viewer: str | None = None) -> EngineStats:
         """Engine-wide numbers. The workers' block names are shown for tenant ``viewer``'s tasks
         only (None: for none), so a tenant never learns another's block names."""

@@ -1028,24 +1028,21 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             await abort_call(context, exc)
         stats = self._engine.stats(session.tenant)  # its own blocks' names in the workers
         reply = convert.status_to_proto(stats, [], self.transport_stats())
-        blocks = self._engine.status(session.tenant)  # sorted by name
-        after = request.after_block
-        first = 0
-        if after:
-            first = next((i for i, b in enumerate(blocks) if b.block > after), len(blocks))
         page = min(request.max_blocks or STATUS_PAGE_BLOCKS, STATUS_PAGE_BLOCKS)
+        # One page's blocks, sorted by name: the engine builds no status for the others.
+        blocks, total = self._engine.status_page(session.tenant, request.after_block, page + 1)
         # Stop well short of the message limit: the engine numbers and framing need room too.
         room = self._limits.max_message_bytes - reply.ByteSize() - 4096
         taken: list[pb.BlockStatus] = []
-        for block in blocks[first:]:
+        for block in blocks:
             message = convert.block_status_to_proto(block)
             room -= message.ByteSize() + 8
             if len(taken) >= page or (room < 0 and taken):
                 break
             taken.append(message)
         reply.blocks.extend(taken)
-        reply.total_blocks = len(blocks)
-        if first + len(taken) < len(blocks) and taken:
+        reply.total_blocks = total
+        if len(taken) < len(blocks) and taken:
             reply.next_after_block = taken[-1].block
         return reply
 
