@@ -91,6 +91,8 @@ MODELS: dict[str, dict[str, Any]] = {
 DEFAULT_BLOCKS = (100, 1000, 5000, 20000)
 QUICK_BLOCKS = (100, 400)
 DEFAULT_CLIENTS = 8
+#: The daemon's default ``tenant_max_blocks``.
+DEFAULT_TENANT_MAX_BLOCKS = 100_000
 TENANT = "local"
 #: Hook signals per step: ``attach()``'s forward and backward signals of a large model.
 HOOK_SIGNALS = 2 * 65
@@ -392,6 +394,17 @@ def _clients(address: str, cfg: BlocksConfig, n: int, count: int) -> Iterator[Ca
                 p.kill()
 
 
+def _wait_for_blocks(source: Any, count: int, timeout_s: float) -> None:
+    """Until the daemon's status counts ``count`` blocks (the clients' first snapshots are
+    queued), or ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = source.status()
+        if answer is not None and len(answer[1]) >= count:
+            return
+        time.sleep(0.5)
+
+
 def _status_rpcs(source: Any, seconds: float) -> list[float]:
     """Latencies of one Status RPC (the first page) called back to back for ``seconds``."""
     latencies: list[float] = []
@@ -403,9 +416,17 @@ def _status_rpcs(source: Any, seconds: float) -> list[float]:
     return latencies
 
 
+def tenant_max_blocks(cfg: BlocksConfig, n: int) -> int:
+    """The daemon's block quota for a run: the default (100,000), or what C clients of N
+    blocks of one tenant need (said in the report)."""
+    return max(DEFAULT_TENANT_MAX_BLOCKS, cfg.clients * n)
+
+
 def measure_daemon(cfg: BlocksConfig, n: int) -> dict[str, Any]:
     blocks = first_blocks(cfg.model, cfg.max_preconditioner_dim, n)
-    daemon = DaemonProcess(workers=1)
+    daemon = DaemonProcess(
+        workers=1, extra_args=("--tenant-max-blocks", str(tenant_max_blocks(cfg, n)))
+    )
     daemon.start()
     with contextlib.ExitStack() as stack:
         stack.callback(daemon.stop)
@@ -455,7 +476,6 @@ def _measure_daemon(
         payload = 2 * n * 4 * cfg.surrogate_n * cfg.surrogate_n
         rss_per_block = (mem["RssAnon"] - base_mem["RssAnon"] - payload) / n
         stats = source.stats()
-        one_status = _status_read(daemon.address)
         result: dict[str, Any] = {
             "open_s": open_s,
             "register_s": register_s,
@@ -471,13 +491,24 @@ def _measure_daemon(
             "shm_segments": stats.get("shm_segments"),
             "shm_blocks_refused": stats.get("shm_blocks_refused"),
             "chunked_snapshots": stats.get("chunked_snapshots"),
-            "status_1_client": {"s": one_status[0], "bytes": one_status[1]},
+            "errors": [],
         }
+        try:
+            one_status = _status_read(daemon.address)
+            result["status_1_client"] = {"s": one_status[0], "bytes": one_status[1]}
+        except Exception as exc:  # e.g. no descriptor left for a connection: reported
+            result["errors"].append(f"asteria status with one client: {exc!r}")
         if cfg.clients > 1:
             _progress(f"daemon N={n}: {cfg.clients - 1} more clients register and train")
-            more_clients()
-            reads = [_status_read(daemon.address) for _ in range(3)]
-            latencies = _status_rpcs(source, cfg.status_rpc_s)
+            try:
+                more_clients()
+                _wait_for_blocks(source, cfg.clients * n, cfg.result_timeout_s)
+                reads = [_status_read(daemon.address) for _ in range(3)]
+                latencies = _status_rpcs(source, cfg.status_rpc_s)
+            except Exception as exc:  # reported with the figures that were measured
+                result["errors"].append(f"{cfg.clients} clients: {exc!r}")
+                _progress(f"daemon N={n}: {cfg.clients} clients failed: {exc!r}")
+                return result
             result["status_all_clients"] = {
                 "clients": cfg.clients,
                 "blocks": reads[0][2],
@@ -502,7 +533,13 @@ def run_blocks(cfg: BlocksConfig) -> dict[str, Any]:
         run: dict[str, Any] = {"blocks": n}
         for mode in cfg.modes:
             _progress(f"{mode} N={n}: start")
-            run[mode] = measure_embedded(cfg, n) if mode == "embedded" else measure_daemon(cfg, n)
+            try:
+                measure = measure_embedded if mode == "embedded" else measure_daemon
+                run[mode] = measure(cfg, n)
+            except Exception as exc:  # one N failing (e.g. out of descriptors) is a figure too
+                _progress(f"{mode} N={n}: failed: {exc!r}")
+                run[f"{mode}_error"] = repr(exc)
+                continue
             idle = run[mode]["idle_step"]["median_s"]
             _progress(f"{mode} N={n}: idle step {idle * 1e3:.2f} ms")
         runs.append(run)
@@ -583,6 +620,8 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
         for mode in ("embedded", "daemon"):
             m = run.get(mode)
             if m is None:
+                if f"{mode}_error" in run:
+                    rows.append([str(run["blocks"]), mode, *["fail"] * (len(rows[0]) - 2)])
                 continue
             status = m.get("status_all_clients")
             rpc = m.get("status_rpc")
@@ -631,8 +670,125 @@ def _targets_text(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _get(run: dict[str, Any] | None, mode: str, *path: str) -> Any:
+    value: Any = None if run is None else run.get(mode)
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _comparison_rows(report: dict[str, Any]) -> list[list[str]]:
+    """Before (``--before``) and after side by side, per N and mode."""
+    before = {r["blocks"]: r for r in report["before"]["runs"]}
+    rows = [
+        [
+            "N",
+            "mode",
+            "idle step ms before → after",
+            "refresh µs/block before → after",
+            "daemon CPU µs/snap+result",
+            "daemon RSS B/block",
+            "status C×N s",
+            "Status p99 ms",
+        ]
+    ]
+
+    def pair(old: Any, new: Any, scale: float, digits: int) -> str:
+        def one(v: Any) -> str:
+            return "fail" if v is None else f"{v * scale:.{digits}f}"
+
+        return f"{one(old)} → {one(new)}"
+
+    for run in report["runs"]:
+        n = run["blocks"]
+        old = before.get(n)
+        for mode in ("embedded", "daemon"):
+            if mode not in run and (old is None or mode not in old):
+                continue
+            rows.append(
+                [
+                    str(n),
+                    mode,
+                    pair(
+                        _get(old, mode, "idle_step", "median_s"),
+                        _get(run, mode, "idle_step", "median_s"),
+                        1e3,
+                        2,
+                    ),
+                    pair(
+                        _get(old, mode, "refresh_step", "per_block_s"),
+                        _get(run, mode, "refresh_step", "per_block_s"),
+                        1e6,
+                        1,
+                    ),
+                    pair(
+                        _get(old, mode, "daemon_cpu_per_snapshot_and_result_s"),
+                        _get(run, mode, "daemon_cpu_per_snapshot_and_result_s"),
+                        1e6,
+                        0,
+                    ),
+                    pair(
+                        _get(old, mode, "daemon_rss_per_block_bytes"),
+                        _get(run, mode, "daemon_rss_per_block_bytes"),
+                        1,
+                        0,
+                    ),
+                    pair(
+                        _get(old, mode, "status_all_clients", "median_s"),
+                        _get(run, mode, "status_all_clients", "median_s"),
+                        1,
+                        2,
+                    ),
+                    pair(
+                        _get(old, mode, "status_rpc", "p99_s"),
+                        _get(run, mode, "status_rpc", "p99_s"),
+                        1e3,
+                        1,
+                    ),
+                ]
+                if mode != "embedded"
+                else [
+                    str(n),
+                    mode,
+                    pair(
+                        _get(old, mode, "idle_step", "median_s"),
+                        _get(run, mode, "idle_step", "median_s"),
+                        1e3,
+                        2,
+                    ),
+                    pair(
+                        _get(old, mode, "refresh_step", "per_block_s"),
+                        _get(run, mode, "refresh_step", "per_block_s"),
+                        1e6,
+                        1,
+                    ),
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                ]
+            )
+    return rows
+
+
+def _errors(report: dict[str, Any]) -> list[str]:
+    out = []
+    for run in report["runs"]:
+        for mode in ("embedded", "daemon"):
+            if f"{mode}_error" in run:
+                out.append(f"- N = {run['blocks']}, {mode}: failed: `{run[f'{mode}_error']}`")
+            for error in _get(run, mode, "errors") or []:
+                out.append(f"- N = {run['blocks']}, {mode}: `{error}`")
+    return out
+
+
 def format_report(report: dict[str, Any]) -> str:
-    return "\n".join([*text_table(_rows(report), align=">"), *_targets_text(report)])
+    lines = [*text_table(_rows(report), align=">"), *_targets_text(report), *_errors(report)]
+    if "before" in report:
+        lines += ["", "before → after:", *text_table(_comparison_rows(report), align=">")]
+    return "\n".join(lines)
 
 
 def write_figures(report: dict[str, Any], json_path: Path) -> list[Path]:
@@ -683,11 +839,16 @@ def report_section(report: dict[str, Any]) -> str:
         "factors), the first N blocks (repeated as shards beyond that) driven through the real "
         "runtime and source as an optimizer drives them, the optimizer's math left out; "
         f"{report['surrogate']}. One measured client; for the status columns "
-        f"{cfg['clients'] - 1} more client processes register N blocks each and train.",
+        f"{cfg['clients'] - 1} more client processes (one tenant) register N blocks each and "
+        f"train; the daemon's tenant_max_blocks is raised to C × N where that passes the "
+        f"default {DEFAULT_TENANT_MAX_BLOCKS:,}.",
         "",
         *markdown_table(rows[0], rows[1:], align=">"),
         "",
+        "Targets, as ratios from this run:",
+        "",
         *_targets_text(report),
+        *_errors(report),
         "",
         "Columns: idle step: the training thread's time in the runtime and source for a step "
         "that refreshes nothing and receives nothing (median; with its 130 hook signals); "
@@ -701,6 +862,22 @@ def report_section(report: dict[str, Any]) -> str:
         "(seconds, size); Status p99: one Status RPC, called back to back while the clients "
         "train.",
     ]
+    before = report.get("before")
+    if before is not None:
+        compared = _comparison_rows(report)
+        lines += [
+            "",
+            f"**Before and after.** The same benchmark on the code before this change "
+            f"(`{before.get('code', 'main')}`), run just before it on this host "
+            f"({before['machine']['date']}):",
+            "",
+            *markdown_table(compared[0], compared[1:], align=">"),
+            "",
+            "Before, the targets stood at:",
+            "",
+            *_targets_text(before),
+            *_errors(before),
+        ]
     for figure in report.get("figures", []):
         lines += ["", f"![{Path(figure).stem}]({figure})"]
     return "\n".join(lines)
@@ -740,6 +917,17 @@ def register(subparsers: Any) -> Any:
     )
     parser.add_argument("--modes", default="embedded,daemon", help="embedded,daemon")
     parser.add_argument("--idle-steps", type=int, default=20, metavar="K")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        metavar="PATH",
+        help="a report of this benchmark on older code: shown side by side with this run",
+    )
+    parser.add_argument(
+        "--code",
+        default="",
+        help="what code this run measures (a commit), written into the report",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here")
     return run_command
 
@@ -756,5 +944,9 @@ def run_command(args: argparse.Namespace) -> int:
         status_rpc_s=1.0 if args.quick else 5.0,
     )
     report = run_blocks(cfg)
+    if args.code:
+        report["code"] = args.code
+    if args.before is not None:
+        report["before"] = json.loads(args.before.read_text())
     output.publish(report, format_report(report), args.json, write_figures)
     return 0

@@ -48,11 +48,25 @@ SEGMENT_FD_SHARE = 0.5
 
 def segment_budget() -> int:
     """How many segments this process's sources may hold together: :data:`SEGMENT_FD_SHARE`
-    of the soft ``RLIMIT_NOFILE`` (``ulimit -n``), two descriptors each."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    of the soft ``RLIMIT_NOFILE`` (``ulimit -n``), two descriptors each. The soft limit is
+    raised to the hard one first (once), as the daemon does: the usual soft 1024 would keep
+    a model's blocks off shared memory beyond 128."""
+    global _NOFILE_RAISED
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if not _NOFILE_RAISED:
+        _NOFILE_RAISED = True
+        if hard != resource.RLIM_INFINITY and hard > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+                soft = hard
+            except (ValueError, OSError):
+                pass
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
     return int(soft * SEGMENT_FD_SHARE) // FDS_PER_SEGMENT
+
+
+_NOFILE_RAISED = False
 
 
 class _ProcessSegments:

@@ -42,7 +42,7 @@ def host_bytes(result: SolveResult | None) -> int:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
     tenant: str
     block: str

@@ -71,6 +71,11 @@ ANONYMOUS_TENANT = "local"
 REGISTRATION_OVERHEAD_BYTES = 200
 #: Blocks in one Status answer unless the request asks for fewer.
 STATUS_PAGE_BLOCKS = 10_000
+#: How to get past the block quota, said with it.
+RAISE_BLOCKS = (
+    "; raise it with asteria-server --tenant-max-blocks N (TOML tenant_max_blocks, env "
+    "ASTERIA_TENANT_MAX_BLOCKS), or drop a finished job's blocks with asteria forget --job JOB"
+)
 #: Shared-memory copies larger than this run in a thread, off the event loop.
 _COPY_IN_THREAD_BYTES = 4 << 20
 #: Seconds before a stream looks again at a result that was overwritten while it copied it out.
@@ -539,7 +544,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             if held + added > quota:
                 raise DaemonBusyError(
                     f"RegisterBlocks: tenant {session.tenant!r} has {held} blocks and {added} "
-                    f"new would exceed its quota of {quota} (tenant_max_blocks)"
+                    f"new would exceed its quota of {quota} (tenant_max_blocks){RAISE_BLOCKS}"
                 )
             cost = sum(_registration_cost(b) for b in new)
             held_bytes = self._held_bytes()
@@ -727,7 +732,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             if held >= limits.tenant_max_blocks:
                 raise DaemonBusyError(
                     f"{what}: tenant {tenant!r} has {held} blocks, its quota "
-                    f"(tenant_max_blocks = {limits.tenant_max_blocks})"
+                    f"(tenant_max_blocks = {limits.tenant_max_blocks}){RAISE_BLOCKS}"
                 )
             counted = header.block
         else:
