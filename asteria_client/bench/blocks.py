@@ -91,6 +91,7 @@ MODELS: dict[str, dict[str, Any]] = {
 DEFAULT_BLOCKS = (100, 1000, 5000, 20000)
 QUICK_BLOCKS = (100, 400)
 DEFAULT_CLIENTS = 8
+MODES = ("embedded", "daemon")
 #: The daemon's default ``tenant_max_blocks``.
 DEFAULT_TENANT_MAX_BLOCKS = 100_000
 TENANT = "local"
@@ -354,7 +355,7 @@ def _status_read(address: str) -> tuple[float, int, int]:
     reader = StatusReader(address, TENANT, "")
     try:
         stats, rows, transport = reader.read()
-        text = json.dumps(status_document(address, stats, rows, transport), indent=1)
+        text = json.dumps(status_document(address, stats, rows, transport))  # as the CLI
     finally:
         reader.close()
     return time.perf_counter() - start, len(text.encode()), len(rows)
@@ -570,6 +571,12 @@ def _ratio(runs: list[dict[str, Any]], mode: str, get: Callable[[dict[str, Any]]
     return last / first if first > 0 else None
 
 
+def _span(runs: list[dict[str, Any]], mode: str) -> str:
+    """The N range a mode's ratios span (a mode that failed at the largest N spans less)."""
+    have = [r["blocks"] for r in runs if mode in r]
+    return f"N = {have[0]} → {have[-1]}" if have else "no N"
+
+
 def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets, as ratios between the smallest and the largest N of this run."""
     out: dict[str, Any] = {
@@ -578,6 +585,7 @@ def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     for mode in ("embedded", "daemon"):
         out[f"{mode}_idle_step_growth"] = _ratio(runs, mode, lambda m: m["idle_step"]["median_s"])
+        out[f"{mode}_span"] = _span(runs, mode)
     out["daemon_cpu_per_snapshot_growth"] = _ratio(
         runs, "daemon", lambda m: m["daemon_cpu_per_snapshot_and_result_s"]
     )
@@ -586,6 +594,7 @@ def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["daemon_rss_per_block_bytes"] = last["daemon_rss_per_block_bytes"]
         if "status_all_clients" in last:
             out["status_all_clients_s"] = last["status_all_clients"]["median_s"]
+            out["status_blocks_seen"] = last["status_all_clients"]["blocks"]
             out["status_rpc_p99_s"] = last["status_rpc"]["p99_s"]
     return out
 
@@ -611,7 +620,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
             "credit() µs",
             "daemon CPU µs/snap+result",
             "daemon RSS B/block",
-            "status C×N s",
+            "status s (blocks seen)",
             "status KiB",
             "Status p99 ms",
         ]
@@ -640,7 +649,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
                     _us(m.get("credit_call_s")),
                     "-" if cpu is None else f"{cpu * 1e6:.0f}",
                     "-" if rss is None else f"{rss:.0f}",
-                    "-" if status is None else f"{status['median_s']:.2f}",
+                    "-" if status is None else f"{status['median_s']:.2f} ({status['blocks']})",
                     "-" if status is None else f"{status['bytes'] / 1024:.0f}",
                     "-" if rpc is None else _ms(rpc["p99_s"], 1),
                 ]
@@ -656,16 +665,18 @@ def _targets_text(report: dict[str, Any]) -> list[str]:
             return "-"
         return f"{value:.2f}{unit}" if unit == "×" else f"{value:.3g} {unit}"
 
-    span = f"N = {t['first_n']} → {t['last_n']}"
+    spans = {m: t.get(f"{m}_span", f"N = {t['first_n']} → {t['last_n']}") for m in MODES}
     return [
-        f"- idle step growth, {span}: embedded {fmt(t['embedded_idle_step_growth'])}, "
-        f"daemon {fmt(t['daemon_idle_step_growth'])} (target ≤ 1.5×)",
-        f"- daemon CPU per snapshot + result growth, {span}: "
+        f"- idle step growth: embedded {fmt(t['embedded_idle_step_growth'])} "
+        f"({spans['embedded']}), daemon {fmt(t['daemon_idle_step_growth'])} "
+        f"({spans['daemon']}) (target ≤ 1.5×)",
+        f"- daemon CPU per snapshot + result growth, {spans['daemon']}: "
         f"{fmt(t['daemon_cpu_per_snapshot_growth'])} (target ≤ 1.2×)",
         f"- daemon RSS beyond payload at N = {t['last_n']}: "
         f"{fmt(t.get('daemon_rss_per_block_bytes'), 'B/block')} (target ≤ 2048 B/block)",
         f"- `asteria status` of all clients' blocks at N = {t['last_n']}: "
-        f"{fmt(t.get('status_all_clients_s'), 's')} (target ≤ 2 s); Status RPC p99 while "
+        f"{fmt(t.get('status_all_clients_s'), 's')} over the {t.get('status_blocks_seen', '?')} "
+        "blocks the daemon held then (target ≤ 2 s); Status RPC p99 while "
         f"they train: {fmt(t.get('status_rpc_p99_s'), 's')} (target ≤ 0.1 s)",
     ]
 
@@ -697,7 +708,7 @@ def _comparison_rows(report: dict[str, Any]) -> list[list[str]]:
 
     def pair(old: Any, new: Any, scale: float, digits: int) -> str:
         def one(v: Any) -> str:
-            return "fail" if v is None else f"{v * scale:.{digits}f}"
+            return "n/a" if v is None else f"{v * scale:.{digits}f}"
 
         return f"{one(old)} → {one(new)}"
 
@@ -793,10 +804,13 @@ def format_report(report: dict[str, Any]) -> str:
 
 def write_figures(report: dict[str, Any], json_path: Path) -> list[Path]:
     runs = report["runs"]
-    ns = [r["blocks"] for r in runs]
     figures = []
     panels: list[tuple[str, str, Callable[[dict[str, Any]], float | None]]] = [
-        ("idle", "host µs per block, step that refreshes nothing", _per_block("idle_step")),
+        (
+            "idle",
+            "host ms, step that refreshes nothing",
+            lambda m: m["idle_step"]["median_s"] * 1e3,
+        ),
         ("refresh", "host µs per block, refresh step", _per_block("refresh_step")),
         (
             "daemon-cpu",
@@ -807,11 +821,16 @@ def write_figures(report: dict[str, Any], json_path: Path) -> list[Path]:
     ]
     for suffix, label, get in panels:
         fig, ax = output.new_figure(6.0, 3.6)
-        for mode in ("embedded", "daemon"):
-            points = [(n, get(r[mode])) for n, r in zip(ns, runs, strict=True) if mode in r]
-            points = [(n, v) for n, v in points if v is not None]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=mode)
+        sets = [("", runs)]
+        if "before" in report:
+            sets.append((" before", report["before"]["runs"]))
+        for tag, some in sets:
+            for mode in ("embedded", "daemon"):
+                points = [(r["blocks"], get(r[mode])) for r in some if mode in r]
+                points = [(n, v) for n, v in points if v is not None]
+                if points:
+                    style = "--" if tag else "-"
+                    ax.plot(*zip(*points, strict=True), style, marker="o", label=mode + tag)
         ax.set_xscale("log")
         ax.set_xlabel("blocks per client (N)")
         ax.set_ylabel(label)
@@ -859,8 +878,8 @@ def report_section(report: dict[str, Any]) -> str:
         "its solver worker) per "
         "snapshot received and result delivered; daemon RSS: anonymous memory per block beyond "
         "the payload; status: `asteria status --json` over all pages of every client's blocks "
-        "(seconds, size); Status p99: one Status RPC, called back to back while the clients "
-        "train.",
+        "(seconds, the blocks the daemon held by then, size); Status p99: one Status RPC, "
+        "called back to back while the clients train.",
     ]
     before = report.get("before")
     if before is not None:
