@@ -99,3 +99,43 @@ def test_a_step_that_receives_nothing_does_not_touch_every_block(
         f"{name}: a step that received nothing made {small} calls into per-block code with "
         f"{2 * SMALL} blocks and {large} with {2 * LARGE}: its cost grows with the blocks held"
     )
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_results_that_arrive_after_quiet_steps_are_still_installed(name: str) -> None:
+    """The other side of skipping quiet tiles: a result that arrives after steps that looked
+    at nothing marks its tile, and the next step installs it (every block catches up)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 5)) for _ in range(SMALL)]
+    with OPTIMIZERS[name](
+        [(f"w{i}", p) for i, p in enumerate(params)],
+        lr=1e-3,
+        precondition_frequency=4,
+        mode="embedded",
+        staleness_budget=2,
+        engine_config=EngineConfig(num_workers=1),
+    ) as opt:
+        for _ in range(13):  # snapshots at steps 1, 5, 9 and 13
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        for p in params:  # step 14 at once: it looks at the tiles step 13 snapshotted
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        tiles = [tile for _, tile in opt._block_tiles()]
+        blocks = [b for tile in tiles for b in tile.blocks if b is not None]
+        deadline = time.monotonic() + 60
+        while any(opt.source.in_flight_version(b) is not None for b in blocks):
+            assert time.monotonic() < deadline, "the engine did not finish step 13's solves"
+            time.sleep(0.05)  # no step meanwhile: the results wait in the source
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()  # step 15: nothing due, so only the arrivals can make it look at a tile
+        late = [
+            (block, tile.versions[dim])
+            for tile in tiles
+            for dim, block in enumerate(tile.blocks)
+            if block is not None and tile.versions[dim] < 13
+        ]
+        assert not late, f"results that arrived between steps were not installed: {late}"
+        assert opt.runtime_stats()["max_lag_steps"] <= 2 * 4
