@@ -168,6 +168,7 @@ class _SyncGroup:
     tiles: list[Any]
     size: int
     frequency: int
+    last_step: int = -1
     dirty: dict[int, Any] = dataclasses.field(default_factory=dict)
     lags: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     tally: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -541,7 +542,8 @@ class FreshnessRuntime:
             or group.size != len(tiles)
             or group.frequency != frequency
         ):
-            group = self._new_sync_group(tiles, frequency)
+            group = self._new_sync_group(tiles, frequency, step)
+        group.last_step = step
         self._note_arrivals()
         if self._sync_epoch is None:  # the source cannot tell: every tile, every step
             group.dirty.update((id(t), t) for t in tiles)
@@ -576,13 +578,20 @@ class FreshnessRuntime:
             for lag in group.lags.get(key, ()):
                 group.tally[lag] += 1
 
-    def _new_sync_group(self, tiles: list[Any], frequency: int) -> _SyncGroup:
+    def _new_sync_group(self, tiles: list[Any], frequency: int, step: int) -> _SyncGroup:
         """The record of a tile list seen for the first time (or changed): every tile of it
-        is looked at in this sync. Records of lists no longer synced are dropped."""
+        is looked at in this sync. Records of lists not synced in the last step (the
+        optimizer regrouped its tiles) are dropped, so regrouping never accumulates them."""
         old = self._sync_groups.pop(id(tiles), None)
-        if old is not None:
-            for tile in old.tiles:
-                self._group_of.pop(id(tile), None)
+        stale = [old] if old is not None else []
+        for key, other in list(self._sync_groups.items()):
+            if other.last_step < step - 1:
+                stale.append(other)
+                del self._sync_groups[key]
+        for dropped in stale:
+            for tile in dropped.tiles:
+                if self._group_of.get(id(tile)) is dropped:
+                    del self._group_of[id(tile)]
         group = _SyncGroup(tiles=tiles, size=len(tiles), frequency=frequency)
         group.dirty = {id(t): t for t in tiles}
         self._sync_groups[id(tiles)] = group
