@@ -43,6 +43,7 @@ SECTION_ORDER = (
     "throughput",
     "sharing",
     "scale",
+    "blocks",
     "soak",
 )
 TITLES = {
@@ -56,6 +57,7 @@ TITLES = {
     "throughput": "Throughput: daemon solves/s against a bare LAPACK loop",
     "sharing": "Sharing: N training processes on one daemon",
     "scale": "Scale: one job on K simulated nodes, daemons synced",
+    "blocks": "Blocks: bookkeeping cost per block from 100 to 20,000 blocks",
     "soak": "Soak: clients, kills and a misbehaving tenant on one daemon",
 }
 DEFAULT_RESULTS = Path("runs/bench")

@@ -15,6 +15,7 @@ one invocation (shared machines are noisy), never an absolute time to compare ac
 
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     from asteria_client.bench import (
+        blocks,
         convergence,
         defaults,
         peers,
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks (convergence, peers, defaults, spikes, step, transport, throughput, "
-        "sharing, soak, scale) and their report",
+        "sharing, soak, scale, blocks) and their report",
         description=BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         "step": step.register(benches),
         "sharing": sharing.register(benches),
         "scale": scale.register(benches),
+        "blocks": blocks.register(benches),
         "soak": soak.register(benches),
         "throughput": throughput.register(benches),
         "transport": transport.register(benches),

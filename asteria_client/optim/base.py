@@ -814,6 +814,17 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self._install,
         )
 
+    def _sync_tiles(self, tiles: list[Any], step: int, group: dict[str, Any]) -> None:
+        """:meth:`_sync_tile` of every tile of one tile group (its list, kept from step to
+        step): the runtime looks only at the tiles that changed since their last sync."""
+        self.runtime.sync_tiles(
+            tiles,
+            step,
+            int(group["precondition_frequency"]),
+            lambda tile: lambda dim, v: self._make_request(tile, dim, v, group),
+            self._install,
+        )
+
     def _block_tiles(self) -> Iterator[tuple[int, TileBlocks]]:
         """(step, tile) for every tile with blocks."""
         for _, p, _ in self.named_params():

@@ -166,8 +166,7 @@ class KLShampoo(AsteriaOptimizer):
                 )
                 updates.append((work, direction, -group["lr"], decay))
                 continue
-            for tile in work.tiles:
-                self._sync_tile(tile, work.step, group)
+            self._sync_tiles(work.tiles, work.step, group)
             self._update_statistics(work, beta2, group["eps"], group["damping"])
             exp_avg = stacks.tensors["exp_avg"]
             batched.ema_(exp_avg, g, beta1, batched.coefficients(work.mask, beta1))

@@ -152,8 +152,7 @@ class Shampoo(AsteriaOptimizer):
                     self._submit_tile(tile, work.step, group)
         for work in steps:  # after every submit: the step's snapshots leave in one copy
             if work.group.has_blocks:
-                for tile in work.tiles:
-                    self._sync_tile(tile, work.step, work.hyper)
+                self._sync_tiles(work.tiles, work.step, work.hyper)
         updates = [
             (work, self._direction(work), -work.hyper["lr"], _decay(work.hyper)) for work in steps
         ]

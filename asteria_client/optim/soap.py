@@ -154,8 +154,7 @@ class SOAP(AsteriaOptimizer):
     def _step_groups(self, steps: list[GroupStep]) -> None:
         for work in steps:
             if work.group.has_blocks:
-                for tile in work.tiles:
-                    self._sync_tile(tile, work.step, work.hyper)  # install results; the budget
+                self._sync_tiles(work.tiles, work.step, work.hyper)  # results; the budget
         updates = []
         for work in steps:
             group, stacks = work.hyper, work.group

@@ -162,6 +162,21 @@ def signal_modules(
     return [owners[(i * len(owners)) // limit] for i in range(limit)]
 
 
+@dataclass(eq=False)
+class _SyncGroup:
+    """What :meth:`FreshnessRuntime.sync_tiles` keeps about one list of tiles: the tiles to
+    look at next time (by id), the lags each tile's blocks were used with at its last look,
+    and how many of the list's blocks have each lag (counted for every step not looked at)."""
+
+    tiles: list[Any]
+    size: int
+    frequency: int
+    last_step: int = -1
+    dirty: dict[int, Any] = dataclasses.field(default_factory=dict)
+    lags: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    tally: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
 class FreshnessRuntime:
     """Submits snapshots, installs results, enforces the budget; see the module docstring."""
 
@@ -192,6 +207,14 @@ class FreshnessRuntime:
         self._pumped_epoch: int | None = None
         #: id(tile) -> (the tile, the results epoch of its last scan)
         self._scanned: dict[int, tuple[weakref.ref[TileBlocks], int]] = {}
+        #: :meth:`sync_tiles`: the tile lists it synced (by id), each with its tiles that need
+        #: a look; id(tile) -> its list's record, to mark a tile when something changes it
+        self._sync_groups: dict[int, _SyncGroup] = {}
+        self._group_of: dict[int, _SyncGroup] = {}
+        self._sync_epoch: int | None = None
+        #: calls into the per-block sync code (a test counts them: a step that receives
+        #: nothing must not touch every block)
+        self.block_syncs = 0
         self._hooks: list[Any] = []
         self._warned: set[str] = set()
         #: block -> how to snapshot it (its factor and basis in use, uncopied): drift at install
@@ -369,6 +392,7 @@ class FreshnessRuntime:
         if deadline_step is not None:
             snapshot = dataclasses.replace(snapshot, deadline_step=deadline_step)
         tile.submitted[dim] = version
+        self._changed(tile)
         if self._packer is None:  # native: solved now, on the factor's device
             self._hand_over(snapshot)
         else:
@@ -544,6 +568,7 @@ class FreshnessRuntime:
             self._from_source.pop(block, None)
         else:
             self._from_source[block] = result.version
+        self._changed(tile)
         # A pull counts its installs (a synchronous source's) itself; a floor result's install
         # is the amortized schedule's own cost, not the extra refreshes' budget.
         if not self._pulling and not floor:
@@ -721,12 +746,141 @@ class FreshnessRuntime:
             self.flush()  # what is waited for below must have been handed over
         self.source.pump()  # finished transfers move on even when nothing is taken
         self._step_now = step
+        self._sync_tile(tile, step, frequency, request, install)
+
+    def sync_tiles(
+        self,
+        tiles: list[Any],
+        step: int,
+        frequency: int,
+        request_for: Callable[[Any], RequestFn],
+        install: InstallFn,
+    ) -> None:
+        """:meth:`sync` of every tile of ``tiles`` (one list the caller keeps from step to
+        step, e.g. a tile group's), at a cost that follows what changed, not what is held.
+
+        A tile whose blocks all met the budget at its last sync, with nothing changed since
+        (no snapshot submitted, no result arrived or installed), would meet it again with
+        the same lags: it is not looked at again, and its blocks' lags are counted from the
+        list's running tally. So a step in which nothing arrived costs a counter read, not a
+        pass over every block. Sources that cannot say which results arrived, and the
+        continuous schedule's in-flight blocks (their lag grows every step), are synced
+        every step as :meth:`sync` does. ``request_for(tile)`` builds a tile's request
+        function, only for the tiles looked at."""
+        if self._unsent:
+            self.flush()  # what is waited for below must have been handed over
+        self.source.pump()
+        self._step_now = step
+        group = self._sync_groups.get(id(tiles))
+        if (
+            group is None
+            or group.tiles is not tiles
+            or group.size != len(tiles)
+            or group.frequency != frequency
+        ):
+            group = self._new_sync_group(tiles, frequency, step)
+        group.last_step = step
+        self._note_arrivals()
+        if self._sync_epoch is None:  # the source cannot tell: every tile, every step
+            group.dirty.update((id(t), t) for t in tiles)
+        dirty, group.dirty = group.dirty, {}
+        for key, tile in dirty.items():
+            before = group.lags.pop(key, ())
+            for lag in before:
+                group.tally[lag] -= 1
+            lags, settled = self._sync_tile(tile, step, frequency, request_for(tile), install)
+            for lag in lags:
+                group.tally[lag] = group.tally.get(lag, 0) + 1
+            group.lags[key] = lags
+            if settled:  # its own installs just now are seen: nothing left to look at
+                group.dirty.pop(key, None)
+            else:
+                group.dirty[key] = tile
+        self._count_settled(group, dirty)
+        self.refresh_log.step = max(self.refresh_log.step, step)
+
+    def _count_settled(self, group: _SyncGroup, synced: dict[int, Any]) -> None:
+        """The lags of the blocks not looked at this step, counted as :meth:`_record_lag`
+        would have (the looked-at ones were counted by their sync)."""
+        stats = self.barrier_stats
+        for key in synced:
+            for lag in group.lags.get(key, ()):
+                group.tally[lag] -= 1
+        for lag, count in group.tally.items():
+            if count > 0:
+                stats.max_lag_steps = max(stats.max_lag_steps, lag)
+                stats.lag_histogram[lag] = stats.lag_histogram.get(lag, 0) + count
+        for key in synced:
+            for lag in group.lags.get(key, ()):
+                group.tally[lag] += 1
+
+    def _new_sync_group(self, tiles: list[Any], frequency: int, step: int) -> _SyncGroup:
+        """The record of a tile list seen for the first time (or changed): every tile of it
+        is looked at in this sync. Records of lists not synced in the last step (the
+        optimizer regrouped its tiles) are dropped, so regrouping never accumulates them."""
+        old = self._sync_groups.pop(id(tiles), None)
+        stale = [old] if old is not None else []
+        for key, other in list(self._sync_groups.items()):
+            if other.last_step < step - 1:
+                stale.append(other)
+                del self._sync_groups[key]
+        for dropped in stale:
+            for tile in dropped.tiles:
+                if self._group_of.get(id(tile)) is dropped:
+                    del self._group_of[id(tile)]
+        group = _SyncGroup(tiles=tiles, size=len(tiles), frequency=frequency)
+        group.dirty = {id(t): t for t in tiles}
+        self._sync_groups[id(tiles)] = group
+        for tile in tiles:
+            self._group_of[id(tile)] = group
+        return group
+
+    def _note_arrivals(self) -> None:
+        """Mark the tiles whose blocks got a result since the last look (all tiles when the
+        source cannot name them)."""
+        epoch = self.source.results_epoch()
+        since, self._sync_epoch = self._sync_epoch, epoch
+        if epoch is None or epoch == since:
+            return
+        blocks = None if since is None else self.source.results_since(since)
+        if blocks is not None:
+            for block in blocks:
+                known = self._requests.get(block)
+                tile = None if known is None else known[2]()
+                if tile is None:
+                    break
+                self._changed(tile)
+            else:
+                return
+        for group in self._sync_groups.values():
+            group.dirty.update((id(t), t) for t in group.tiles)
+
+    def _changed(self, tile: TileBlocks) -> None:
+        """Something about ``tile`` changed: :meth:`sync_tiles` looks at it again."""
+        group = self._group_of.get(id(tile))
+        if group is not None:
+            group.dirty[id(tile)] = tile
+
+    def _sync_tile(
+        self,
+        tile: TileBlocks,
+        step: int,
+        frequency: int,
+        request: RequestFn,
+        install: InstallFn,
+    ) -> tuple[tuple[int, ...], bool]:
+        """The body of :meth:`sync`: the lags its blocks are used with, and whether they
+        stay so until something changes (each met the budget, and none is a continuous
+        block in flight, whose lag grows with the step)."""
         for dim, block in tile.preconditioned():
             self._requests[block] = (request, dim, weakref.ref(tile))
             self.refresh_log.record_step(block, step)
         self.install_ready(tile, install)
         scheduler = self._continuous
+        lags: list[int] = []
+        settled = True
         for dim, block in tile.preconditioned():
+            self.block_syncs += 1
             newest = tile.submitted[dim]
             interval, floor = frequency, False
             if scheduler is not None:  # the budget counts steps; the amortized one for a floor
@@ -739,11 +893,15 @@ class FreshnessRuntime:
             )
             installed = tile.versions[dim]
             if installed >= required:
-                self._record_lag(block, self.policy.lag_steps(newest, installed, step))
+                lags.append(self._record_lag(block, self.policy.lag_steps(newest, installed, step)))
+                settled = settled and not (scheduler is not None and newest > installed)
                 continue
             if self._agreed(block):
                 self._agreed_barrier(tile, dim, block, required, step, request, install)
-                self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
+                lags.append(
+                    self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
+                )
+                settled = False  # looked at again next step, as any block that waited
                 continue
             result = None
             if not self.source.synchronous:
@@ -756,12 +914,17 @@ class FreshnessRuntime:
                 result = self._compute_locally(tile, dim, block, step, request)
             if result is not None and result.version > tile.versions[dim]:
                 self._install(tile, dim, result, install, local=local)
-            self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
+            lags.append(
+                self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
+            )
+            settled = False  # looked at again next step (it may still be short of the budget)
+        return tuple(lags), settled
 
-    def _record_lag(self, block: str, lag_steps: int) -> None:
+    def _record_lag(self, block: str, lag_steps: int) -> int:
         """The lag a block was *used* with: what the staleness budget bounds."""
         self._lag_at_use[block] = lag_steps
         self.barrier_stats.record_lag(lag_steps)
+        return lag_steps
 
     def _compute_locally(
         self, tile: TileBlocks, dim: int, block: str, step: int, request: RequestFn

@@ -146,7 +146,9 @@ class PreconditionerSource(abc.ABC):
 
     @abc.abstractmethod
     def record(self, block: str) -> SourceRecord:
-        """Per-block bookkeeping for status reports."""
+        """Per-block bookkeeping for status reports: what this source holds itself, without
+        a round trip to a daemon (its view of the block, failures in the daemon included, is
+        in :meth:`records`)."""
 
     def records(self) -> dict[str, SourceRecord]:
         """Every block's record at once (one engine round trip for a whole status report)."""

@@ -388,6 +388,15 @@ class DaemonConnection:
                 break
         return stats, blocks, convert.transport_stats_from_proto(reply)
 
+    def status_page(self, session_id: str, *, timeout_s: float | None = None) -> int:
+        """One Status RPC (the first page); the number of blocks it carried."""
+        timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
+        try:
+            reply = self._stub.Status(pb.StatusRequest(session_id=session_id), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return len(reply.blocks)
+
     def results(
         self,
         session: SessionInfo,

@@ -63,6 +63,7 @@ from asteria_client.transport.shm import ClientSegment
 from asteria_server.errors import (
     AsteriaError,
     DaemonBusyError,
+    EngineUnavailableError,
     InvalidInputError,
 )
 from asteria_server.protocol.shm import (
@@ -144,11 +145,14 @@ class _Block:
     """What the client knows about one block."""
 
     device: torch.device
+    #: the source's blocks whose snapshot waits for the sender, by name (shared by every
+    #: block of a source: the sender and ``credit()`` read it instead of scanning every block)
+    waiting: dict[str, _Block]
+    name: str
     #: False for a block first seen in a result (a warm start from what the daemon holds for
     #: the job): its device is taken from the first snapshot.
     device_known: bool = True
     latest: SolveTask | None = None  # newest snapshot, kept for a resubmit after a reconnect
-    pending: bool = False  # ``latest`` waits for the sender
     sent_version: int = -1  # newest version the current session accepted
     received_version: int = -1  # newest result received (never goes back)
     ready: SolveResult | None = None  # newest result not taken yet
@@ -164,6 +168,18 @@ class _Block:
     #: ``latest``'s copies from the device into host memory, not waited for yet
     latest_write: _HostCopies | None = None
     shm_error: str = ""  # why this block's segments could not be made (it uses gRPC)
+
+    @property
+    def pending(self) -> bool:
+        """``latest`` waits for the sender (kept in ``waiting``, under the source's lock)."""
+        return self.name in self.waiting
+
+    @pending.setter
+    def pending(self, value: bool) -> None:
+        if value:
+            self.waiting[self.name] = self
+        else:
+            self.waiting.pop(self.name, None)
 
 
 def _result_problem(result: SolveResult, latest: SolveTask | None) -> str | None:
@@ -230,6 +246,7 @@ class DaemonSource(PreconditionerSource):
         )
         self._lock = threading.Condition()
         self._blocks: dict[str, _Block] = {}
+        self._waiting: dict[str, _Block] = {}  # the blocks whose snapshot waits for the sender
         self._registered: set[str] = set()  # blocks declared to the current session
         self._job: RegisteredJob | None = None  # registered again on every new session
         self._results_epoch = 0  # results received so far: lets the runtime skip idle scans
@@ -301,7 +318,7 @@ class DaemonSource(PreconditionerSource):
         result that came before this process used the block learns its device here."""
         block = self._blocks.get(name)
         if block is None:
-            block = self._blocks[name] = _Block(device=device)
+            block = self._blocks[name] = _Block(device=device, waiting=self._waiting, name=name)
         elif not block.device_known:
             block.device, block.device_known = device, True
             if block.ready is not None:
@@ -374,15 +391,14 @@ class DaemonSource(PreconditionerSource):
         while True:
             with self._lock:
                 while not self._session.closed and (
-                    self._session.current is None
-                    or not any(b.pending for b in self._blocks.values())
+                    self._session.current is None or not self._waiting
                 ):
                     self._lock.wait()
                 if self._session.closed:
                     return
                 session = self._session.current
                 assert session is not None
-                writes = [b.latest_write for b in self._blocks.values() if b.pending]
+                writes = [b.latest_write for b in self._waiting.values()]
             for write in writes:  # device copies still in flight: wait here, not in the step,
                 if write is not None:  # and without the lock the training thread takes
                     write.finish()
@@ -390,9 +406,7 @@ class DaemonSource(PreconditionerSource):
                 if self._session.current is not session:
                     continue
                 batch: list[tuple[_Block, SolveTask]] = []
-                for block in self._blocks.values():
-                    if not block.pending:
-                        continue
+                for block in list(self._waiting.values()):
                     write = block.latest_write
                     if write is not None:
                         if not write.finished:
@@ -649,10 +663,9 @@ class DaemonSource(PreconditionerSource):
 
     def session_lost(self, session: SessionInfo) -> None:
         """The session ended (lock held): snapshots waiting for the sender are dropped."""
-        for block in self._blocks.values():
-            if block.pending:
-                block.pending = False
-                block.dropped += 1
+        for block in list(self._waiting.values()):
+            block.pending = False
+            block.dropped += 1
 
     def session_closed(self) -> None:
         self._segments.close_channel()
@@ -665,7 +678,9 @@ class DaemonSource(PreconditionerSource):
             self._counts["results_received"] += 1  # each was staged once, kept or not
             block = self._blocks.get(name)
             if block is None:  # held by the daemon from before this process: a warm start
-                block = self._blocks[name] = _Block(device=torch.device("cpu"), device_known=False)
+                block = self._blocks[name] = _Block(
+                    device=torch.device("cpu"), waiting=self._waiting, name=name, device_known=False
+                )
             if result.version <= block.received_version:
                 return  # older than one received: versions never go back
             latest = block.latest
@@ -729,7 +744,7 @@ class DaemonSource(PreconditionerSource):
         with self._lock:
             if self._session.current is None:
                 return 0
-            pending = sum(1 for b in self._blocks.values() if b.pending)
+            pending = len(self._waiting)
             credit = self._credit
             if credit is None:
                 unanswered = sum(
@@ -844,6 +859,20 @@ class DaemonSource(PreconditionerSource):
         except AsteriaError:
             return None
 
+    def status_page(self) -> int:
+        """One Status RPC of this session (its first page): what a dashboard polling the
+        daemon costs it. Raises an AsteriaError when there is no session or the call fails."""
+        with self._lock:
+            session = self._session.current
+        if session is None:
+            raise EngineUnavailableError("no session with the daemon")
+        return self._conn.status_page(session.session_id, timeout_s=self.config.status_timeout_s)
+
+    def registered_blocks(self) -> int:
+        """How many blocks the current session has declared to the daemon (RegisterBlocks)."""
+        with self._lock:
+            return len(self._registered)
+
     def records(self) -> dict[str, SourceRecord]:
         answer = self.status()
         remote = {} if answer is None else {s.block: s for s in answer[1]}
@@ -851,50 +880,57 @@ class DaemonSource(PreconditionerSource):
             n[len(self._prefix) :]: s for n, s in remote.items() if n.startswith(self._prefix)
         }
         with self._lock:
-            connected = self._session.current is not None
-            incarnation = self._session.incarnation_id
-            out = {}
-            for name, block in self._blocks.items():
-                extra: dict[str, Any] = {
-                    "daemon_incarnation": incarnation,
-                    "connected": connected,
-                    "daemon_block": self._prefix + name,
-                    "submits_dropped": block.dropped,
-                    "submits_replaced": block.replaced,
-                    "submits_rejected": block.rejected,
-                }
-                rec = SourceRecord(
-                    submitted_version=-1 if block.latest is None else block.latest.version,
-                    computed_version=block.received_version,
-                    last_error=block.last_error,
-                    extra=extra,
-                )
-                status = remote.get(name)
-                if status is not None:
-                    rec.computed_version = max(rec.computed_version, status.version)
-                    rec.failures = status.failures
-                    rec.consecutive_failures = status.consecutive_failures
-                    rec.last_solve_s = status.last_solve_s or 0.0
-                    rec.last_error = status.last_error or rec.last_error
-                    extra.update(
-                        state=status.state.value,
-                        queue_position=status.queue_position,
-                        in_flight_version=status.in_flight_version,
-                        delivered_version=status.delivered_version,
-                        age_s=status.age_s,
-                    )
-                else:
-                    in_flight = self._in_flight(block) if connected else None
-                    extra.update(
-                        state="unknown",
-                        queue_position=None,
-                        in_flight_version=-1 if in_flight is None else in_flight,
-                    )
-                out[name] = rec
-        return out
+            return {
+                name: self._record_of(name, block, remote.get(name))
+                for name, block in self._blocks.items()
+            }
+
+    def _record_of(self, name: str, block: _Block, status: BlockStatus | None) -> SourceRecord:
+        """One block's record (locked): this client's view, with the daemon's ``status`` of
+        it when known."""
+        connected = self._session.current is not None
+        extra: dict[str, Any] = {
+            "daemon_incarnation": self._session.incarnation_id,
+            "connected": connected,
+            "daemon_block": self._prefix + name,
+            "submits_dropped": block.dropped,
+            "submits_replaced": block.replaced,
+            "submits_rejected": block.rejected,
+        }
+        rec = SourceRecord(
+            submitted_version=-1 if block.latest is None else block.latest.version,
+            computed_version=block.received_version,
+            last_error=block.last_error,
+            extra=extra,
+        )
+        if status is not None:
+            rec.computed_version = max(rec.computed_version, status.version)
+            rec.failures = status.failures
+            rec.consecutive_failures = status.consecutive_failures
+            rec.last_solve_s = status.last_solve_s or 0.0
+            rec.last_error = status.last_error or rec.last_error
+            extra.update(
+                state=status.state.value,
+                queue_position=status.queue_position,
+                in_flight_version=status.in_flight_version,
+                delivered_version=status.delivered_version,
+                age_s=status.age_s,
+            )
+        else:
+            in_flight = self._in_flight(block) if connected else None
+            extra.update(
+                state="unknown",
+                queue_position=None,
+                in_flight_version=-1 if in_flight is None else in_flight,
+            )
+        return rec
 
     def record(self, block: str) -> SourceRecord:
-        return self.records().get(block, SourceRecord())
+        """This client's view of one block, without a call to the daemon (``records()`` adds
+        the daemon's view of every block, in one status read)."""
+        with self._lock:
+            known = self._blocks.get(block)
+            return SourceRecord() if known is None else self._record_of(block, known, None)
 
     def stats(self) -> dict[str, Any]:
         """Client-side counters: connection, incarnations seen, dropped, replaced (by a newer
@@ -916,6 +952,7 @@ class DaemonSource(PreconditionerSource):
                 "transport": "shm" if self._segments.active else "grpc",
                 "shm_segments": len(self._segments),
                 "shm_rehandovers": self._segments.rehandovers,
+                "shm_refusals": self._segments.refusals,
                 "shm_blocks_refused": sum(bool(b.shm_error) for b in self._blocks.values()),
                 # Daemons refused for their uid: by this source now, by the process ever.
                 "daemon_refused": self._session.refused,

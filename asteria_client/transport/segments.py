@@ -15,11 +15,19 @@ later snapshot of those blocks would be refused.
 
 Threading: the sender thread creates segments and hands them over; the session thread opens
 and closes the channel and reads results. One lock serializes handover requests.
+
+Descriptors: a segment holds two in this process (its memfd and its mapping's own), so a
+model of tens of thousands of blocks would take every descriptor of the training process (and
+then its data loader, its checkpoints and its sockets fail with EMFILE). The segments of all
+sources in a process hold at most :func:`segment_budget` of them; the blocks beyond go over
+gRPC, said once in a warning. Refusals (by the daemon or this budget) are logged once per
+source and counted.
 """
 
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 
 import numpy as np
@@ -31,6 +39,54 @@ from asteria_server.protocol.shm import ArraySpec, SegmentRef, SharedMemoryUnava
 from asteria_server.types import SolveTask
 
 logger = logging.getLogger(__name__)
+
+#: Descriptors one segment holds in this process (the memfd and its mapping's duplicate).
+FDS_PER_SEGMENT = 2
+#: The share of the process's soft descriptor limit that segments may hold.
+SEGMENT_FD_SHARE = 0.5
+
+
+def segment_budget() -> int:
+    """How many segments this process's sources may hold together: :data:`SEGMENT_FD_SHARE`
+    of the soft ``RLIMIT_NOFILE`` (``ulimit -n``), two descriptors each. The soft limit is
+    raised to the hard one first (once), as the daemon does: the usual soft 1024 would keep
+    a model's blocks off shared memory beyond 128."""
+    global _NOFILE_RAISED
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if not _NOFILE_RAISED:
+        _NOFILE_RAISED = True
+        if hard != resource.RLIM_INFINITY and hard > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+                soft = hard
+            except (ValueError, OSError):
+                pass
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return int(soft * SEGMENT_FD_SHARE) // FDS_PER_SEGMENT
+
+
+_NOFILE_RAISED = False
+
+
+class _ProcessSegments:
+    """The segments every source of this process holds, against :func:`segment_budget`."""
+
+    lock = threading.Lock()
+    held = 0
+
+    @classmethod
+    def reserve(cls, count: int) -> bool:
+        with cls.lock:
+            if cls.held + count > segment_budget():
+                return False
+            cls.held += count
+            return True
+
+    @classmethod
+    def release(cls, count: int) -> None:
+        with cls.lock:
+            cls.held = max(0, cls.held - count)
 
 
 class SegmentSet:
@@ -45,6 +101,7 @@ class SegmentSet:
         self._attached: set[str] = set()  # segment ids the daemon holds in this session
         self._segments: dict[str, ClientSegment] = {}  # every segment, by id
         self.rehandovers = 0  # times the segments were handed over again after a loss
+        self.refusals = 0  # segments not made (budget, host) or not handed over (the daemon)
 
     # ------------------------------------------------------------------ state
     @property
@@ -108,7 +165,7 @@ class SegmentSet:
                 self._channel.attach(segment)
             except SharedMemoryUnavailableError as exc:
                 if self._channel_alive_locked():
-                    logger.warning("segment of block %s not handed over: %s", segment.block, exc)
+                    self._refused_once(f"segment of block {segment.block} not handed over: {exc}")
                     return False
                 return self._reconnect_locked(why=str(exc)) and self.is_attached(segment)
             self._attached.add(segment.segment_id)
@@ -134,7 +191,7 @@ class SegmentSet:
             try:
                 channel.attach(segment)
             except SharedMemoryUnavailableError as exc:
-                logger.warning("segment of block %s not handed over: %s", segment.block, exc)
+                self._refused_once(f"segment of block {segment.block} not handed over: {exc}")
                 continue
             self._attached.add(segment.segment_id)
         return True
@@ -161,10 +218,20 @@ class SegmentSet:
         be made on this host: the caller sends that block over gRPC from then on."""
         if not self.enabled or self._channel is None:
             return None
+        if not _ProcessSegments.reserve(2):
+            budget = segment_budget()
+            message = (
+                f"this process's segments hold {budget * FDS_PER_SEGMENT} descriptors, "
+                f"{SEGMENT_FD_SHARE:.0%} of its descriptor limit (ulimit -n); raise it for "
+                "more blocks over shared memory"
+            )
+            self._refused_once(f"block {task.block} and later ones go over gRPC: {message}")
+            raise SharedMemoryUnavailableError(message)
         try:
             snapshot, result = segments_for(task)
         except SharedMemoryUnavailableError as exc:
-            logger.warning("block %s goes over gRPC: %s", task.block, exc)
+            _ProcessSegments.release(2)
+            self._refused_once(f"block {task.block} goes over gRPC: {exc}")
             raise
         with self._lock:
             self._segments[snapshot.segment_id] = snapshot
@@ -172,6 +239,12 @@ class SegmentSet:
         self.hand_over(snapshot)
         self.hand_over(result)
         return snapshot, result
+
+    def _refused_once(self, message: str) -> None:
+        """One warning per source; the later refusals are counted (``shm_refusals``)."""
+        self.refusals += 1
+        if self.refusals == 1:
+            logger.warning("%s (further refusals are counted in stats(), not logged)", message)
 
     def result_segment(self, ref: SegmentRef) -> ClientSegment:
         """The result segment ``ref`` names (raises InvalidInputError for an unknown one)."""
@@ -190,3 +263,4 @@ class SegmentSet:
             segments, self._segments = list(self._segments.values()), {}
         for segment in segments:
             segment.close()
+        _ProcessSegments.release(len(segments))

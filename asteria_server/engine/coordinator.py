@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -220,3 +220,18 @@ class Coordinator:
         tier_of: Callable[[tuple[str, str], SolveResult | None], str] | None = None,
     ) -> list[BlockStatus]:
         return self.registry.status(tenant, self.scheduler.positions(), tier_of)
+
+    def status_page(
+        self,
+        tenant: str,
+        after: str,
+        limit: int,
+        tier_of: Callable[[tuple[str, str], SolveResult | None], str] | None = None,
+        positions: Mapping[tuple[str, str], int] | None = None,
+    ) -> tuple[list[BlockStatus], int, Mapping[tuple[str, str], int]]:
+        """One status page, with the queue positions it used: the scheduler's now unless
+        ``positions`` (an earlier page's of the same read) are given."""
+        if positions is None:
+            positions = self.scheduler.positions() if len(self.scheduler) else {}
+        page, total = self.registry.status_page(tenant, after, limit, positions, tier_of)
+        return page, total, positions

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -575,6 +575,21 @@ class PreconditionerEngine:
         """Per-block status, of one tenant or all."""
         with self._cond:
             return self._coord.status(tenant, self._tiers.tier)
+
+    def status_page(
+        self,
+        tenant: str,
+        after: str,
+        limit: int,
+        positions: Mapping[tuple[str, str], int] | None = None,
+    ) -> tuple[list[BlockStatus], int, Mapping[tuple[str, str], int]]:
+        """The status of at most ``limit`` of ``tenant``'s blocks, the first by name after
+        ``after`` (from the first when empty), how many blocks the tenant has, and the queue
+        positions used: what one Status answer carries, at the cost of the page, not of every
+        block. A later page of the same read passes the first page's ``positions`` back (one
+        consistent queue order, computed once per read)."""
+        with self._cond:
+            return self._coord.status_page(tenant, after, limit, self._tiers.tier, positions)
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """Engine-wide numbers. The workers' block names are shown for tenant ``viewer``'s tasks

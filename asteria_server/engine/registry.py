@@ -20,6 +20,7 @@ The registry is not thread-safe; the engine serializes access with its lock.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ def host_bytes(result: SolveResult | None) -> int:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
     tenant: str
     block: str
@@ -102,12 +103,16 @@ class CoherenceRegistry:
         #: change, so a quota check or a cache that spills never scans every block.
         self._blocks_of: dict[str, int] = {}
         self._host_bytes_of: dict[str, int] = {}
+        #: tenant -> its block names, sorted: built by the first status page after a block
+        #: came or went, then shared by every page (a status read of many pages sorts once)
+        self._sorted_names: dict[str, list[str]] = {}
 
     def _record(self, tenant: str, block: str) -> _Record:
         rec = self._records.get((tenant, block))
         if rec is None:
             rec = self._records[(tenant, block)] = _Record(tenant, block)
             self._blocks_of[tenant] = self._blocks_of.get(tenant, 0) + 1
+            self._sorted_names.pop(tenant, None)
         return rec
 
     def _set_result(self, rec: _Record, result: SolveResult | None) -> None:
@@ -266,6 +271,7 @@ class CoherenceRegistry:
         rec = self._records.pop((tenant, block), None)
         if rec is not None:
             self._set_result(rec, None)
+            self._sorted_names.pop(tenant, None)
             self._blocks_of[tenant] = self._blocks_of.get(tenant, 1) - 1
             if not self._blocks_of[tenant]:
                 del self._blocks_of[tenant]
@@ -334,39 +340,71 @@ class CoherenceRegistry:
         """Every block's status (of one tenant if given), sorted by (tenant, block)."""
         now = self._clock()
         positions = queue_positions or {}
+        keys = (
+            sorted(self._records) if tenant is None else [(tenant, b) for b in self._names(tenant)]
+        )
+        return [self._status_of(key, now, positions, tier_of) for key in keys]
 
+    def status_page(
+        self,
+        tenant: str,
+        after: str,
+        limit: int,
+        queue_positions: Mapping[Key, int] | None = None,
+        tier_of: Callable[[Key, SolveResult | None], str] | None = None,
+    ) -> tuple[list[BlockStatus], int]:
+        """The status of at most ``limit`` of ``tenant``'s blocks, the first ones by name
+        after ``after`` (from the start when empty), and how many blocks the tenant has. Costs
+        the page, not the tenant's blocks (their sorted names are kept between pages)."""
+        names = self._names(tenant)
+        first = bisect.bisect_right(names, after) if after else 0
+        now = self._clock()
+        positions = queue_positions or {}
+        page = [
+            self._status_of((tenant, name), now, positions, tier_of)
+            for name in names[first : first + limit]
+        ]
+        return page, len(names)
+
+    def _names(self, tenant: str) -> list[str]:
+        names = self._sorted_names.get(tenant)
+        if names is None:
+            names = sorted(b for t, b in self._records if t == tenant)
+            self._sorted_names[tenant] = names
+        return names
+
+    def _status_of(
+        self,
+        key: Key,
+        now: float,
+        positions: Mapping[Key, int],
+        tier_of: Callable[[Key, SolveResult | None], str] | None,
+    ) -> BlockStatus:
         def age(t: float | None) -> float | None:
             return None if t is None else max(0.0, now - t)
 
-        out = []
-        for key in sorted(self._records):
-            rec = self._records[key]
-            if tenant is not None and rec.tenant != tenant:
-                continue
-            out.append(
-                BlockStatus(
-                    tenant=rec.tenant,
-                    block=rec.block,
-                    version=rec.computed_version,
-                    submitted_version=rec.submitted_version,
-                    in_flight_version=rec.in_flight_version,
-                    queued_version=rec.queued_version,
-                    running_version=rec.running_version,
-                    delivered_version=rec.delivered_version,
-                    staleness_steps=rec.submitted_version - rec.computed_version,
-                    age_s=age(rec.computed_at),
-                    submitted_age_s=age(rec.submitted_at),
-                    delivered_age_s=age(rec.delivered_at),
-                    last_solve_s=rec.last_solve_s,
-                    failures=rec.failures,
-                    consecutive_failures=rec.consecutive_failures,
-                    duplicates=rec.duplicates,
-                    stale_ignored=rec.stale_ignored,
-                    superseded=rec.superseded,
-                    state=rec.state,
-                    last_error=rec.last_error,
-                    queue_position=positions.get(key),
-                    tier="" if tier_of is None else tier_of(key, rec.result),
-                )
-            )
-        return out
+        rec = self._records[key]
+        return BlockStatus(
+            tenant=rec.tenant,
+            block=rec.block,
+            version=rec.computed_version,
+            submitted_version=rec.submitted_version,
+            in_flight_version=rec.in_flight_version,
+            queued_version=rec.queued_version,
+            running_version=rec.running_version,
+            delivered_version=rec.delivered_version,
+            staleness_steps=rec.submitted_version - rec.computed_version,
+            age_s=age(rec.computed_at),
+            submitted_age_s=age(rec.submitted_at),
+            delivered_age_s=age(rec.delivered_at),
+            last_solve_s=rec.last_solve_s,
+            failures=rec.failures,
+            consecutive_failures=rec.consecutive_failures,
+            duplicates=rec.duplicates,
+            stale_ignored=rec.stale_ignored,
+            superseded=rec.superseded,
+            state=rec.state,
+            last_error=rec.last_error,
+            queue_position=positions.get(key),
+            tier="" if tier_of is None else tier_of(key, rec.result),
+        )

@@ -72,7 +72,14 @@ ANONYMOUS_TENANT = "local"
 #: name's object, the (n, kind) pair): counted in max_memory_bytes.
 REGISTRATION_OVERHEAD_BYTES = 200
 #: Blocks in one Status answer unless the request asks for fewer.
-STATUS_PAGE_BLOCKS = 10_000
+STATUS_PAGE_BLOCKS = 2_000
+#: Status reads (sessions) whose queue order is kept for their next page.
+STATUS_READS_KEPT = 16
+#: How to get past the block quota, said with it.
+RAISE_BLOCKS = (
+    "; raise it with asteria-server --tenant-max-blocks N (TOML tenant_max_blocks, env "
+    "ASTERIA_TENANT_MAX_BLOCKS), or drop a finished job's blocks with asteria forget --job JOB"
+)
 #: Shared-memory copies larger than this run in a thread, off the event loop.
 _COPY_IN_THREAD_BYTES = 4 << 20
 #: Seconds before a stream looks again at a result that was overwritten while it copied it out.
@@ -314,6 +321,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._registration_bytes = 0
         self._stopping = False
         self._received = [0, 0]  # snapshots handed to the engine, and their bytes
+        #: session id -> the queue positions of its status read in progress (see Status)
+        self._status_positions: dict[str, Mapping[tuple[str, str], int]] = {}
         #: tenant -> its open StreamResults calls (touched on the event loop only)
         self._streams: dict[str, set[_Stream]] = {}
         #: of them, those that asked for Credit messages: at most one per session
@@ -720,7 +729,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             if held + added > quota:
                 raise DaemonBusyError(
                     f"RegisterBlocks: tenant {session.tenant!r} has {held} blocks and {added} "
-                    f"new would exceed its quota of {quota} (tenant_max_blocks)"
+                    f"new would exceed its quota of {quota} (tenant_max_blocks){RAISE_BLOCKS}"
                 )
             cost = sum(_registration_cost(b) for b in new)
             held_bytes = self._held_bytes()
@@ -923,7 +932,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             if held >= limits.tenant_max_blocks:
                 raise DaemonBusyError(
                     f"{what}: tenant {tenant!r} has {held} blocks, its quota "
-                    f"(tenant_max_blocks = {limits.tenant_max_blocks})"
+                    f"(tenant_max_blocks = {limits.tenant_max_blocks}){RAISE_BLOCKS}"
                 )
             counted = header.block
         else:
@@ -1237,25 +1246,31 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             await abort_call(context, exc)
         stats = self._engine.stats(session.tenant)  # its own blocks' names in the workers
         reply = convert.status_to_proto(stats, [], self.transport_stats())
-        blocks = self._engine.status(session.tenant)  # sorted by name
-        after = request.after_block
-        first = 0
-        if after:
-            first = next((i for i, b in enumerate(blocks) if b.block > after), len(blocks))
         page = min(request.max_blocks or STATUS_PAGE_BLOCKS, STATUS_PAGE_BLOCKS)
+        # One page's blocks, sorted by name: the engine builds no status for the others. The
+        # queue order is computed at a read's first page and reused by its later ones.
+        after = request.after_block
+        earlier = self._status_positions.pop(session.session_id, None) if after else None
+        blocks, total, positions = self._engine.status_page(
+            session.tenant, after, page + 1, earlier
+        )
         # Stop well short of the message limit: the engine numbers and framing need room too.
         room = self._limits.max_message_bytes - reply.ByteSize() - 4096
         taken: list[pb.BlockStatus] = []
-        for block in blocks[first:]:
+        for block in blocks:
             message = convert.block_status_to_proto(block)
             room -= message.ByteSize() + 8
             if len(taken) >= page or (room < 0 and taken):
                 break
             taken.append(message)
         reply.blocks.extend(taken)
-        reply.total_blocks = len(blocks)
-        if first + len(taken) < len(blocks) and taken:
+        reply.total_blocks = total
+        if len(taken) < len(blocks) and taken:
             reply.next_after_block = taken[-1].block
+            if positions:  # kept for the next page of this read (a few reads at a time)
+                self._status_positions[session.session_id] = positions
+                while len(self._status_positions) > STATUS_READS_KEPT:
+                    del self._status_positions[next(iter(self._status_positions))]
         return reply
 
     def transport_stats(self) -> TransportStats:

@@ -293,6 +293,31 @@ def test_cached_results_and_blocks_are_bounded_per_tenant(tmp_path: Path) -> Non
         stop_daemon(d)
 
 
+def test_a_default_daemon_registers_20000_blocks_in_one_session(tmp_path: Path) -> None:
+    """A 7B model's shards on one rank: 20,000 blocks in one RegisterBlocks of one session fit
+    a default daemon's quotas, and so do five such sessions' worth; past the quota (100,000)
+    the error names the limit, what the tenant holds, and how to raise it."""
+
+    def register(sid: str, names: list[str]) -> pb.RegisterBlocksRequest:
+        specs = [pb.BlockSpec(block=b, n=2048, kind=pb.SOLVE_KIND_EIGENBASIS) for b in names]
+        return pb.RegisterBlocksRequest(session_id=sid, blocks=specs)
+
+    d = start_tenants_daemon(tmp_path)
+    try:
+        stub = d.stub()
+        sid = open_session(stub, "alice", TOKENS["alice"])
+        names = [f"layers.{i // 64}.mlp.up_proj/tile{i % 64}/dim0" for i in range(20_000)]
+        stub.RegisterBlocks(register(sid, names), timeout=60)
+        for shard in range(1, 5):  # four more ranks' worth: 100,000, the default quota
+            shards = [f"shard{shard}.{name}" for name in names]
+            stub.RegisterBlocks(register(sid, shards), timeout=60)
+        details = busy(stub.RegisterBlocks, register(sid, ["one-too-many"]))
+        assert "has 100000 blocks" in details and "quota of 100000" in details, details
+        assert "--tenant-max-blocks" in details and "tenant_max_blocks" in details, details
+    finally:
+        stop_daemon(d)
+
+
 def test_registrations_and_block_names_are_bounded(tmp_path: Path) -> None:
     d = start_tenants_daemon(tmp_path, "--tenant-max-blocks", "50", "--max-block-name-bytes", "64")
     try:
