@@ -635,7 +635,7 @@ class PreconditionerEngine:
                 return False
             batch = []
             for _ in range(self._pool.num_idle()):
-                entry = self._coord.next_task()
+                entry = self._coord.next_task(workers=self._pool.num_workers)
                 if entry is None:
                     break
                 self._next_job += 1
