@@ -68,7 +68,7 @@ from asteria_server.protocol.shm import private_result
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.limits import AuthThrottle, RefusalLog
 from asteria_server.sync.owners import block_cost, owner_map
-from asteria_server.sync.policy import UNPROVEN_HEARTBEAT_MAX_S, PeerPolicy
+from asteria_server.sync.policy import UNPROVEN_HEARTBEAT_MAX_S, PeerPolicy, RateLimit
 from asteria_server.sync.push import BlockUse, PushStream, PushTimeouts, check_header
 from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
@@ -100,6 +100,8 @@ class SyncConfig:
     #: A job's peer group ends once no session of the job has been open here for this long
     #: (long enough for its ranks to reconnect after a restart).
     group_idle_s: float = 120.0
+    #: Heartbeats to peers not yet proven, all peer groups of the daemon together, per second.
+    unproven_heartbeats_per_s: float = 16.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -920,6 +922,12 @@ class SyncManager:
         #: failed authentications (the daemon sets the one its OpenSession uses)
         self.auth_throttle = AuthThrottle()
         self._refusals = RefusalLog(logger)
+        #: every peer group's heartbeats to unproven peers, together (see sync.policy)
+        self.unproven_heartbeats = RateLimit(
+            self.config.unproven_heartbeats_per_s,
+            burst=max(1, int(self.config.unproven_heartbeats_per_s)),
+        )
+        self.heartbeats_delayed = 0
         engine.add_result_listener(self._on_result)
 
     # ------------------------------------------------------------------ life
@@ -1120,6 +1128,11 @@ class SyncManager:
         if peer.address.startswith("unix:"):
             return  # unreachable from another node: it stays unknown, then dead
         while not self._closed:
+            if not peer.proven:  # the daemon-wide cap on heartbeats to strangers
+                wait = self.unproven_heartbeats.reserve(time.monotonic())
+                if wait > 0:
+                    self.heartbeats_delayed += 1
+                    await asyncio.sleep(wait)
             started = time.monotonic()
             try:
                 reply = await self._stub(peer).Heartbeat(

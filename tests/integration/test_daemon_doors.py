@@ -552,6 +552,36 @@ def test_peer_groups_are_bounded_allowed_and_unproven_peers_are_asked_slowly(
         stop_daemon(d)
 
 
+def test_heartbeats_to_unproven_peers_are_capped_daemon_wide_across_tenants(
+    tmp_path: Path,
+) -> None:
+    """Two tenants each register a job of 16 strangers (servers that never answer as daemons
+    of the job). Each peer alone is asked at most once a second, backing off, so together they
+    would get ~3 heartbeats each in 4 s (~90); with ASTERIA_SYNC_UNPROVEN_HEARTBEATS_PER_S = 2
+    the daemon sends at most 2 a second to strangers, all tenants together."""
+    env = {"ASTERIA_SYNC_UNPROVEN_HEARTBEATS_PER_S": "2"}
+    d = start_env_daemon(tmp_path, env)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    fake = _CountingPeer()
+    ppb_grpc.add_PeerServicer_to_server(fake, server)
+    ports = [server.add_insecure_port("127.0.0.1:0") for _ in range(32)]
+    server.start()
+    try:
+        jobs = jpb_grpc.JobsStub(grpc.insecure_channel(d.target))
+        for i, tenant in enumerate(("alice", "bob")):
+            sid = job_session(d, tenant=tenant)
+            strangers = [f"127.0.0.1:{port}" for port in ports[16 * i : 16 * (i + 1)]]
+            request = jpb.RegisterJobRequest(
+                session_id=sid, layout=layout_of(d, JOB, strangers), node_rank=0
+            )
+            jobs.RegisterJob(request, timeout=CALL_TIMEOUT_S)
+        time.sleep(4.0)
+        assert 2 <= fake.heartbeats <= 14, f"{fake.heartbeats} heartbeats in 4 s to strangers"
+    finally:
+        server.stop(None)
+        stop_daemon(d)
+
+
 # ----------------------------------------------------------------------- 7. spill files
 
 SPILL_N = 64
