@@ -377,8 +377,8 @@ class PreconditionerEngine:
         with self._cond:
             if self._closing or self._broken is not None:
                 return 0, self._coord.queue_depth(tenant)
-            busy = self._coord.scheduler.num_running()
-            return max(0, self._pool.num_workers - busy), self._coord.queue_depth(tenant)
+            free = self._coord.scheduler.free_workers_for(tenant, self._pool.num_workers)
+            return free, self._coord.queue_depth(tenant)
 
     def release_shared(self, segments: Iterable[SharedSegment]) -> None:
         """The daemon no longer serves these client segments (the client detached them or went

@@ -229,6 +229,13 @@ class Scheduler:
             return set()
         return {tenant for tenant, num in running.items() if num >= workers - 1}
 
+    def free_workers_for(self, tenant: str, workers: int) -> int:
+        """Workers of a pool of ``workers`` that ``tenant``'s next snapshot could get now: the
+        idle ones, or none while rule 5 holds the last one back for another tenant."""
+        if tenant in self._capped(workers):
+            return 0
+        return max(0, workers - len(self._running))
+
     def pop(self, *, workers: int = 0) -> ScheduledTask | None:
         """Remove and return the next task to run (its block is then *running*), or None.
 

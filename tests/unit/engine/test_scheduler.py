@@ -305,6 +305,7 @@ def test_no_tenant_takes_the_last_worker_while_another_is_active() -> None:
     s.push(make("small", 1, tenant="good"))
     first = s.pop(workers=2)
     assert first is not None and first.task.tenant == "bad"  # FIFO tie at zero consumed
+    assert s.free_workers_for("bad", 2) == 0 and s.free_workers_for("good", 2) == 1
     second = s.pop(workers=2)
     assert second is not None and second.task.tenant == "good"
     # good's solve ends; it has nothing queued but submitted just now: bad still gets 1 worker
