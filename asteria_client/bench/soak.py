@@ -84,6 +84,8 @@ class SoakConfig:
     settle_s: float = 35.0
     drain_s: float = 30.0
     bad_big_n: int = 2048
+    #: the bad tenant's attacks (comma-separated names of ``soak_actors.ATTACKS``; "" = all)
+    bad_attacks: str = ""
     sample_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -357,6 +359,8 @@ def run_phase(
             str(cfg.bad_big_n),
             "--metrics-address",
             metrics_address,
+            "--attacks",
+            cfg.bad_attacks,
         )
         with bad_log.open("wb") as f:
             bad = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env)

@@ -43,6 +43,18 @@ from typing import Any
 import grpc
 import numpy as np
 
+#: The bad tenant's attacks, each a thread (or several); ``--attacks`` picks some.
+ATTACKS = (
+    "stalled_uploads",
+    "silent_streams",
+    "big_snapshots",
+    "wide_layouts",
+    "stalled_pushes",
+    "peer_guesses",
+    "session_spam",
+    "metrics_flood",
+)
+
 #: Largest gRPC message the bad tenant's channel takes (a 1 MiB chunk and framing fit).
 _MAX_MESSAGE_BYTES = 8 << 20
 
@@ -414,23 +426,27 @@ class _BadTenant:
 
     def run(self) -> dict[str, Any]:
         # The other attacks open their sessions first: the spam soon fills the tenant's quota.
-        threads = [
-            *(
-                threading.Thread(target=self.stalled_uploads, args=(self.session(),), daemon=True)
-                for _ in range(self.args.stalled_uploads)
-            ),
-            threading.Thread(target=self.silent_streams, args=(self.session(),), daemon=True),
-            threading.Thread(target=self.big_snapshots, args=(self.session(),), daemon=True),
-            threading.Thread(target=self.wide_layouts, args=(self.session(),), daemon=True),
-            *(
-                threading.Thread(target=self.stalled_pushes, daemon=True)
-                for _ in range(self.args.stalled_pushes)
-            ),
-            threading.Thread(target=self.peer_guesses, daemon=True),
-            threading.Thread(target=self.session_spam, daemon=True),
+        only = set(self.args.attacks.split(",")) if self.args.attacks else set(ATTACKS)
+        unknown = only - set(ATTACKS)
+        if unknown:
+            raise SystemExit(f"unknown attacks {sorted(unknown)}; known: {', '.join(ATTACKS)}")
+        plan: list[tuple[str, Any, int, bool]] = [  # name, target, threads, takes a session
+            ("stalled_uploads", self.stalled_uploads, self.args.stalled_uploads, True),
+            ("silent_streams", self.silent_streams, 1, True),
+            ("big_snapshots", self.big_snapshots, 1, True),
+            ("wide_layouts", self.wide_layouts, 1, True),
+            ("stalled_pushes", self.stalled_pushes, self.args.stalled_pushes, False),
+            ("peer_guesses", self.peer_guesses, 1, False),
+            ("session_spam", self.session_spam, 1, False),
         ]
         if self.args.metrics_address:
-            threads.append(threading.Thread(target=self.metrics_flood, daemon=True))
+            plan.append(("metrics_flood", self.metrics_flood, 1, False))
+        threads = [
+            threading.Thread(target=target, args=(self.session(),) if session else (), daemon=True)
+            for name, target, count, session in plan
+            if name in only
+            for _ in range(count)
+        ]
         for thread in threads:
             thread.start()
         self.stop.wait()
@@ -477,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     bad.add_argument("--stalled-pushes", type=int, default=4)
     bad.add_argument("--metrics-address", default="", help="HOST:PORT of the metrics endpoint")
     bad.add_argument("--metrics-connections", type=int, default=200)
+    bad.add_argument(
+        "--attacks", default="", help=f"comma-separated, of {','.join(ATTACKS)} (default: all)"
+    )
     args = parser.parse_args(argv)
     return run_client(args) if args.role == "client" else run_bad(args)
 

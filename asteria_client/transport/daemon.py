@@ -210,6 +210,33 @@ def _result_problem(result: SolveResult, latest: SolveTask | None) -> str | None
     return None
 
 
+#: The daemon settings that can refuse a RegisterJob, and how an operator raises each.
+JOB_LIMITS = ("tenant_max_jobs", "max_job_daemons", "tenant_max_peers", "peer_allow")
+
+
+def job_refused_message(job: str, address: str, exc: Exception) -> str:
+    """What a node leader logs when its daemon refuses the job's layout: that multi-node sync
+    is off for this job on this node (training goes on, every block computed here), the
+    daemon's reason, and which setting of the daemon raises the limit it names."""
+    reason = str(exc)
+    limits = [name for name in JOB_LIMITS if name in reason]
+    how = (
+        "; to raise it, the daemon's operator sets "
+        + " / ".join(
+            f"{name} (asteria-server --{name.replace('_', '-')}, ASTERIA_{name.upper()}, "
+            "or the TOML)"
+            for name in limits
+        )
+        if limits
+        else ""
+    )
+    return (
+        f"multi-node sync is OFF for job {job!r} on this node: the daemon at {address} refused "
+        f"its layout (RegisterJob, {type(exc).__name__}): {reason}{how}. Training goes on; "
+        "this node's ranks get every block from their own daemon (no results from other nodes)"
+    )
+
+
 class DaemonSource(PreconditionerSource):
     """Results from the node's daemon over gRPC (see the module docstring)."""
 
@@ -249,6 +276,8 @@ class DaemonSource(PreconditionerSource):
         self._waiting: dict[str, _Block] = {}  # the blocks whose snapshot waits for the sender
         self._registered: set[str] = set()  # blocks declared to the current session
         self._job: RegisteredJob | None = None  # registered again on every new session
+        #: the warning logged for the job's last refused registration (logged once per reason)
+        self._job_refused: str | None = None
         self._results_epoch = 0  # results received so far: lets the runtime skip idle scans
         #: the blocks by the epoch their results became ready at (for results_since)
         self._ready_order = ArrivalOrder()
@@ -832,8 +861,12 @@ class DaemonSource(PreconditionerSource):
         try:
             self._conn.register_job(session.session_id, job)
         except AsteriaError as exc:  # the job registry is advisory: training goes on
-            logger.warning("the daemon did not register job %r: %s", job.job, exc)
+            message = job_refused_message(job.job, self.address, exc)
+            if message != self._job_refused:  # once per refusal, not on every new session
+                logger.warning("%s", message)
+            self._job_refused = message
             return False
+        self._job_refused = None
         return True
 
     def jobs(self) -> list[RegisteredJob]:

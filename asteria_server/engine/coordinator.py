@@ -103,9 +103,10 @@ class Coordinator:
             self._hold(task.tenant, task_host_bytes(task))
         return outcome
 
-    def next_task(self) -> ScheduledTask | None:
-        """Pop the next task to run and mark its block running."""
-        entry = self.scheduler.pop()
+    def next_task(self, *, workers: int = 0) -> ScheduledTask | None:
+        """Pop the next task to run and mark its block running (``workers``: see
+        :meth:`Scheduler.pop`)."""
+        entry = self.scheduler.pop(workers=workers)
         if entry is not None:
             self.registry.on_dispatch(entry.task.tenant, entry.task.block, entry.task.version)
             self._running_bytes[entry.task.key] = task_host_bytes(entry.task)

@@ -402,8 +402,8 @@ class PreconditionerEngine:
         with self._cond:
             if self._closing or self._broken is not None:
                 return 0, self._coord.queue_depth(tenant)
-            busy = self._coord.scheduler.num_running()
-            return max(0, self._pool.num_workers - busy), self._coord.queue_depth(tenant)
+            free = self._coord.scheduler.free_workers_for(tenant, self._pool.num_workers)
+            return free, self._coord.queue_depth(tenant)
 
     def release_shared(self, segments: Iterable[SharedSegment]) -> None:
         """The daemon no longer serves these client segments (the client detached them or went
@@ -690,7 +690,7 @@ class PreconditionerEngine:
                 return False
             batch = []
             for _ in range(self._pool.num_idle()):
-                entry = self._coord.next_task()
+                entry = self._coord.next_task(workers=self._pool.num_workers)
                 if entry is None:
                     break
                 self._next_job += 1

@@ -69,7 +69,7 @@ from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_gr
 from asteria_server.protocol.shm import private_result
 from asteria_server.service.budget import UploadBudget
 from asteria_server.service.limits import AuthThrottle, RefusalLog
-from asteria_server.sync.policy import UNPROVEN_HEARTBEAT_MAX_S, PeerPolicy
+from asteria_server.sync.policy import UNPROVEN_HEARTBEAT_MAX_S, PeerPolicy, RateLimit
 from asteria_server.sync.push import BlockUse, PushStream, PushTimeouts, check_header
 from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 
@@ -99,6 +99,8 @@ class SyncConfig:
     #: A job's peer group ends once no session of the job has been open here for this long
     #: (long enough for its ranks to reconnect after a restart).
     group_idle_s: float = 120.0
+    #: Heartbeats to peers not yet proven, all peer groups of the daemon together, per second.
+    unproven_heartbeats_per_s: float = 16.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -927,6 +929,12 @@ class SyncManager:
         #: told the claimed tenant of every failed authentication (the daemon's counter)
         self.on_auth_failed: Callable[[str], None] | None = None
         self._refusals = RefusalLog(logger)
+        #: every peer group's heartbeats to unproven peers, together (see sync.policy)
+        self.unproven_heartbeats = RateLimit(
+            self.config.unproven_heartbeats_per_s,
+            burst=max(1, int(self.config.unproven_heartbeats_per_s)),
+        )
+        self.heartbeats_delayed = 0
         engine.add_result_listener(self._on_result)
 
     # ------------------------------------------------------------------ life
@@ -1138,6 +1146,11 @@ class SyncManager:
         if peer.address.startswith("unix:"):
             return  # unreachable from another node: it stays unknown, then dead
         while not self._closed:
+            if not peer.proven:  # the daemon-wide cap on heartbeats to strangers
+                wait = self.unproven_heartbeats.reserve(time.monotonic())
+                if wait > 0:
+                    self.heartbeats_delayed += 1
+                    await asyncio.sleep(wait)
             started = time.monotonic()
             try:
                 reply = await self._stub(peer).Heartbeat(

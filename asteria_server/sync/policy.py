@@ -15,7 +15,10 @@ host:port written there. So, before a job's peer group is formed:
 
 Rates (in :mod:`asteria_server.sync.manager`): a peer that has not yet proven itself (answered
 a heartbeat, or called with the job token) is asked at most once a second, backing off to
-``UNPROVEN_HEARTBEAT_MAX_S``; only proven peers get a heartbeat every ``heartbeat_s``.
+``UNPROVEN_HEARTBEAT_MAX_S``; only proven peers get a heartbeat every ``heartbeat_s``. Those
+bounds are per peer, so many tenants' many unproven peers add up: a :class:`RateLimit` shared by
+every peer group of the daemon spaces all heartbeats to unproven peers to at most
+``SyncConfig.unproven_heartbeats_per_s`` (16) together, first come first served across tenants.
 """
 
 from __future__ import annotations
@@ -28,6 +31,26 @@ from asteria_server.errors import DaemonBusyError, InvalidInputError
 
 #: The longest wait between two heartbeats to a peer that never answered one.
 UNPROVEN_HEARTBEAT_MAX_S = 16.0
+
+
+class RateLimit:
+    """At most ``per_s`` events a second after a burst of ``burst``, as slots handed out in
+    order (a virtual clock, as GCRA): :meth:`reserve` books the next slot and says how long
+    to wait for it, so waiters are served first come first served and none is starved."""
+
+    def __init__(self, per_s: float, *, burst: int = 1) -> None:
+        if not per_s > 0 or burst < 1:
+            raise ValueError(f"RateLimit needs per_s > 0 and burst >= 1, got {per_s}, {burst}")
+        self.per_s = per_s
+        self.burst = burst
+        self._next = -float("inf")  # when the next slot is free (the virtual clock)
+
+    def reserve(self, now: float) -> float:
+        """Book a slot; seconds to wait before using it (0: now)."""
+        interval = 1.0 / self.per_s
+        earliest = max(self._next, now - (self.burst - 1) * interval)
+        self._next = earliest + interval
+        return max(0.0, earliest - now)
 
 
 def parse_patterns(text: str) -> tuple[str, ...]:

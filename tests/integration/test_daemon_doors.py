@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -32,6 +33,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from asteria_client.cli import main as cli_main
 from asteria_client.daemon_process import DaemonProcess, DaemonStartError
 from asteria_client.transport import DaemonConnection
+from asteria_client.transport.connection import DaemonClientConfig, JobNodeInfo, RegisteredJob
+from asteria_client.transport.daemon import DaemonSource
 from asteria_client.transport.shm import HandoverChannel
 from asteria_server.engine import SolveKind, SolveResult, SolveTask, SubmitOutcome
 from asteria_server.protocol import framing
@@ -416,6 +419,40 @@ def test_the_job_registry_forgets_idle_jobs_and_asteria_forget_drops_one(
         stop_daemon(d)
 
 
+def test_a_node_leader_refused_at_register_job_is_told_the_limit_and_how_to_raise_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """tenant_max_jobs 1: the second job's node leader (the real client) logs one warning that
+    says multi-node sync is off for its job, the daemon's reason, and which setting raises it;
+    registering again with the same refusal does not log it again."""
+    d = start_env_daemon(tmp_path, {"ASTERIA_TENANT_MAX_JOBS": "1"})
+    config = DaemonClientConfig(connect_timeout_s=30.0)
+    sources = [
+        DaemonSource(d.target, tenant="alice", token=TOKENS["alice"], job=job, config=config)
+        for job in ("first", "second")
+    ]
+
+    def layout(job: str) -> RegisteredJob:
+        node = JobNodeInfo(host="a", ranks=(0,), daemon_address=d.target)
+        return RegisteredJob(job=job, world_size=1, nodes=(node,), node_rank=0)
+
+    try:
+        assert sources[0].register_job(layout("first"))
+        with caplog.at_level(logging.WARNING, logger="asteria_client.transport.daemon"):
+            assert not sources[1].register_job(layout("second"))
+            assert not sources[1].register_job(layout("second"))
+        warnings = [r.getMessage() for r in caplog.records if "RegisterJob" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        (warning,) = warnings
+        assert "multi-node sync is OFF for job 'second'" in warning, warning
+        assert "tenant_max_jobs = 1" in warning, warning  # the daemon's reason, with the quota
+        assert "--tenant-max-jobs" in warning and "ASTERIA_TENANT_MAX_JOBS" in warning, warning
+    finally:
+        for source in sources:
+            source.close()
+        stop_daemon(d)
+
+
 # ----------------------------------------------------------------------- 9. a stopped idle worker
 
 
@@ -510,6 +547,36 @@ def test_peer_groups_are_bounded_allowed_and_unproven_peers_are_asked_slowly(
         register(layout_of(d, JOB, [f"127.0.0.1:{port}"]))
         time.sleep(4.0)
         assert 1 <= fake.heartbeats <= 6, f"{fake.heartbeats} heartbeats in 4 s to a stranger"
+    finally:
+        server.stop(None)
+        stop_daemon(d)
+
+
+def test_heartbeats_to_unproven_peers_are_capped_daemon_wide_across_tenants(
+    tmp_path: Path,
+) -> None:
+    """Two tenants each register a job of 16 strangers (servers that never answer as daemons
+    of the job). Each peer alone is asked at most once a second, backing off, so together they
+    would get ~3 heartbeats each in 4 s (~90); with ASTERIA_SYNC_UNPROVEN_HEARTBEATS_PER_S = 2
+    the daemon sends at most 2 a second to strangers, all tenants together."""
+    env = {"ASTERIA_SYNC_UNPROVEN_HEARTBEATS_PER_S": "2"}
+    d = start_env_daemon(tmp_path, env)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    fake = _CountingPeer()
+    ppb_grpc.add_PeerServicer_to_server(fake, server)
+    ports = [server.add_insecure_port("127.0.0.1:0") for _ in range(32)]
+    server.start()
+    try:
+        jobs = jpb_grpc.JobsStub(grpc.insecure_channel(d.target))
+        for i, tenant in enumerate(("alice", "bob")):
+            sid = job_session(d, tenant=tenant)
+            strangers = [f"127.0.0.1:{port}" for port in ports[16 * i : 16 * (i + 1)]]
+            request = jpb.RegisterJobRequest(
+                session_id=sid, layout=layout_of(d, JOB, strangers), node_rank=0
+            )
+            jobs.RegisterJob(request, timeout=CALL_TIMEOUT_S)
+        time.sleep(4.0)
+        assert 2 <= fake.heartbeats <= 14, f"{fake.heartbeats} heartbeats in 4 s to strangers"
     finally:
         server.stop(None)
         stop_daemon(d)

@@ -285,3 +285,45 @@ def test_a_replaced_or_forgotten_snapshot_is_not_kept_alive() -> None:
     gc.collect()
     assert gone[1]() is None
     assert [key for *key, _ in drain(s)] == [["local", "other"]]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_no_tenant_takes_the_last_worker_while_another_is_active() -> None:
+    """Rule 5: solves are not preempted, so a tenant's burst of big solves must not hold every
+    worker while another tenant is active (the soak's well-behaved p99 waited for them)."""
+    clock = _Clock()
+    s = Scheduler(COST, clock=clock)
+    for i in range(4):
+        s.push(make(f"big{i}", 1, tenant="bad", n=64))
+    s.push(make("small", 1, tenant="good"))
+    first = s.pop(workers=2)
+    assert first is not None and first.task.tenant == "bad"  # FIFO tie at zero consumed
+    assert s.free_workers_for("bad", 2) == 0 and s.free_workers_for("good", 2) == 1
+    second = s.pop(workers=2)
+    assert second is not None and second.task.tenant == "good"
+    # good's solve ends; it has nothing queued but submitted just now: bad still gets 1 worker
+    s.finish("good", "small")
+    assert s.pop(workers=2) is None
+    # without a pool size (or with one worker) nothing is held back
+    third = s.pop()
+    assert third is not None and third.task.tenant == "bad"
+    s.finish("bad", third.task.block)
+    # once good has been quiet for the share window, bad may take both workers
+    clock.now += s.share_window_s
+    fourth = s.pop(workers=2)
+    assert fourth is not None and fourth.task.tenant == "bad"
+    assert s.num_running() == 2
+
+
+def test_a_lone_tenant_keeps_every_worker() -> None:
+    s = Scheduler(COST)
+    for i in range(3):
+        s.push(make(f"x{i}", 1, tenant="A"))
+    assert [s.pop(workers=3) is not None for _ in range(3)] == [True, True, True]
