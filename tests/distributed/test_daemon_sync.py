@@ -267,10 +267,13 @@ def test_kill_one_daemon_mid_run_fails_over_and_a_restart_rejoins(tmp_path: Path
 
 @pytest.mark.slow
 def test_a_sigstopped_daemon_does_not_stall_the_others_and_rejoins(tmp_path: Path) -> None:
-    """Two nodes whose ranks train the same batches without DDP (so node 0's rank does not wait
-    for node 1's in a collective). Daemon 1 is SIGSTOPped for 10 s: daemon 0 keeps answering,
-    suspects then buries it and solves its blocks itself, so its rank keeps training within the
-    staleness budget, never computing locally; after SIGCONT daemon 1 is heard again."""
+    """Two nodes whose ranks train the same batches without DDP. Daemon 1 is SIGSTOPped for
+    10 s: daemon 0 keeps answering, suspects then buries it and takes its blocks; the ranks keep
+    training within the staleness budget. They are replicas of one another (the same blocks in
+    one process group), so they install at agreed steps: at a deadline that rank 1 cannot meet
+    (its daemon is stopped) both wait out the barrier and compute that block locally together,
+    and they end bitwise equal. (Before install steps were agreed, rank 0 trained on at its own
+    pace while its replica drifted.) After SIGCONT daemon 1 is heard again."""
     with sc.daemons(tmp_path, 2, env=FAST) as ds:
         spec = sc.RunSpec(
             addresses=[d.address for d in ds],
@@ -310,11 +313,14 @@ def test_a_sigstopped_daemon_does_not_stall_the_others_and_rejoins(tmp_path: Pat
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
     assert seen["phase"] == "continued"
-    # Node 0's rank trained on while daemon 1 was stopped, within its budget (S = 1, f = 2),
-    # and never had to compute a block itself: daemon 0 served every block.
-    assert seen["step_at_cont"] - seen["step_at_stop"] >= 50, seen
-    assert ranks[0]["local_fallbacks"] == 0
-    assert ranks[0]["max_lag_steps"] <= spec.budget * spec.frequency
+    # The ranks trained on while daemon 1 was stopped (a deadline costs at most the barrier's
+    # 2 s, one every f = 2 steps), within their budget (S = 1, f = 2), as replicas: equal, and
+    # every block computed locally was computed by both at the same step.
+    assert seen["step_at_cont"] - seen["step_at_stop"] >= 2, seen
+    for rank in ranks:
+        assert rank["max_lag_steps"] <= spec.budget * spec.frequency
+    assert ranks[0]["local_fallbacks"] == ranks[1]["local_fallbacks"]
+    assert ranks[0]["params"] == ranks[1]["params"]
     assert seen["status_s"] < 2.0  # daemon 0's Status answered promptly throughout
     during_group = seen["during"]
     assert _peer(during_group, 1)["state"] == "dead" and during_group["agreed"]
@@ -458,12 +464,15 @@ def test_ddp_replicas_on_two_synced_daemons_stay_identical_through_a_sigstop(
         for key, value in ranks[0]["params"].items():
             assert rank["params"][key] == value, key  # exact: float32 values through JSON
     assert all(r["max_lag_steps"] <= budget * spec.frequency for r in ranks)
-    # Solved once, but for the one version a block may have had on the stopped daemon's worker:
-    # the surviving owner solves it again when it takes the block over (a gap of the sync's
-    # takeover, measured here: one block version at S = 1 in one run, none at S = 2).
+    # Solved once, but for the one version a block may have had in flight on the stopped
+    # daemon (queued or on its worker): the surviving owner solves it again when it takes the
+    # block over; a stopped daemon cannot be waited for. That is a gap of the sync's takeover,
+    # not of the agreement: measured at S = 1, 1 block version in one run and 5 of 8 in another
+    # once a step's snapshots were sent together (every block then has a version in flight at
+    # any moment); none at S = 2. At most one per block, whatever the number of blocks.
     solved: dict[str, list[int]] = {}
     for v in views:
         for b in v.group["blocks"]:
             solved.setdefault(b["block"], []).extend(b["solved_versions"] + b["discarded_versions"])
     twice = {b: len(vs) - len(set(vs)) for b, vs in solved.items() if len(vs) != len(set(vs))}
-    assert all(n <= 1 for n in twice.values()) and len(twice) <= sc.NUM_BLOCKS // 2, twice
+    assert all(n <= 1 for n in twice.values()), twice
