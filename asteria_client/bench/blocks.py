@@ -690,6 +690,18 @@ def _get(run: dict[str, Any] | None, mode: str, *path: str) -> Any:
     return value
 
 
+#: The columns of the before/after table: the figure's path in a mode's report, its scale and
+#: decimals, and whether only a daemon has it.
+_COMPARED: tuple[tuple[tuple[str, ...], float, int, bool], ...] = (
+    (("idle_step", "median_s"), 1e3, 2, False),
+    (("refresh_step", "per_block_s"), 1e6, 1, False),
+    (("daemon_cpu_per_snapshot_and_result_s",), 1e6, 0, True),
+    (("daemon_rss_per_block_bytes",), 1, 0, True),
+    (("status_all_clients", "median_s"), 1, 2, True),
+    (("status_rpc", "p99_s"), 1e3, 1, True),
+)
+
+
 def _comparison_rows(report: dict[str, Any]) -> list[list[str]]:
     """Before (``--before``) and after side by side, per N and mode."""
     before = {r["blocks"]: r for r in report["before"]["runs"]}
@@ -718,69 +730,13 @@ def _comparison_rows(report: dict[str, Any]) -> list[list[str]]:
         for mode in ("embedded", "daemon"):
             if mode not in run and (old is None or mode not in old):
                 continue
-            rows.append(
-                [
-                    str(n),
-                    mode,
-                    pair(
-                        _get(old, mode, "idle_step", "median_s"),
-                        _get(run, mode, "idle_step", "median_s"),
-                        1e3,
-                        2,
-                    ),
-                    pair(
-                        _get(old, mode, "refresh_step", "per_block_s"),
-                        _get(run, mode, "refresh_step", "per_block_s"),
-                        1e6,
-                        1,
-                    ),
-                    pair(
-                        _get(old, mode, "daemon_cpu_per_snapshot_and_result_s"),
-                        _get(run, mode, "daemon_cpu_per_snapshot_and_result_s"),
-                        1e6,
-                        0,
-                    ),
-                    pair(
-                        _get(old, mode, "daemon_rss_per_block_bytes"),
-                        _get(run, mode, "daemon_rss_per_block_bytes"),
-                        1,
-                        0,
-                    ),
-                    pair(
-                        _get(old, mode, "status_all_clients", "median_s"),
-                        _get(run, mode, "status_all_clients", "median_s"),
-                        1,
-                        2,
-                    ),
-                    pair(
-                        _get(old, mode, "status_rpc", "p99_s"),
-                        _get(run, mode, "status_rpc", "p99_s"),
-                        1e3,
-                        1,
-                    ),
-                ]
-                if mode != "embedded"
-                else [
-                    str(n),
-                    mode,
-                    pair(
-                        _get(old, mode, "idle_step", "median_s"),
-                        _get(run, mode, "idle_step", "median_s"),
-                        1e3,
-                        2,
-                    ),
-                    pair(
-                        _get(old, mode, "refresh_step", "per_block_s"),
-                        _get(run, mode, "refresh_step", "per_block_s"),
-                        1e6,
-                        1,
-                    ),
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                ]
-            )
+            cells = [
+                "-"
+                if daemon_only and mode == "embedded"
+                else pair(_get(old, mode, *path), _get(run, mode, *path), scale, digits)
+                for path, scale, digits, daemon_only in _COMPARED
+            ]
+            rows.append([str(n), mode, *cells])
     return rows
 
 
