@@ -569,20 +569,17 @@ class DaemonSource(PreconditionerSource):
         segment = block.snapshot_seg
         if segment is None:
             return self._create_segments(block, task)
-        specs = snapshot_specs(task)
-        if not segment.fits(specs):
+        if not segment.fits(snapshot_specs(task)):
             return None
-        arrays = [task.matrix] if task.basis is None else [task.matrix, task.basis]
-        sequence = segment.segment.write(specs, arrays)
-        return segment.ref(sequence) if self._segments.is_attached(segment) else None
+        ref = segment.write_snapshot(task)
+        return ref if self._segments.is_attached(segment) else None
 
     def _create_segments(self, block: _Block, task: SolveTask) -> SegmentRef | None:
         """Give ``block`` its snapshot and result segments and hand them over (sender thread);
         the ref of ``task`` written into the new snapshot segment, or None: use gRPC for it.
 
-        The new snapshot segment is written here once, *before* it is published to
-        ``submit``; from then on the training thread is its only writer. (Published first, a
-        snapshot taken meanwhile would go into it too: two writers under one seqlock.)
+        The new snapshot segment is written here, *before* it is published in the block's
+        record, and only this thread ever writes it (see ``_wire_form``).
         """
         if block.shm_error:
             return None
@@ -594,12 +591,10 @@ class DaemonSource(PreconditionerSource):
         if pair is None:
             return None
         snapshot = pair[0]
-        sequence = snapshot.segment.write(
-            snapshot_specs(task), [a for a in (task.matrix, task.basis) if a is not None]
-        )
+        ref = snapshot.write_snapshot(task)
         with self._lock:
             block.snapshot_seg, block.result_seg = pair
-        return snapshot.ref(sequence) if self._segments.is_attached(snapshot) else None
+        return ref if self._segments.is_attached(snapshot) else None
 
     def _result_device(self, wire_name: str) -> torch.device:
         """Where block ``wire_name``'s results go (the host until its first snapshot)."""
