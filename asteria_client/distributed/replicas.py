@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,6 +180,17 @@ class NodeShareSource(PreconditionerSource):
 
 
 @_delegate_rest
+@dataclass(eq=False, slots=True)
+class _Exchanged:
+    """What the exchange knows about one shared block (under the exchange's lock)."""
+
+    device: torch.device
+    expected: int = -1  # newest version submitted (on every rank alike)
+    received: int = -1  # newest version received
+    given_up: int = -1  # newest version its owner could not compute
+    ready: PreconditionerResult | None = None  # newest result not taken yet
+
+
 class ExchangeSource(PreconditionerSource):
     """An embedded source whose blocks are solved on one rank each and exchanged (module
     docstring). ``group`` is the job's process group (None: the world)."""
@@ -203,11 +215,7 @@ class ExchangeSource(PreconditionerSource):
         # group's members alone, so any mesh can make it in any order (see .groups).
         self._group = SideGroup(group_members(group), "exchange", timeout_s=EXCHANGE_TIMEOUT_S)
         self._cond = threading.Condition()
-        self._ready: dict[str, PreconditionerResult] = {}  # newest result not taken yet
-        self._received: dict[str, int] = {}  # newest version received per block
-        self._expected: dict[str, int] = {}  # newest version submitted (on every rank alike)
-        self._given_up: dict[str, int] = {}  # newest version its owner could not compute
-        self._devices: dict[str, torch.device] = {}
+        self._blocks: dict[str, _Exchanged] = {}  # the shared blocks submitted here
         self._mine: set[str] = set()  # owned blocks with a result still to come from ``inner``
         self._epoch = 0
         self._closing = False
@@ -233,14 +241,23 @@ class ExchangeSource(PreconditionerSource):
             self.inner.submit(request)
             return
         with self._cond:
-            self._devices[block] = request.factor_device
+            entry = self._entry(block)
+            entry.device = request.factor_device
             mine = self._is_mine(block, int(request.matrix.shape[0]))
         if mine:  # handed over before the exchange looks for it: never a false give-up
             self.inner.submit(request)
         with self._cond:
-            self._expected[block] = max(self._expected.get(block, -1), request.version)
+            entry.expected = max(entry.expected, request.version)
             if mine:
                 self._mine.add(block)
+
+    def _entry(self, block: str) -> _Exchanged:
+        """``block``'s entry (locked); a block first seen in a result (this rank has not
+        submitted it yet) is kept on the host until a snapshot names its device."""
+        entry = self._blocks.get(block)
+        if entry is None:
+            entry = self._blocks[block] = _Exchanged(torch.device("cpu"))
+        return entry
 
     # ------------------------------------------------------------------ the exchange
     def _outgoing(self) -> list[tuple[str, Any]]:
@@ -255,9 +272,9 @@ class ExchangeSource(PreconditionerSource):
                 out.append(("result", _to_cpu(result)))
             elif running is None:
                 with self._cond:
-                    expected = self._expected.get(block, -1)
-                    if self._received.get(block, -1) < expected:
-                        out.append(("given_up", (block, expected)))
+                    entry = self._blocks[block]
+                    if entry.received < entry.expected:
+                        out.append(("given_up", (block, entry.expected)))
             if running is None:
                 with self._cond:
                     self._mine.discard(block)
@@ -283,7 +300,8 @@ class ExchangeSource(PreconditionerSource):
                         for kind, item in items:
                             if kind != "result":
                                 block, version = item
-                                self._given_up[block] = max(self._given_up.get(block, -1), version)
+                                entry = self._entry(block)
+                                entry.given_up = max(entry.given_up, version)
                                 self.counts["given_up"] += 1
                     if moved:
                         self._cond.notify_all()
@@ -306,18 +324,18 @@ class ExchangeSource(PreconditionerSource):
         """The received results newer than those held, on their blocks' devices: the copies
         run without the lock that the training thread's ``take`` and ``wait`` need."""
         with self._cond:
-            newer = [r for r in results if r.version > self._received.get(r.block, -1)]
-            devices = [self._devices.get(r.block, torch.device("cpu")) for r in newer]
-        return [_to_device(r, d) for r, d in zip(newer, devices, strict=True)]
+            entries = [(r, self._entry(r.block)) for r in results]
+            newer = [(r, e.device) for r, e in entries if r.version > e.received]
+        return [_to_device(r, device) for r, device in newer]
 
     def _deliver(self, result: PreconditionerResult) -> None:
         """Keep a received result (on its device already) if it is newer (locked)."""
-        block = result.block
-        if result.version <= self._received.get(block, -1):
+        entry = self._entry(result.block)
+        if result.version <= entry.received:
             return
-        self._received[block] = result.version
+        entry.received = result.version
         self.counts["results_received"] += 1
-        self._ready[block] = result
+        entry.ready = result
         self._epoch += 1
 
     # ------------------------------------------------------------------ results out
@@ -325,7 +343,10 @@ class ExchangeSource(PreconditionerSource):
         if not self.shared(block):
             return self.inner.take(block)
         with self._cond:
-            result = self._ready.pop(block, None)
+            entry = self._blocks.get(block)
+            result = None if entry is None else entry.ready
+            if entry is not None:
+                entry.ready = None
             failed = bool(self.failed)
         if result is None and failed:
             return self.inner.take(block)
@@ -337,15 +358,16 @@ class ExchangeSource(PreconditionerSource):
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                ready = self._ready.get(block)
-                if ready is not None and ready.version >= min_version:
-                    return self._ready.pop(block)
+                entry = self._blocks.get(block)
+                ready = None if entry is None else entry.ready
+                if entry is not None and ready is not None and ready.version >= min_version:
+                    entry.ready = None
+                    return ready
                 if self.failed:
                     break
                 left = deadline - time.monotonic()
                 hopeless = (
-                    self._expected.get(block, -1) < min_version
-                    or self._given_up.get(block, -1) >= min_version
+                    entry is None or entry.expected < min_version or entry.given_up >= min_version
                 )
                 if hopeless or left <= 0:
                     return None
@@ -358,8 +380,10 @@ class ExchangeSource(PreconditionerSource):
         with self._cond:
             if self.failed:
                 return self.inner.in_flight_version(block)
-            expected = self._expected.get(block, -1)
-            return expected if expected > self._received.get(block, -1) else None
+            entry = self._blocks.get(block)
+            if entry is None or entry.expected <= entry.received:
+                return None
+            return entry.expected
 
     def results_epoch(self) -> int | None:
         inner = self.inner.results_epoch()  # a shard's results arrive there directly
@@ -368,12 +392,10 @@ class ExchangeSource(PreconditionerSource):
     def records(self) -> dict[str, SourceRecord]:
         out = self.inner.records()
         with self._cond:
-            for block, expected in self._expected.items():
+            for block, entry in self._blocks.items():
                 owner = self.owners.owner(block, 0) if self.shared(block) else self.layout.rank
-                record = out.setdefault(block, SourceRecord(submitted_version=expected))
-                record.computed_version = max(
-                    record.computed_version, self._received.get(block, -1)
-                )
+                record = out.setdefault(block, SourceRecord(submitted_version=entry.expected))
+                record.computed_version = max(record.computed_version, entry.received)
                 record.extra["owner_rank"] = owner
         return out
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asteria_client.runtime.agreement import InstallAgreement
+from asteria_client.runtime.blocks import BlockRecord, BlockRecords, RequestFn, TileBlocks
 from asteria_client.runtime.refresh import ContinuousScheduler, RefreshLog
 from asteria_client.runtime.source import (
     NativeSource,
@@ -111,33 +112,6 @@ def make_source(
     return DaemonSource(address=resolve_address(address), pulls=pulls)
 
 
-@dataclass(kw_only=True)
-class TileBlocks:
-    """The freshness bookkeeping of one tile: per dim, its block name (None: the dim is not
-    preconditioned), the version in use (-1: none yet) and the newest snapshot submitted.
-
-    Optimizers subclass it with their own per-tile state (factors, bases, moments).
-    """
-
-    blocks: list[str | None]
-    versions: list[int]
-    submitted: list[int]
-
-    @classmethod
-    def named(cls, blocks: list[str | None], **state: Any) -> Any:
-        return cls(
-            blocks=blocks, versions=[-1] * len(blocks), submitted=[-1] * len(blocks), **state
-        )
-
-    def preconditioned(self) -> Iterator[tuple[int, str]]:
-        """(dim, block name) of every preconditioned dim."""
-        for dim, block in enumerate(self.blocks):
-            if block is not None:
-                yield dim, block
-
-
-#: Builds the snapshot request of one block of a tile: ``(dim, version) -> request``.
-RequestFn = Callable[[int, int], PreconditionerRequest]
 #: Puts a newer result into use: ``(tile, dim, result) -> None``.
 InstallFn = Callable[[Any, int, PreconditionerResult], None]
 
@@ -200,10 +174,9 @@ class FreshnessRuntime:
         #: a SOAP / KL-Shampoo basis: the block cannot be used before its first result at S = 0
         self.needs_first_result = needs_first_result
         self.barrier_stats = BarrierStats()
-        self._local_failures: dict[str, int] = {}
-        self._local_errors: dict[str, str] = {}
-        self._lag_at_use: dict[str, int] = {}
-        self._frequency: dict[str, int] = {}
+        #: every block's record (see :mod:`.blocks`): the refresh log and the continuous
+        #: schedule keep their state of a block in it too
+        self.records = BlockRecords()
         self._pumped_epoch: int | None = None
         #: id(tile) -> (the tile, the results epoch of its last scan)
         self._scanned: dict[int, tuple[weakref.ref[TileBlocks], int]] = {}
@@ -217,9 +190,7 @@ class FreshnessRuntime:
         self.block_syncs = 0
         self._hooks: list[Any] = []
         self._warned: set[str] = set()
-        #: block -> how to snapshot it (its factor and basis in use, uncopied): drift at install
-        self._requests: dict[str, tuple[RequestFn, int, weakref.ref[TileBlocks]]] = {}
-        self.refresh_log = RefreshLog(continuous=policy.continuous)
+        self.refresh_log = RefreshLog(continuous=policy.continuous, blocks=self.records)
         #: continuous schedule: training-thread seconds spent on extra snapshots and their
         #: installs since the step began, when it began, the step period and the cost of one
         #: snapshot (moving averages)
@@ -238,13 +209,10 @@ class FreshnessRuntime:
         self._unsent: list[PreconditionerRequest] = []
         self._publishing = 0
         self._install_after: dict[int, tuple[TileBlocks, InstallFn]] = {}
-        #: block -> the version of the result in use when it came from the source (not a local
-        #: fallback): a source that keeps its results refreshes from its own copy of it
-        self._from_source: dict[str, int] = {}
         self._reuses_bases = source.reuses_bases()
         self.bases_left_home = 0  # eigenbasis requests sent without their basis
         self._continuous = (
-            ContinuousScheduler(seconds_per_n3=source.seconds_per_n3())
+            ContinuousScheduler(seconds_per_n3=source.seconds_per_n3(), records=self.records)
             if policy.continuous
             else None
         )
@@ -347,12 +315,14 @@ class FreshnessRuntime:
             and request.basis is not None
             and request.basis.dtype == torch.float32
             and request.base_version >= 0
-            and self._from_source.get(request.block) == request.base_version
+            and (record := self.records.get(request.block)) is not None
+            and record.from_source == request.base_version
         )
 
     def bases_replaced(self) -> None:
         """The optimizer's bases were replaced (a checkpoint loaded): none is the source's."""
-        self._from_source.clear()
+        for record in self.records.values():
+            record.from_source = -1
 
     def _hand_over(self, snapshot: PreconditionerRequest) -> None:
         try:
@@ -371,9 +341,10 @@ class FreshnessRuntime:
     ) -> None:
         """Snapshot every factor of the tile, then install whatever is ready already."""
         for dim, block in tile.preconditioned():
-            self._frequency[block] = frequency
-            self._requests[block] = (request, dim, weakref.ref(tile))
-            self._submit_block(tile, dim, block, version, request)
+            record = self.records.at(tile, dim, block)
+            record.frequency = frequency
+            record.request = request
+            self._submit_block(tile, dim, version, request)
         self._install_after[id(tile)] = (tile, install)
         if not self._publishing:
             self.flush()
@@ -382,7 +353,6 @@ class FreshnessRuntime:
         self,
         tile: TileBlocks,
         dim: int,
-        block: str,
         version: int,
         request: RequestFn,
         *,
@@ -403,10 +373,9 @@ class FreshnessRuntime:
         """Continuous schedule: the tile's factors now hold step ``version``; its blocks may be
         pulled (by :meth:`pull`) when the source has credit."""
         assert self._continuous is not None, "offer() is for refresh='continuous'"
-        for dim, block in tile.preconditioned():
-            self._frequency[block] = 1
-            self._requests[block] = (request, dim, weakref.ref(tile))
         self._continuous.offer(tile, version, request)
+        for dim, block in tile.preconditioned():
+            self.records.at(tile, dim, block).frequency = 1
 
     def pull(self, install: InstallFn, *, step_end: bool = False) -> int:
         """Continuous schedule: snapshot the blocks that need it; returns how many were copied.
@@ -490,17 +459,18 @@ class FreshnessRuntime:
         tiles = {}
         for entry in due:
             frequency = entry.floor_steps or 1
+            tile = entry.tile
+            assert entry.request is not None and tile is not None  # offered: floor_due()
             snapshot = self._submit_block(
-                entry.tile,
+                tile,
                 entry.dim,
-                entry.block,
-                entry.version,
+                entry.offered,
                 entry.request,
-                deadline_step=entry.version + self.policy.budget_steps(frequency),
+                deadline_step=entry.offered + self.policy.budget_steps(frequency),
             )
-            scheduler.pulled(entry.block, snapshot, floor=True)
-            self.refresh_log.record_pull(entry.block, entry.version, floor=True)
-            tiles[id(entry.tile)] = entry.tile
+            scheduler.pulled(entry, snapshot, floor=True)
+            self.refresh_log.record_pull(entry, entry.offered, floor=True)
+            tiles[id(tile)] = tile
         self.flush()
         self._note_snapshot_cost(time.perf_counter() - start, len(due))
         for tile in tiles.values():
@@ -530,12 +500,12 @@ class FreshnessRuntime:
             tiles = {}
             start = time.perf_counter()
             for entry in chosen:
-                snapshot = self._submit_block(
-                    entry.tile, entry.dim, entry.block, entry.version, entry.request
-                )
-                scheduler.pulled(entry.block, snapshot)
-                self.refresh_log.record_pull(entry.block, entry.version)
-                tiles[id(entry.tile)] = entry.tile
+                tile = entry.tile
+                assert entry.request is not None and tile is not None  # offered: pullable()
+                snapshot = self._submit_block(tile, entry.dim, entry.offered, entry.request)
+                scheduler.pulled(entry, snapshot)
+                self.refresh_log.record_pull(entry, entry.offered)
+                tiles[id(tile)] = tile
             self.flush()  # handed over before the source's credit is read again
             self._note_snapshot_cost(time.perf_counter() - start, len(chosen))
             pulled += len(chosen)
@@ -556,18 +526,15 @@ class FreshnessRuntime:
         start = time.perf_counter()
         block = tile.blocks[dim]
         assert block is not None
-        known = self._requests.get(block)
+        record = self.records.at(tile, dim, block)
         request = None
-        if known is not None and known[2]() is tile and self.refresh_log.wants_drift(block):
-            request = known[0](known[1], tile.versions[dim])
-        floor = self.refresh_log.record_install(block, request, result.version)
+        if record.request is not None and self.refresh_log.wants_drift(record):
+            request = record.request(dim, tile.versions[dim])
+        floor = self.refresh_log.record_install(record, request, result.version)
         if self._continuous is not None:
-            self._continuous.installed(block, result)
+            self._continuous.installed(record, result)
         install(tile, dim, result)
-        if local:
-            self._from_source.pop(block, None)
-        else:
-            self._from_source[block] = result.version
+        record.from_source = -1 if local else result.version
         self._changed(tile)
         # A pull counts its installs (a synchronous source's) itself; a floor result's install
         # is the amortized schedule's own cost, not the extra refreshes' budget.
@@ -650,7 +617,7 @@ class FreshnessRuntime:
         due = []
         for tile in tiles:
             for dim, block in tile.preconditioned():
-                frequency = self._frequency.get(block, 1)
+                frequency = self.records.at(tile, dim, block).frequency
                 required = self.policy.required_version(
                     tile.submitted[dim], frequency, self.needs_first(), step=step
                 )
@@ -845,8 +812,8 @@ class FreshnessRuntime:
         blocks = None if since is None else self.source.results_since(since)
         if blocks is not None:
             for block in blocks:
-                known = self._requests.get(block)
-                tile = None if known is None else known[2]()
+                record = self.records.get(block)
+                tile = None if record is None else record.tile
                 if tile is None:
                     break
                 self._changed(tile)
@@ -872,35 +839,38 @@ class FreshnessRuntime:
         """The body of :meth:`sync`: the lags its blocks are used with, and whether they
         stay so until something changes (each met the budget, and none is a continuous
         block in flight, whose lag grows with the step)."""
-        for dim, block in tile.preconditioned():
-            self._requests[block] = (request, dim, weakref.ref(tile))
-            self.refresh_log.record_step(block, step)
+        records = [self.records.at(tile, dim, block) for dim, block in tile.preconditioned()]
+        for record in records:
+            record.request = request
+            self.refresh_log.record_step(record, step)
         self.install_ready(tile, install)
         scheduler = self._continuous
         lags: list[int] = []
         settled = True
-        for dim, block in tile.preconditioned():
+        for record in records:
+            dim, block = record.dim, record.name
             self.block_syncs += 1
             newest = tile.submitted[dim]
             interval, floor = frequency, False
             if scheduler is not None:  # the budget counts steps; the amortized one for a floor
-                scheduler.set_floor(block, frequency)
-                floor = scheduler.floor_snapshot(block, newest)
+                if block in scheduler.candidates:
+                    record.floor_steps = frequency
+                floor = scheduler.floor_snapshot(record, newest)
                 interval = frequency if floor else 1
-            self._frequency[block] = interval
+            record.frequency = interval
             required = self.policy.required_version(
                 newest, interval, self.needs_first(), step=step, floor=floor
             )
             installed = tile.versions[dim]
             if installed >= required:
-                lags.append(self._record_lag(block, self.policy.lag_steps(newest, installed, step)))
+                lag = self.policy.lag_steps(newest, installed, step)
+                lags.append(self._record_lag(record, lag))
                 settled = settled and not (scheduler is not None and newest > installed)
                 continue
             if self._agreed(block):
                 self._agreed_barrier(tile, dim, block, required, step, request, install)
-                lags.append(
-                    self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
-                )
+                lag = self.policy.lag_steps(newest, tile.versions[dim], step)
+                lags.append(self._record_lag(record, lag))
                 settled = False  # looked at again next step, as any block that waited
                 continue
             result = None
@@ -915,14 +885,14 @@ class FreshnessRuntime:
             if result is not None and result.version > tile.versions[dim]:
                 self._install(tile, dim, result, install, local=local)
             lags.append(
-                self._record_lag(block, self.policy.lag_steps(newest, tile.versions[dim], step))
+                self._record_lag(record, self.policy.lag_steps(newest, tile.versions[dim], step))
             )
             settled = False  # looked at again next step (it may still be short of the budget)
         return tuple(lags), settled
 
-    def _record_lag(self, block: str, lag_steps: int) -> int:
+    def _record_lag(self, record: BlockRecord, lag_steps: int) -> int:
         """The lag a block was *used* with: what the staleness budget bounds."""
-        self._lag_at_use[block] = lag_steps
+        record.lag_at_use = lag_steps
         self.barrier_stats.record_lag(lag_steps)
         return lag_steps
 
@@ -954,8 +924,9 @@ class FreshnessRuntime:
         try:
             return compute_locally(request(dim, step))
         except SolverError as exc:
-            self._local_failures[block] = self._local_failures.get(block, 0) + 1
-            self._local_errors[block] = str(exc)
+            record = self.records.at(tile, dim, block)
+            record.local_failures += 1
+            record.local_error = str(exc)
             return None
 
     def pump(self, tiles: Callable[[], Iterable[TileBlocks]], install: InstallFn) -> None:
@@ -984,8 +955,8 @@ class FreshnessRuntime:
             return tiles()
         found: dict[int, TileBlocks] = {}
         for block in blocks:
-            known = self._requests.get(block)
-            tile = None if known is None else known[2]()
+            record = self.records.get(block)
+            tile = None if record is None else record.tile
             if tile is None:
                 return tiles()
             found[id(tile)] = tile
@@ -1052,19 +1023,20 @@ class FreshnessRuntime:
                 version = int(tile.versions[dim])
                 newest = int(tile.submitted[dim])
                 record = records.get(block) or self.source.record(block)
+                mine = self.records.get(block) or BlockRecord(block, dim)
                 row = {
                     "block": block,
                     "version": version,
                     "staleness_steps": step - version if version >= 0 else step,
-                    "lag_steps": self._lag_at_use.get(block, 0),
+                    "lag_steps": mine.lag_at_use,
                     "freshness": freshness(version, newest).value,
                     "submitted_version": newest,
-                    "failures": record.failures + self._local_failures.get(block, 0),
+                    "failures": record.failures + mine.local_failures,
                     "consecutive_failures": record.consecutive_failures,
                     "last_solve_s": record.last_solve_s,
-                    "last_error": self._local_errors.get(block) or record.last_error,
+                    "last_error": mine.local_error or record.last_error,
                     "mode": self.mode.value,
-                    "budget_steps": self.policy.budget_steps(self._frequency.get(block, 1)),
+                    "budget_steps": self.policy.budget_steps(mine.frequency),
                 }
                 row.update(record.extra)
                 rows.append(row)

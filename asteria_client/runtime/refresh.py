@@ -59,23 +59,23 @@ something stopped extra pulls (:class:`ExtraLimits`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from asteria_client.runtime.blocks import (
+    DRIFT_INTERVAL_STEPS,
+    BlockRecord,
+    BlockRecords,
+    RequestFn,
+)
 from asteria_client.runtime.source import PreconditionerRequest, PreconditionerResult
 from asteria_client.runtime.transfer import DeviceTransfer, PendingCopy
 from asteria_server.types import SolveKind
 
 #: Random columns of the basis each drift estimate looks at.
 DRIFT_PROBES = 4
-#: A block's drift is estimated again once its factor is this many steps newer than the last
-#: estimate (and only when a worker is free to refresh something).
-DRIFT_INTERVAL_STEPS = 4
-#: Priority per step of age, in units of relative off-diagonal energy.
-AGE_WEIGHT = 1e-4
 #: Seconds a solve costs besides its n³ work (hand-over, result, install): `asteria bench
 #: throughput` measured 3-6 ms of result overhead per solve at n = 256-512. Without it a tiny
 #: block would look hundreds of times cheaper than it is and crowd out the large ones.
@@ -131,23 +131,6 @@ def estimate_drift(
 
 
 @dataclass
-class BlockRefreshes:
-    """One block's refresh record (drift values are device tensors until reported)."""
-
-    installs: int = 0
-    first_step: int | None = None
-    drift_sum: torch.Tensor | None = None
-    drift_count: int = 0
-    last_drift: torch.Tensor | None = None
-    pulls: int = 0
-    drift_step: int | None = None  # the step of the last drift sample
-    floor_pulls: int = 0
-    floor_installs: int = 0
-    #: versions of floor snapshots not installed (nor passed by a newer install) yet
-    floor_versions: list[int] = field(default_factory=list)
-
-
-@dataclass
 class ExtraLimits:
     """Steps of the continuous schedule in which something stopped extra pulls while a block
     could have been pulled: ``credit`` (every worker busy or spoken for), ``overhead_budget``
@@ -170,23 +153,26 @@ class ExtraLimits:
 
 
 class RefreshLog:
-    """Installs and drift at install per block; see the module docstring."""
+    """Installs and drift at install per block, kept in the blocks' records (``blocks``:
+    the runtime's :class:`~.blocks.BlockRecords`); see the module docstring."""
 
-    def __init__(self, seed: int = 0, *, continuous: bool = False) -> None:
-        self.blocks: dict[str, BlockRefreshes] = {}
+    def __init__(
+        self, seed: int = 0, *, continuous: bool = False, blocks: BlockRecords | None = None
+    ) -> None:
+        self.blocks = BlockRecords() if blocks is None else blocks
         self.generators = DeviceGenerators(seed)
         self.step = 0
         self.continuous = continuous
         self.extra_limits = ExtraLimits()
 
-    def record_step(self, block: str, step: int) -> None:
-        entry = self.blocks.setdefault(block, BlockRefreshes())
+    def record_step(self, entry: BlockRecord, step: int) -> None:
         if entry.first_step is None:
             entry.first_step = step
-        self.step = max(self.step, step)
+        if step > self.step:
+            self.step = step
 
     def record_install(
-        self, block: str, request: PreconditionerRequest | None, version: int | None = None
+        self, entry: BlockRecord, request: PreconditionerRequest | None, version: int | None = None
     ) -> bool:
         """Count an install; ``request`` (the block's factor and the basis about to be
         replaced, uncopied) gives the drift at install, for a computed basis only (not the
@@ -195,7 +181,6 @@ class RefreshLog:
         step of continuous refresh makes cost 3% of the step), so the reported drift at
         install is the mean over the sampled installs. Returns whether the installed
         ``version`` was a floor snapshot's."""
-        entry = self.blocks.setdefault(block, BlockRefreshes())
         entry.installs += 1
         floor = False
         if version is not None and entry.floor_versions:
@@ -204,7 +189,7 @@ class RefreshLog:
             entry.floor_versions = [v for v in entry.floor_versions if v > version]
         if request is None or request.kind is not SolveKind.EIGENBASIS or request.basis is None:
             return floor
-        if not self.wants_drift(block):
+        if not self.wants_drift(entry):
             return floor
         entry.drift_step = self.step
         with torch.no_grad():
@@ -215,27 +200,24 @@ class RefreshLog:
         entry.last_drift = drift
         return floor
 
-    def wants_drift(self, block: str) -> bool:
-        """Whether the next install of ``block`` is one whose drift is sampled (the caller
+    def wants_drift(self, entry: BlockRecord) -> bool:
+        """Whether the next install of the block is one whose drift is sampled (the caller
         need not build its request otherwise)."""
-        entry = self.blocks.get(block)
-        return (
-            entry is None
-            or entry.drift_step is None
-            or self.step - entry.drift_step >= DRIFT_INTERVAL_STEPS
-        )
+        return entry.drift_step is None or self.step - entry.drift_step >= DRIFT_INTERVAL_STEPS
 
-    def record_pull(self, block: str, version: int, *, floor: bool = False) -> None:
-        entry = self.blocks.setdefault(block, BlockRefreshes())
+    def record_pull(self, entry: BlockRecord, version: int, *, floor: bool = False) -> None:
         entry.pulls += 1
         if floor:
             entry.floor_pulls += 1
             entry.floor_versions.append(version)
 
     def rows(self) -> dict[str, dict[str, Any]]:
-        """Per block: installs, refreshes per 100 steps, mean and last drift at install."""
+        """Per block that stepped or was pulled: installs, refreshes per 100 steps, mean and
+        last drift at install."""
         out = {}
         for block, entry in sorted(self.blocks.items()):
+            if entry.first_step is None and not (entry.installs or entry.pulls):
+                continue
             steps = self.step - (entry.first_step or 0) + 1 if entry.first_step else 0
             mean = last = None
             if entry.drift_count and entry.drift_sum is not None and entry.last_drift is not None:
@@ -292,128 +274,58 @@ def _mean(values: list[float]) -> float | None:
 
 
 @dataclass
-class Candidate:
-    """A block the continuous schedule may pull: its tile, dim, how to snapshot it, and the
-    version (step) of the factor the tile holds now."""
-
-    tile: Any
-    dim: int
-    block: str
-    request: Callable[[int, int], PreconditionerRequest]
-    version: int
-    cost_s: float = 0.0
-    drift: float = math.inf  # unknown until measured
-    drift_version: int = -1  # the factor's version when drift was measured
-    drift_basis: int = -1  # the basis's version when drift was measured
-    #: a drift computed on the device, not read yet (the next choice reads it with the rest)
-    drift_unread: torch.Tensor | None = None
-    #: the version of the snapshot in flight and its ‖L‖²_F (a device tensor)
-    pulled_version: int = -1
-    pulled_norm2: torch.Tensor | None = None
-    #: a drift estimate of it is on its way to the host (with the factor's and the basis's
-    #: versions it was measured at)
-    drift_reading: bool = False
-    drift_reading_versions: tuple[int, int] = (-1, -1)
-    #: the floor: at most this many steps between snapshots (the group's
-    #: precondition_frequency; None until the runtime has seen it)
-    floor_steps: int | None = None
-    #: the version of the newest floor snapshot taken (-1: none)
-    floor_version: int = -1
-
-    def floor_due(self) -> bool:
-        """Its factor is newer than its newest snapshot, which is ``floor_steps`` old or more
-        (or there is none): the amortized schedule would snapshot it now. In flight or not
-        (latest wins, as on the amortized schedule)."""
-        last = self.tile.submitted[self.dim]
-        if self.version <= last:
-            return False
-        return last < 0 or (
-            self.floor_steps is not None and self.version - last >= self.floor_steps
-        )
-
-    def drift_stale(self) -> bool:
-        """The estimate is of another basis, or DRIFT_INTERVAL_STEPS old."""
-        return (
-            self.drift_basis != self.tile.versions[self.dim]
-            or self.version - self.drift_version >= DRIFT_INTERVAL_STEPS
-        )
-
-    def pullable(self) -> bool:
-        """Not in flight, and its factor is newer than every snapshot taken of it."""
-        in_flight = self.tile.submitted[self.dim] > self.tile.versions[self.dim]
-        return not in_flight and self.version > self.tile.submitted[self.dim]
-
-    def priority(self) -> float:
-        installed = self.tile.versions[self.dim]
-        if installed < 0:
-            return math.inf
-        age = self.version - installed
-        return (self.drift + AGE_WEIGHT * age) / max(self.cost_s, 1e-12)
-
-
-@dataclass
 class ContinuousScheduler:
-    """Picks the blocks to snapshot when the source has credit (see the module docstring)."""
+    """Picks the blocks to snapshot when the source has credit (see the module docstring).
+    Its state of each block is in the block's record (``records``: the runtime's; its own
+    when used alone); ``candidates`` are the records of the blocks offered so far."""
 
     seconds_per_n3: float
+    records: BlockRecords = field(default_factory=BlockRecords)
     generators: DeviceGenerators = field(default_factory=lambda: DeviceGenerators(1))
-    candidates: dict[str, Candidate] = field(default_factory=dict)
+    candidates: dict[str, BlockRecord] = field(default_factory=dict)
     #: candidates whose drift_unread is set, each once (a source without a credit limit never
     #: measures, so nothing else would bound this list)
-    unread: list[Candidate] = field(default_factory=list)
+    unread: list[BlockRecord] = field(default_factory=list)
     #: drift estimates on their way to the host: the candidates, how many of them came with
     #: an installed result, and the copy (read by the first choice after it landed)
-    reading: list[tuple[list[Candidate], int, PendingCopy]] = field(default_factory=list)
+    reading: list[tuple[list[BlockRecord], int, PendingCopy]] = field(default_factory=list)
     transfer: DeviceTransfer = field(default_factory=DeviceTransfer)
 
-    def offer(
-        self,
-        tile: Any,
-        version: int,
-        request: Callable[[int, int], PreconditionerRequest],
-    ) -> None:
+    def offer(self, tile: Any, version: int, request: RequestFn) -> None:
         """The tile's factors now hold step ``version``: its blocks may be pulled."""
         for dim, block in tile.preconditioned():
             entry = self.candidates.get(block)
             if entry is None or entry.tile is not tile:
+                # a block new to the schedule, or a new tile in its place (a checkpoint
+                # load): what was known of the old tile's basis and factor does not hold
+                entry = self.records.at(tile, dim, block)
                 n = request(dim, version).matrix.shape[0]
-                entry = Candidate(
-                    tile=tile,
-                    dim=dim,
-                    block=block,
-                    request=request,
-                    version=version,
-                    cost_s=SOLVE_OVERHEAD_S + self.seconds_per_n3 * n**3,
-                )
+                entry.cost_s = SOLVE_OVERHEAD_S + self.seconds_per_n3 * n**3
+                entry.drift, entry.drift_version, entry.drift_basis = math.inf, -1, -1
+                entry.drift_unread, entry.drift_reading = None, False
+                entry.pulled_version, entry.pulled_norm2 = -1, None
+                entry.floor_steps, entry.floor_version = None, -1
                 self.candidates[block] = entry
             entry.request = request
-            entry.version = version
+            entry.offered = version
 
-    def set_floor(self, block: str, frequency: int) -> None:
-        """``block`` is to be snapshotted at least every ``frequency`` steps."""
-        entry = self.candidates.get(block)
-        if entry is not None:
-            entry.floor_steps = frequency
+    def floor_snapshot(self, entry: BlockRecord, version: int) -> bool:
+        """Whether the block's snapshot at ``version`` was a floor snapshot."""
+        return version >= 0 and entry.floor_version == version
 
-    def floor_snapshot(self, block: str, version: int) -> bool:
-        """Whether the snapshot of ``block`` at ``version`` was a floor snapshot."""
-        entry = self.candidates.get(block)
-        return entry is not None and version >= 0 and entry.floor_version == version
-
-    def floor_due(self) -> list[Candidate]:
-        """The blocks whose floor is due (see :meth:`Candidate.floor_due`), by name."""
-        return sorted((c for c in self.candidates.values() if c.floor_due()), key=lambda c: c.block)
+    def floor_due(self) -> list[BlockRecord]:
+        """The blocks whose floor is due (see :meth:`BlockRecord.floor_due`), by name."""
+        return sorted((c for c in self.candidates.values() if c.floor_due()), key=lambda c: c.name)
 
     def pullable(self) -> int:
         """How many blocks an extra pull could take now."""
         return sum(1 for c in self.candidates.values() if c.pullable())
 
-    def pulled(self, block: str, request: PreconditionerRequest, *, floor: bool = False) -> None:
-        """A snapshot of ``block`` was taken (a floor one: ``floor``): keep its ‖L‖²_F (no
+    def pulled(
+        self, entry: BlockRecord, request: PreconditionerRequest, *, floor: bool = False
+    ) -> None:
+        """A snapshot of the block was taken (a floor one: ``floor``): keep its ‖L‖²_F (no
         host read) for :meth:`installed`."""
-        entry = self.candidates.get(block)
-        if entry is None:
-            return
         if floor:
             entry.floor_version = request.version
         if request.kind is not SolveKind.EIGENBASIS:
@@ -421,15 +333,12 @@ class ContinuousScheduler:
         entry.pulled_version = request.version
         entry.pulled_norm2 = torch.linalg.vector_norm(request.matrix).square()
 
-    def installed(self, block: str, result: PreconditionerResult) -> None:
+    def installed(self, entry: BlockRecord, result: PreconditionerResult) -> None:
         """``result`` goes into use: its drift against the snapshot it was computed from
         comes with it. The result's eigenvalue estimates are ``diag(QᵀLQ)`` of that snapshot
         (exact eigenvalues for a full eigh), and ``‖QᵀLQ‖_F = ‖L‖_F`` for an orthonormal Q,
         so its off-diagonal energy is ``‖L‖²_F - Σ diag²`` — no probe, no product. The next
         estimate is due :data:`DRIFT_INTERVAL_STEPS` steps later, when the factor has moved."""
-        entry = self.candidates.get(block)
-        if entry is None:
-            return
         norm2, entry.pulled_norm2 = entry.pulled_norm2, None
         if norm2 is None or result.version != entry.pulled_version or result.eigenvalues is None:
             return
@@ -441,17 +350,17 @@ class ContinuousScheduler:
         entry.drift_version = result.version
         entry.drift_basis = result.version
 
-    def choose(self, credit: int | None) -> list[Candidate]:
+    def choose(self, credit: int | None) -> list[BlockRecord]:
         """The blocks to pull now, best first: all pullable ones when ``credit`` is None
         (a source without limit), else at most ``credit``."""
         if credit is not None and credit <= 0:
             return []
         ready = [c for c in self.candidates.values() if c.pullable()]
         if credit is None or len(ready) <= credit:
-            return sorted(ready, key=lambda c: c.block)
+            return sorted(ready, key=lambda c: c.name)
         self._read_landed()
         self._measure([c for c in ready if c.drift_stale() and not c.drift_reading])
-        ready.sort(key=lambda c: (-c.priority(), c.block))
+        ready.sort(key=lambda c: (-c.priority(), c.name))
         return ready[:credit]
 
     def _read_landed(self) -> None:
@@ -473,7 +382,7 @@ class ContinuousScheduler:
                 entry.drift_reading = False
         self.reading = still
 
-    def _measure(self, stale: list[Candidate]) -> None:
+    def _measure(self, stale: list[BlockRecord]) -> None:
         """New drift estimates for ``stale``, sent to the host with those that came with
         installed results (:meth:`installed`): one copy on the transfer layer's side stream,
         read by :meth:`_read_landed` (at once on CPU; on a device by the first choice after
@@ -488,15 +397,16 @@ class ContinuousScheduler:
         unread = len(measured)
         with torch.no_grad():
             for entry in stale:
-                if entry.tile.versions[entry.dim] < 0:
+                installed = entry.version
+                if installed < 0 or entry.request is None:
                     continue  # no basis yet: first in line anyway
-                request = entry.request(entry.dim, entry.version)
+                request = entry.request(entry.dim, entry.offered)
                 if request.kind is not SolveKind.EIGENBASIS:
                     continue
                 measured.append(entry)
                 generator = self.generators.on(request.matrix.device)
                 values.append(estimate_drift(request.matrix, request.basis, generator))
-                entry.drift_reading_versions = (entry.version, entry.tile.versions[entry.dim])
+                entry.drift_reading_versions = (entry.offered, installed)
         if not measured:
             return
         for entry in measured:

@@ -471,10 +471,10 @@ def test_an_installed_result_brings_its_drift_against_its_snapshot() -> None:
     scheduler = ContinuousScheduler(seconds_per_n3=1e-9)
     tile = TileBlocks(blocks=["w/tile0/dim0"], versions=[3], submitted=[7])
     scheduler.offer(tile, 7, lambda dim, version: request)
-    scheduler.pulled("w/tile0/dim0", request)
-    scheduler.installed("w/tile0/dim0", result)
-    tile.versions[0] = 7
     entry = scheduler.candidates["w/tile0/dim0"]
+    scheduler.pulled(entry, request)
+    scheduler.installed(entry, result)
+    tile.versions[0] = 7
     assert not entry.drift_stale()  # known for the new basis: nothing to probe
     scheduler._measure([])
     q = result.matrix.to(torch.float64)
