@@ -13,6 +13,12 @@ continuous scheduler (:class:`~.refresh.ContinuousScheduler`) read and write the
 there is no second table of a block's state to keep in step with the first, and a step touches a
 block through one dict lookup.
 
+The sources keep no copy of this: what a source holds per block is the state of its own
+medium, touched by its own threads under its own lock (the daemon source's segments, the
+snapshot waiting for its sender, the result staged for the device; the result exchange's
+versions expected from and received over the side group). The runtime's record is the
+training thread's, and is never shared with a source's thread.
+
 A record refers to its tile weakly: the optimizer owns its tiles, and a tile it dropped (a
 checkpoint load, a reshard, a regrouping) must not be kept alive by the runtime. A record whose
 tile is gone reads as a block with nothing in use (version -1) and nothing taken.
