@@ -40,6 +40,7 @@ from asteria_client.optim.grouped import (
     StepMask,
     StorageSpec,
 )
+from asteria_client.optim.installs import InstallBatch, Pending
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
 from asteria_client.optim.reshard import ReshardReport, reshard_state
 from asteria_client.optim.sharding import (
@@ -201,6 +202,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._pending_error: NonFiniteGradientError | None = None
         self._skipped_steps = 0
         self.finite_check_waits = 0  # reads of a check that had not landed (a host wait)
+        #: the installs of one call into the runtime, applied per tile group (see .installs)
+        self._installs = InstallBatch(self._note_install, self._install_rows, self._apply_noted)
         super().__init__(named_param_groups(params, self._namer), defaults)
         #: Where results come from and how fresh they are: the only thing the math talks to.
         self.layout: JobLayout | None = None
@@ -606,9 +609,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._settle_checks(raise_now=True)
         with self.runtime.publishing():  # the step's snapshots leave the device in one copy
             stepped = self._step_all()
+            with self._installs.window():  # native mode solves them now: installed together
+                self.runtime.flush()
         if stepped and self.runtime.continuous:
             # the workers free now get the neediest blocks; a new step's overhead budget
-            self.runtime.pull(self._install, step_end=True)
+            with self._installs.window():
+                self.runtime.pull(self._put_into_use, step_end=True)
         return loss
 
     def _step_all(self) -> bool:
@@ -649,11 +655,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             steps = self._tile_groups.steps(regular, self.storage_spec)
         if steps:
             # replicated blocks: the results every replica holds go into use now, on all
-            self.runtime.begin_step(
-                [tile for work in steps for tile in work.tiles if isinstance(tile, TileBlocks)],
-                max(work.step for work in steps),
-                self._install,
-            )
+            with self._installs.window():
+                self.runtime.begin_step(
+                    [tile for work in steps for tile in work.tiles if isinstance(tile, TileBlocks)],
+                    max(work.step for work in steps),
+                    self._put_into_use,
+                )
             self._step_groups(steps)
         return True
 
@@ -755,6 +762,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self, tile: Any, dim: int, version: int, group: dict[str, Any]
     ) -> PreconditionerRequest:
         """A new basis for one factor: a QR refresh from the basis in use (eigh at first)."""
+        self._installs.settle(tile, dim)  # the basis in use must be in place before it is read
         return PreconditionerRequest(
             block=tile.blocks[dim],
             version=version,
@@ -783,15 +791,42 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         """Put a newer result into use (subclasses): once per installed version."""
         raise NotImplementedError  # abstract
 
+    def _put_into_use(self, tile: Any, dim: int, result: PreconditionerResult) -> None:
+        """The runtime's install: collected into the open batch where this optimizer batches
+        its installs (:mod:`.installs`), else :meth:`_install` at once."""
+        if self._installs.collecting and self._batches_installs():
+            self._installs.add(tile, dim, result)
+        else:
+            self._install(tile, dim, result)
+
+    def _batches_installs(self) -> bool:
+        """Whether installs are batched (subclasses that implement the three methods below;
+        never where ``_install`` was replaced, so that a replacement sees every install)."""
+        return False
+
+    def _note_install(self, tile: Any, dim: int, result: PreconditionerResult) -> Any:
+        """Collecting an install: what it needs of the tile as it is now; moves the version."""
+        raise NotImplementedError  # abstract: only where _batches_installs()
+
+    def _apply_noted(self, item: Pending) -> None:
+        """Apply one collected install on its own."""
+        raise NotImplementedError  # abstract: only where _batches_installs()
+
+    def _install_rows(self, items: list[Pending]) -> None:
+        """Apply one round of collected installs (at most one per tile), batched per group."""
+        for item in items:
+            self._apply_noted(item)
+
     def _submit_tile(self, tile: TileBlocks, version: int, group: dict[str, Any]) -> None:
         """Snapshot every factor of the tile, then install whatever is ready already."""
-        self.runtime.submit(
-            tile,
-            version,
-            int(group["precondition_frequency"]),
-            lambda dim, v: self._make_request(tile, dim, v, group),
-            self._install,
-        )
+        with self._installs.window():
+            self.runtime.submit(
+                tile,
+                version,
+                int(group["precondition_frequency"]),
+                lambda dim, v: self._make_request(tile, dim, v, group),
+                self._put_into_use,
+            )
 
     def _refresh_tile(
         self, tile: TileBlocks, step: int, group: dict[str, Any], *, due: bool
@@ -806,24 +841,26 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     def _sync_tile(self, tile: TileBlocks, step: int, group: dict[str, Any]) -> None:
         """Install ready results and make every block of the tile meet the staleness budget."""
-        self.runtime.sync(
-            tile,
-            step,
-            int(group["precondition_frequency"]),
-            lambda dim, v: self._make_request(tile, dim, v, group),
-            self._install,
-        )
+        with self._installs.window():
+            self.runtime.sync(
+                tile,
+                step,
+                int(group["precondition_frequency"]),
+                lambda dim, v: self._make_request(tile, dim, v, group),
+                self._put_into_use,
+            )
 
     def _sync_tiles(self, tiles: list[Any], step: int, group: dict[str, Any]) -> None:
         """:meth:`_sync_tile` of every tile of one tile group (its list, kept from step to
         step): the runtime looks only at the tiles that changed since their last sync."""
-        self.runtime.sync_tiles(
-            tiles,
-            step,
-            int(group["precondition_frequency"]),
-            lambda tile: lambda dim, v: self._make_request(tile, dim, v, group),
-            self._install,
-        )
+        with self._installs.window():
+            self.runtime.sync_tiles(
+                tiles,
+                step,
+                int(group["precondition_frequency"]),
+                lambda tile: lambda dim, v: self._make_request(tile, dim, v, group),
+                self._put_into_use,
+            )
 
     def _block_tiles(self) -> Iterator[tuple[int, TileBlocks]]:
         """(step, tile) for every tile with blocks."""
@@ -837,7 +874,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ hooks
     def pump(self) -> None:
         """Move transfers along and install every ready result (cheap; called by hooks)."""
-        self.runtime.pump(lambda: (tile for _, tile in self._block_tiles()), self._install)
+        with self._installs.window():
+            self.runtime.pump(lambda: (tile for _, tile in self._block_tiles()), self._put_into_use)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Register hooks that pump results into place while the model computes, so ``step()``

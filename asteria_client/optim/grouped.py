@@ -88,6 +88,46 @@ def set_entry(tile: Any, name: str, dim: int, value: torch.Tensor) -> None:
             mask[slots["index"]] = True
 
 
+def backing_group(tile: Any, tensors: Sequence[str], entry: tuple[str, int]) -> TileGroup | None:
+    """The group whose storage backs ``tile``'s ``tensors`` fields and its ``entry``
+    (``(field, dim)``: a basis or root, which may still be None), or None where any of them
+    is not a view of the group's (a tile outside a group, or state rebound elsewhere)."""
+    slots = tile.__dict__.get(_SLOTS)
+    if not slots:
+        return None
+    group = slots.get("group")
+    if group is None or any(getattr(tile, name) is not slots.get(name) for name in tensors):
+        return None
+    row = slots.get(entry)
+    value = getattr(tile, entry[0])[entry[1]]
+    if row is None or not (value is None or value is row):
+        return None
+    return group
+
+
+def row_of(tile: Any) -> int:
+    """The tile's row in its group's stacks."""
+    return int(_slots(tile)["index"])
+
+
+def set_rows(
+    group: TileGroup,
+    name: str,
+    dim: int,
+    index: torch.Tensor,
+    values: torch.Tensor,
+    tiles: Sequence[Any],
+) -> None:
+    """:func:`set_entry` of the ``tiles`` at rows ``index``, in one indexed copy."""
+    group.entries[(name, dim)].index_copy_(0, index, values)
+    for tile in tiles:
+        getattr(tile, name)[dim] = _slots(tile)[(name, dim)]
+    group.present[(name, dim)] = True
+    mask = group.masks.get(name)
+    if mask is not None:
+        mask.index_fill_(0, index, True)
+
+
 class TileGroup:
     """The stacked state of tiles of one shape; see the module docstring."""
 
@@ -298,6 +338,15 @@ def mode_product(tensor: torch.Tensor, matrix: torch.Tensor, dim: int) -> torch.
     flat = moved.reshape(moved.shape[0], math.prod(rest), moved.shape[-1])
     out = torch.bmm(flat, matrix.transpose(1, 2)).reshape(moved.shape[0], *rest, -1)
     return out.movedim(-1, dim + 1)
+
+
+def permute_along(tensor: torch.Tensor, perms: torch.Tensor, dim: int) -> torch.Tensor:
+    """For each of the k 2-D tiles of ``tensor`` (``[k, a, b]``), its entries reordered along
+    tile dim ``dim`` by its row of ``perms`` (``[k, n]``): ``index_select(dim, perm)`` each."""
+    k, a, b = tensor.shape
+    if dim == 0:
+        return tensor.gather(1, perms[:, :, None].expand(k, a, b))
+    return tensor.gather(2, perms[:, None, :].expand(k, a, b))
 
 
 def project(

@@ -29,6 +29,7 @@ from asteria_client.optim import grouped as batched
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
 from asteria_client.optim.grouped import GroupStep, StorageSpec, set_entry, set_tensor
+from asteria_client.optim.installs import Pending
 from asteria_client.optim.tensor_ops import factor_statistic, mode_product, project
 from asteria_client.runtime import PreconditionerResult, TileBlocks
 
@@ -204,16 +205,18 @@ class SOAP(AsteriaOptimizer):
     @staticmethod
     def _install(tile: SOAPTile, dim: int, result: PreconditionerResult) -> None:
         """Move the moments into the new basis along ``dim`` — once per installed version."""
+        same_base = result.base_version == tile.versions[dim] and tile.bases[dim] is not None
+        SOAP._rotate(tile, dim, result, same_base)
+        tile.versions[dim] = result.version
+
+    @staticmethod
+    def _rotate(tile: SOAPTile, dim: int, result: PreconditionerResult, same_base: bool) -> None:
+        """The moments into ``result``'s basis along ``dim``, and the basis into use;
+        ``same_base``: the result was computed from the basis in use (its rotation and
+        permutation apply)."""
         exp_avg, exp_avg_sq = tile.exp_avg, tile.exp_avg_sq
         new = result.matrix.to(device=exp_avg.device, dtype=exp_avg.dtype)
-        old = tile.bases[dim]
-        same_base = result.base_version == tile.versions[dim] and old is not None
-        if old is None:
-            overlap = new.T
-        elif same_base and result.rotation is not None:
-            overlap = result.rotation.to(device=exp_avg.device, dtype=exp_avg.dtype)
-        else:  # an intermediate version was skipped: the change of basis from the one in use
-            overlap = new.T @ old
+        overlap = _overlap(tile, dim, result, same_base, new)
         set_tensor(tile, "exp_avg", mode_product(exp_avg, overlap, dim))
         if same_base and result.permutation is not None:
             perm = result.permutation.to(exp_avg.device)
@@ -221,7 +224,36 @@ class SOAP(AsteriaOptimizer):
         else:
             set_tensor(tile, "exp_avg_sq", mode_product(exp_avg_sq, overlap.square(), dim))
         set_entry(tile, "bases", dim, new)
+
+    # ------------------------------------------------------------------ batched installs
+    def _batches_installs(self) -> bool:
+        return "_install" not in vars(self) and type(self)._install is SOAP._install
+
+    def _note_install(self, tile: SOAPTile, dim: int, result: PreconditionerResult) -> bool:
+        same_base = result.base_version == tile.versions[dim] and tile.bases[dim] is not None
         tile.versions[dim] = result.version
+        return same_base
+
+    def _apply_noted(self, item: Pending) -> None:
+        tile, dim, result, same_base = item
+        SOAP._rotate(tile, dim, result, same_base)
+
+    def _install_rows(self, items: list[Pending]) -> None:
+        """One round of installs (one per tile): those of 2-D tiles backed by one tile group
+        along one dim are applied together, the rest one at a time."""
+        together: dict[tuple[int, int], tuple[batched.TileGroup, list[Pending]]] = {}
+        for item in items:
+            tile, dim = item[0], item[1]
+            group = batched.backing_group(tile, ("exp_avg", "exp_avg_sq"), ("bases", dim))
+            if group is None or len(group.shape) != 2:
+                self._apply_noted(item)
+                continue
+            together.setdefault((id(group), dim), (group, []))[1].append(item)
+        for (_, dim), (group, rows) in together.items():
+            if len(rows) == 1:
+                self._apply_noted(rows[0])
+            else:
+                _rotate_rows(group, dim, rows)
 
     # ------------------------------------------------------------------ resharding
     def _moments_in_param_coords(self, tile: SOAPTile) -> dict[str, torch.Tensor]:
@@ -248,6 +280,57 @@ class SOAP(AsteriaOptimizer):
             factors=factors,
             bases=[None] * len(factors),
         )
+
+
+def _overlap(
+    tile: SOAPTile, dim: int, result: PreconditionerResult, same_base: bool, new: torch.Tensor
+) -> torch.Tensor:
+    """The change of basis along ``dim`` from the basis in use to ``new``."""
+    old = tile.bases[dim]
+    if old is None:
+        return new.T
+    if same_base and result.rotation is not None:
+        return result.rotation.to(device=new.device, dtype=new.dtype)
+    return new.T @ old  # an intermediate version was skipped: from the one in use
+
+
+def _permutation(result: PreconditionerResult, device: torch.device) -> torch.Tensor:
+    assert result.permutation is not None  # a permuted row's
+    return result.permutation.to(device)
+
+
+def _rotate_rows(group: batched.TileGroup, dim: int, rows: list[Pending]) -> None:
+    """:meth:`SOAP._rotate` of several tiles of one group along one dim, batched: one stack
+    of the overlaps, one product per moment (a gather for permuted second moments), one
+    indexed copy back, one for the bases."""
+    exp_avg, exp_avg_sq = group.tensors["exp_avg"], group.tensors["exp_avg_sq"]
+    device, dtype = exp_avg.device, exp_avg.dtype
+    index = torch.tensor([batched.row_of(tile) for tile, *_ in rows], device=device)
+    news, overlaps, permuted = [], [], []
+    for tile, _, result, same_base in rows:
+        new = result.matrix.to(device=device, dtype=dtype)
+        news.append(new)
+        overlaps.append(_overlap(tile, dim, result, same_base, new))
+        permuted.append(same_base and result.permutation is not None)
+    overlap = torch.stack(overlaps)
+    exp_avg.index_copy_(0, index, batched.mode_product(exp_avg[index], overlap, dim))
+    if all(permuted):
+        perms = torch.stack([_permutation(r[2], device) for r in rows])
+        exp_avg_sq.index_copy_(0, index, batched.permute_along(exp_avg_sq[index], perms, dim))
+    elif not any(permuted):
+        squared = overlap.square()
+        exp_avg_sq.index_copy_(0, index, batched.mode_product(exp_avg_sq[index], squared, dim))
+    else:  # some of each: one batch for each kind
+        for kind in (True, False):
+            part = [i for i, p in enumerate(permuted) if p is kind]
+            at = index[part]
+            if kind:
+                perms = torch.stack([_permutation(rows[i][2], device) for i in part])
+                moved = batched.permute_along(exp_avg_sq[at], perms, dim)
+            else:
+                moved = batched.mode_product(exp_avg_sq[at], overlap[part].square(), dim)
+            exp_avg_sq.index_copy_(0, at, moved)
+    batched.set_rows(group, "bases", dim, index, torch.stack(news), [r[0] for r in rows])
 
 
 def _shampoo_beta(group: dict[str, Any]) -> float:
