@@ -15,6 +15,10 @@ gRPC. The finite check made one sync every step (``optim/base.py``'s
 ``_first_bad_gradient``, still used on a parameter's first step) until it moved to the device
 (``_check_on_device``: the step's updates are masked by the flag, the host reads it a step
 later); a twin test still counts everything but that function, as a second witness.
+
+Native mode solves every block in the step. Its solver checks are device flags read once per
+step (``NativeSource``); ``torch.linalg.eigh`` itself still waits for the device once per call
+(ATen reads the solver's info on the host), which the audit counts: see ``NATIVE_SOLVES``.
 """
 
 from __future__ import annotations
