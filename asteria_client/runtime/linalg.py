@@ -181,3 +181,123 @@ def refresh_eigenbasis(
         permutation=order.to(device=matrix.device),
         rotation=(new_q.T @ q).to(device=matrix.device, dtype=matrix.dtype),
     )
+
+
+# ---------------------------------------------------------------------------- deferred checks
+# Native mode solves every block inside ``step()``. Each check above reads the device on the
+# host (``bool(...)``, ``float(...)``): on a GPU that is a wait for the device, once per check
+# per block. The functions below compute exactly the same result with the same operations,
+# but leave the checks on the device as one flag per solve (True: every check of the checked
+# path's first attempt passes). A caller collects a step's flags, reads them once
+# (:func:`read_flags`), and for a block whose flag is False reruns the checked function above,
+# which then raises today's SolverError or finds today's epsilon retry: results and messages
+# are those of the checked path, whichever way a block goes. Only failures that the host
+# sees anyway (a wrong shape, an exception from torch.linalg) are raised here; the caller
+# then runs the checked path at once. The flags compare in float64, as the checked path's
+# Python floats do, so a flag never passes what the checked path would reject.
+#
+# torch.linalg.eigh itself still waits for the device on a GPU: ATen checks the solver's
+# info on the host after every call (``_linalg_check_errors``: ``infos.any().item()``), and
+# torch has no eigh that skips it (``torch._linalg_eigh`` runs the same check). QR does not
+# (cuSOLVER geqrf's info is checked in debug builds only).
+
+
+def _symmetric_ok(a: torch.Tensor) -> torch.Tensor:
+    """The flag of :func:`_checked_symmetric`'s value checks (``a`` already in its dtype)."""
+    finite = torch.isfinite(a).all()
+    scale = a.abs().max().double().clamp(min=1.0)
+    asym = (a - a.T).abs().max().double()
+    return finite & ~(asym > SYMMETRY_RTOL * scale)
+
+
+def _symmetrized(matrix: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1] or matrix.numel() == 0:
+        raise SolverError("shape checked on the host")  # the checked path names the block
+    a = matrix.to(dtype)
+    return (a + a.T) * 0.5, _symmetric_ok(a)
+
+
+def _eigh_ok(eigenvalues: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """The flag of :func:`_eigh`'s checks."""
+    finite = torch.isfinite(eigenvalues).all() & torch.isfinite(vectors).all()
+    top = eigenvalues.abs().max().double().clamp(min=1e-30)
+    return finite & ~(eigenvalues.min().double() < -PSD_RTOL * top)
+
+
+def _orthonormal_ok(basis: torch.Tensor) -> torch.Tensor:
+    """The flag of :func:`_check_orthonormal`."""
+    eye = torch.eye(basis.shape[1], dtype=basis.dtype, device=basis.device)
+    return (basis.T @ basis - eye).abs().max().double() <= ORTHOGONALITY_TOL
+
+
+def inverse_root_unchecked(
+    matrix: torch.Tensor,
+    exponent: float,
+    epsilon: float,
+    *,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`inverse_root`'s first attempt and the flag of its checks (see above)."""
+    a, ok = _symmetrized(matrix, compute_dtype)
+    eigenvalues, vectors = torch.linalg.eigh(a)
+    ok = ok & _eigh_ok(eigenvalues, vectors)
+    lam = eigenvalues.clamp(min=0.0) + epsilon
+    ok = ok & (lam > 0).all()
+    root = (vectors * lam.pow(-exponent)) @ vectors.T
+    ok = ok & torch.isfinite(root).all()
+    return root.to(device=matrix.device, dtype=matrix.dtype), ok
+
+
+def eigenbasis_unchecked(
+    matrix: torch.Tensor, *, compute_dtype: torch.dtype = torch.float64
+) -> tuple[Eigenbasis, torch.Tensor]:
+    """:func:`eigenbasis` and the flag of its checks (see above)."""
+    a, ok = _symmetrized(matrix, compute_dtype)
+    eigenvalues, vectors = torch.linalg.eigh(a)
+    ok = ok & _eigh_ok(eigenvalues, vectors)
+    order = torch.argsort(-eigenvalues, stable=True)
+    basis = fix_signs(vectors[:, order])
+    ok = ok & _orthonormal_ok(basis)
+    result = Eigenbasis(
+        basis=basis.to(device=matrix.device, dtype=matrix.dtype),
+        eigenvalues=eigenvalues[order].to(device=matrix.device, dtype=matrix.dtype),
+    )
+    return result, ok
+
+
+def refresh_eigenbasis_unchecked(
+    matrix: torch.Tensor, previous: torch.Tensor, *, compute_dtype: torch.dtype = torch.float64
+) -> tuple[Eigenbasis, torch.Tensor]:
+    """:func:`refresh_eigenbasis` and the flag of its checks (see above)."""
+    a, ok = _symmetrized(matrix, compute_dtype)
+    q = previous.to(compute_dtype)
+    if q.shape != a.shape:
+        raise SolverError("shape checked on the host")
+    aq = a @ q
+    estimates = (q * aq).sum(dim=0)
+    order = torch.argsort(-estimates, stable=True)
+    new_q, _ = torch.linalg.qr(aq[:, order])
+    ok = ok & torch.isfinite(new_q).all()
+    new_q = fix_signs(new_q)
+    ok = ok & _orthonormal_ok(new_q)
+    new_estimates = (new_q * (a @ new_q)).sum(dim=0)
+    result = Eigenbasis(
+        basis=new_q.to(device=matrix.device, dtype=matrix.dtype),
+        eigenvalues=new_estimates.to(device=matrix.device, dtype=matrix.dtype),
+        permutation=order.to(device=matrix.device),
+        rotation=(new_q.T @ q).to(device=matrix.device, dtype=matrix.dtype),
+    )
+    return result, ok
+
+
+def read_flags(flags: list[torch.Tensor]) -> list[bool]:
+    """The host values of many solves' flags: one read per device, not one per flag."""
+    values: list[bool] = [False] * len(flags)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(i)
+    for indices in by_device.values():
+        read = torch.stack([flags[i] for i in indices]).tolist()
+        for i, value in zip(indices, read, strict=True):
+            values[i] = bool(value)
+    return values

@@ -217,41 +217,121 @@ def compute_locally(request: PreconditionerRequest) -> PreconditionerResult:
     )
 
 
+def compute_unchecked(request: PreconditionerRequest) -> tuple[PreconditionerResult, torch.Tensor]:
+    """:func:`compute_locally` with its checks left on the device: the result and a flag that
+    is True where the checked path would return this very result (see the deferred checks in
+    :mod:`.linalg`). Raises (SolverError, RuntimeError) only for what the host sees anyway:
+    :func:`compute_locally` then says what went wrong."""
+    start = time.perf_counter()
+    eigenvalues = permutation = rotation = None
+    if request.kind is SolveKind.INVERSE_ROOT:
+        matrix, ok = linalg.inverse_root_unchecked(
+            request.matrix, request.exponent, request.epsilon
+        )
+    elif request.basis is None:
+        result, ok = linalg.eigenbasis_unchecked(request.matrix)
+        matrix, eigenvalues = result.basis, result.eigenvalues
+    else:
+        result, ok = linalg.refresh_eigenbasis_unchecked(request.matrix, request.basis)
+        matrix, eigenvalues, permutation = result.basis, result.eigenvalues, result.permutation
+        rotation = result.rotation
+    computed = PreconditionerResult(
+        block=request.block,
+        version=request.version,
+        kind=request.kind,
+        matrix=matrix,
+        eigenvalues=eigenvalues,
+        permutation=permutation,
+        rotation=rotation,
+        base_version=request.base_version,
+        solve_time_s=time.perf_counter() - start,
+    )
+    return computed, ok
+
+
 class NativeSource(PreconditionerSource):
-    """Synchronous torch.linalg on the parameter's device: results are ready when submit returns."""
+    """Synchronous torch.linalg on the parameter's device: results are ready when submit returns.
+
+    Each block is solved in ``submit``, as it comes, but its checks stay on the device: the
+    results of a step wait, with their flags, until the first ``take`` (or status read) after
+    them reads every flag at once: one host read per step and device, not one per check and
+    block. A block whose flag says a check failed is solved again by the checked path
+    (:func:`compute_locally`), which raises the SolverError that is recorded, or finds the
+    epsilon retry that succeeds: results, failures and messages are those of solving each
+    block checked in ``submit``. A request's tensors are the optimizer's own factor and basis,
+    so they must not change between its ``submit`` and the next ``take`` (the runtime takes
+    a step's results before it installs any, and the optimizer updates factors only before
+    it submits them).
+    """
 
     synchronous = True
 
     def __init__(self) -> None:
         self._ready: dict[str, PreconditionerResult] = {}
         self._records: dict[str, SourceRecord] = {}
+        #: solved, not yet checked: (request, result, flag) in submit order
+        self._unchecked: list[tuple[PreconditionerRequest, PreconditionerResult, torch.Tensor]]
+        self._unchecked = []
 
     def submit(self, request: PreconditionerRequest) -> None:
         rec = self._records.setdefault(request.block, SourceRecord())
         rec.submitted_version = max(rec.submitted_version, request.version)
         try:
+            result, ok = compute_unchecked(request)
+        except (SolverError, RuntimeError):
+            self._settle()  # failures are recorded in submit order
+            self._solve_checked(request)
+            return
+        self._unchecked.append((request, result, ok))
+
+    def _settle(self) -> None:
+        """Read the flags of every block solved since the last read (one host read), and
+        solve again, checked, those that failed."""
+        unchecked, self._unchecked = self._unchecked, []
+        if not unchecked:
+            return
+        passed = linalg.read_flags([ok for _, _, ok in unchecked])
+        for (request, result, _), ok in zip(unchecked, passed, strict=True):
+            if ok:
+                self._accept(result)
+            else:
+                self._solve_checked(request)
+
+    def _solve_checked(self, request: PreconditionerRequest) -> None:
+        try:
             result = compute_locally(request)
         except SolverError as exc:
+            rec = self._records[request.block]
             rec.failures += 1
             rec.consecutive_failures += 1
             rec.last_error = str(exc)
             return
+        self._accept(result)
+
+    def _accept(self, result: PreconditionerResult) -> None:
+        rec = self._records[result.block]
         rec.consecutive_failures = 0
         rec.last_solve_s = result.solve_time_s
         rec.computed_version = max(rec.computed_version, result.version)
         rec.computed_at = time.monotonic()
-        current = self._ready.get(request.block)
+        current = self._ready.get(result.block)
         if current is None or result.version > current.version:
-            self._ready[request.block] = result
+            self._ready[result.block] = result
 
     def take(self, block: str) -> PreconditionerResult | None:
+        self._settle()
         return self._ready.pop(block, None)
 
     def record(self, block: str) -> SourceRecord:
+        self._settle()
         return self._records.setdefault(block, SourceRecord())
 
     def records(self) -> dict[str, SourceRecord]:
+        self._settle()
         return dict(self._records)
+
+    def close(self) -> None:
+        self._unchecked = []
 
 
 def result_from_engine(

@@ -3,8 +3,9 @@
 A GPU training step stays fast only while the CPU runs ahead of the device: any call that
 reads device memory into Python (``.item()``, ``bool(t)``, ``.tolist()``), copies it to the
 host with a blocking copy (``.cpu()``, ``.to("cpu")``), or needs a result's size before it
-can go on (``nonzero``, ``masked_select``, boolean-mask indexing) makes the host wait for
-every kernel queued before it. :class:`HostSyncAudit` is a :class:`TorchFunctionMode` that
+can go on (``nonzero``, ``masked_select``, boolean-mask indexing), or checks a solver's
+error code on the host (``torch.linalg.eigh``, below) makes the host wait for every kernel
+queued before it. :class:`HostSyncAudit` is a :class:`TorchFunctionMode` that
 counts such calls made on the thread that enters it (the training thread: the sources' own
 threads may wait, the step may not), by function, with the first line of client code that
 made each.
@@ -24,6 +25,13 @@ How it decides whether a call *would* sync:
   ``torch.device`` target is taken to be the tensor's own device (``.to(param.device)``),
   which on a GPU it is. ``.numpy()`` of an unmarked tensor counts (on a GPU it needs a host
   copy first).
+
+``torch.linalg.eigh`` (and ``eigvalsh``, ``torch._linalg_eigh``) counts too: after every
+call ATen reads the solver's info on the host, ``at::_linalg_check_errors`` →
+``infos.any().item<bool>()`` (aten/src/ATen/native/BatchLinearAlgebra.cpp,
+``TORCH_IMPL_FUNC(_linalg_eigh_out)``, which all three reach), so on a GPU each call waits for
+the device, once per call whatever its batch, and torch has no eigh without that check.
+``torch.linalg.qr`` does not count: cuSOLVER's geqrf info is read only in debug builds.
 
 It sees torch calls only (NumPy's and the CUDA runtime's own waits are not torch functions);
 ``torch.cuda.set_sync_debug_mode("error")`` catches those on a real device
@@ -60,6 +68,8 @@ _DATA_SHAPED = frozenset(
         "bincount",
     }
 )
+#: Solvers that read their error code (LAPACK / cuSOLVER info) on the host after each call.
+SOLVER_CHECKS = frozenset({"linalg_eigh", "linalg_eigvalsh", "_linalg_eigh"})
 #: Indexing ops that sync when an index is a boolean mask.
 _INDEXING = frozenset({"__getitem__", "__setitem__", "index_put", "index_put_", "index"})
 
@@ -135,7 +145,7 @@ class HostSyncAudit(TorchFunctionMode):
         on_device = [t for t in tensors if self._on_device(t)]
         if not on_device:
             return False
-        if name in _READS or name in _DATA_SHAPED:
+        if name in _READS or name in _DATA_SHAPED or name in SOLVER_CHECKS:
             return True
         if name == "cpu":
             return True

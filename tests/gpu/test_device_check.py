@@ -11,7 +11,9 @@
 - **host -> GPU race**: results staged in one reused pinned buffer are not overwritten while
   their copies are in flight;
 - **close() with a copy in flight**: the copy completes before close() returns;
-- **bf16**: a bfloat16 model trains in every mode.
+- **bf16**: a bfloat16 model trains in every mode;
+- **native busy steps**: a native SOAP step syncs once for its solver checks and once per
+  ``torch.linalg.eigh`` (ATen reads its info on the host), at 2 and at 6 blocks.
 
 The finite check runs on the device since ``_check_on_device`` (a step's updates are masked by
 its flag, read on the host a step later), so the quiet-step cases expect no sync at all; they
@@ -282,3 +284,47 @@ def test_a_bf16_model_trains(mode: str, daemon: Daemon) -> None:
     assert all(
         p.dtype is torch.bfloat16 and bool(torch.isfinite(p).all()) for p in model.parameters()
     )
+
+
+def _native_step_syncs(layers: int) -> list[tuple[int, int]]:
+    """(eigh syncs, other syncs) of each of SOAP native's first four steps (f = 3: step 1
+    solves the first bases by eigh, step 4 refreshes them by QR), as the CUDA runtime sees
+    them (``set_sync_debug_mode("warn")``), on ``layers`` 64x64 layers."""
+    import linecache
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(layers)]).to(
+        CUDA
+    )
+    opt = SOAP(model.parameters(), mode="native", precondition_frequency=3)
+    out = []
+    try:
+        for step in range(4):
+            x = _batch(step)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    _iteration(model, opt, x)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+            eighs = sum("linalg.eigh" in linecache.getline(w.filename, w.lineno) for w in syncs)
+            out.append((eighs, len(syncs) - eighs))
+    finally:
+        opt.close()
+    return out
+
+
+def test_native_busy_steps_sync_per_eigh_and_once_for_the_checks() -> None:
+    """Native mode's solver checks are read once per step (runtime/linalg.py's deferred
+    checks); torch.linalg.eigh waits for the device once per call (ATen reads its info on the
+    host), which the CPU audit counts for that reason. At 2 and 6 blocks: the QR refresh
+    step's syncs and the eigh step's other syncs stay the same, and the eigh step makes one
+    sync per block (if this fails with 0, eigh no longer syncs: update the audit)."""
+    small, large = _native_step_syncs(2), _native_step_syncs(6)
+    assert small[3] == large[3], (small, large)  # QR refresh: no eigh, nothing per block
+    assert small[3][0] == 0, small
+    assert small[0][1] == large[0][1], (small, large)  # first bases: the checks, once
+    assert (small[0][0], large[0][0]) == (2 * 2, 2 * 6), (small, large)  # one per eigh

@@ -182,7 +182,9 @@ class HeldSource(CountingSource):
 
     def submit(self, request):  # type: ignore[no-untyped-def]
         NativeSource.submit(self, request)
-        self.held[request.block] = self._ready.pop(request.block)
+        result = NativeSource.take(self, request.block)  # solved and checked, not counted
+        assert result is not None
+        self.held[request.block] = result
 
     def release(self, block: str) -> None:
         self._ready[block] = self.held.pop(block)

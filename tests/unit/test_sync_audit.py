@@ -31,6 +31,10 @@ def test_it_counts_every_kind_of_host_sync_on_a_device_tensor() -> None:
         torch.unique(t)
         torch.equal(t, t)
         mark_host(torch.empty(6)).copy_(t)  # a blocking copy into host memory
+        square = torch.eye(3, dtype=torch.float64)
+        torch.linalg.eigh(square)  # ATen reads the solver's info on the host
+        torch.linalg.eigvalsh(square)
+        torch.linalg.qr(square)  # no info read (but in debug builds): not counted
     assert audit.counts == {
         "item": 1,
         "__bool__": 1,
@@ -47,6 +51,8 @@ def test_it_counts_every_kind_of_host_sync_on_a_device_tensor() -> None:
         "unique": 1,
         "equal": 1,
         "copy_": 1,
+        "linalg_eigh": 1,
+        "linalg_eigvalsh": 1,
     }, audit.counts
     assert "test_sync_audit.py" in audit.report()
 
