@@ -37,6 +37,7 @@ from asteria_client.optim import grouped as batched
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
 from asteria_client.optim.grouped import GroupStep, StorageSpec, set_entry
+from asteria_client.optim.installs import Pending
 from asteria_client.optim.tensor_ops import factor_statistic
 from asteria_client.optim.updates import AdamTile, adam_direction
 from asteria_client.runtime import PreconditionerResult, TileBlocks
@@ -252,6 +253,12 @@ class KLShampoo(AsteriaOptimizer):
 
     @staticmethod
     def _install(tile: KLTile, dim: int, result: PreconditionerResult) -> None:
+        KLShampoo._put_basis(tile, dim, result)
+        tile.versions[dim] = result.version
+
+    @staticmethod
+    def _put_basis(tile: KLTile, dim: int, result: PreconditionerResult) -> None:
+        """The basis and its eigenvalues into use along ``dim``."""
         factor = tile.factors[dim]
         assert factor is not None  # only preconditioned dims have blocks
         basis = result.matrix.to(device=factor.device, dtype=factor.dtype)
@@ -263,7 +270,44 @@ class KLShampoo(AsteriaOptimizer):
         else:
             eigenvalues = (basis * (factor @ basis)).sum(dim=0)
         set_entry(tile, "eigenvalues", dim, eigenvalues.clamp_min(0))
+
+    # ------------------------------------------------------------------ batched installs
+    def _batches_installs(self) -> bool:
+        return "_install" not in vars(self) and type(self)._install is KLShampoo._install
+
+    def _note_install(self, tile: KLTile, dim: int, result: PreconditionerResult) -> None:
         tile.versions[dim] = result.version
+
+    def _apply_noted(self, item: Pending) -> None:
+        tile, dim, result, _ = item
+        KLShampoo._put_basis(tile, dim, result)
+
+    def _install_rows(self, items: list[Pending]) -> None:
+        """One round of installs (one per tile): the bases and eigenvalues of tiles backed by
+        one tile group along one dim are written with one indexed copy each."""
+        together: dict[tuple[int, int], tuple[batched.TileGroup, list[Pending]]] = {}
+        for item in items:
+            tile, dim, result = item[0], item[1], item[2]
+            group = batched.backing_group(tile, (), ("bases", dim))
+            if (
+                group is None
+                or result.eigenvalues is None
+                or batched.backing_group(tile, (), ("eigenvalues", dim)) is not group
+            ):
+                self._apply_noted(item)
+                continue
+            together.setdefault((id(group), dim), (group, []))[1].append(item)
+        for (_, dim), (group, rows) in together.items():
+            if len(rows) == 1:
+                self._apply_noted(rows[0])
+                continue
+            like = group.entries[("eigenvalues", dim)]
+            index = torch.tensor([batched.row_of(r[0]) for r in rows], device=like.device)
+            tiles = [r[0] for r in rows]
+            bases = torch.stack([r[2].matrix.to(like.device, like.dtype) for r in rows])
+            lams = torch.stack([_eigenvalues(r[2]).to(like.device, like.dtype) for r in rows])
+            batched.set_rows(group, "bases", dim, index, bases, tiles)
+            batched.set_rows(group, "eigenvalues", dim, index, lams.clamp_min(0), tiles)
 
     # ------------------------------------------------------------------ resharding
     factors_are_means = True  # each factor is divided by the tile's other elements
@@ -313,3 +357,8 @@ class KLShampoo(AsteriaOptimizer):
             bases=[None] * len(factors),
             eigenvalues=eigenvalues,
         )
+
+
+def _eigenvalues(result: PreconditionerResult) -> torch.Tensor:
+    assert result.eigenvalues is not None  # batched only with their eigenvalues
+    return result.eigenvalues

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asteria_client import SOAP
+from asteria_client import SOAP, KLShampoo
 from asteria_client.optim.installs import InstallBatch
 from tests.unit.test_continuous import DelayedSource
 
@@ -29,7 +29,7 @@ def _model(layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(layers)))
 
 
-def _train(model: torch.nn.Module, opt: SOAP, steps: int, tick: Any = None) -> None:
+def _train(model: torch.nn.Module, opt: Any, steps: int, tick: Any = None) -> None:
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         if tick is not None:
@@ -39,13 +39,16 @@ def _train(model: torch.nn.Module, opt: SOAP, steps: int, tick: Any = None) -> N
         opt.step()
 
 
-def _one_at_a_time(opt: SOAP) -> SOAP:
+def _one_at_a_time(opt: Any) -> Any:
     opt._batches_installs = lambda: False  # type: ignore[method-assign]
     return opt
 
 
+@pytest.mark.parametrize("optimizer", [SOAP, KLShampoo])
 @pytest.mark.parametrize("source", ["native", "delayed"])
-def test_batched_installs_equal_installs_one_at_a_time_bit_for_bit(source: str) -> None:
+def test_batched_installs_equal_installs_one_at_a_time_bit_for_bit(
+    source: str, optimizer: type
+) -> None:
     """Native (every block installs at its refresh step: first eigh, then QR refreshes with
     their rotation and permutation) and a simulated asynchronous source whose results
     arrive late and skip versions (the change of basis from the one in use)."""
@@ -56,7 +59,7 @@ def test_batched_installs_equal_installs_one_at_a_time_bit_for_bit(source: str) 
         kwargs: dict[str, Any] = (
             {"mode": "native"} if delayed is None else {"source": delayed, "staleness_budget": 2}
         )
-        opt = SOAP(model.named_parameters(), precondition_frequency=2, **kwargs)
+        opt = optimizer(model.named_parameters(), precondition_frequency=2, **kwargs)
         if not batched:
             _one_at_a_time(opt)
         _train(model, opt, 16, tick=None if delayed is None else delayed.tick)
@@ -68,10 +71,10 @@ def test_batched_installs_equal_installs_one_at_a_time_bit_for_bit(source: str) 
         assert torch.equal(a, b)
 
 
-def _install_dispatches(layers: int, batched: bool) -> int:
+def _install_dispatches(optimizer: type, layers: int, batched: bool) -> int:
     """Operations dispatched by the installs of 10 native steps (the solves excluded)."""
     model = _model(layers)
-    opt = SOAP(model.named_parameters(), mode="native", precondition_frequency=3)
+    opt = optimizer(model.named_parameters(), mode="native", precondition_frequency=3)
     counted = _Dispatches()
     if batched:
         apply, apply_one = opt._installs._apply, opt._installs._apply_one
@@ -99,12 +102,16 @@ def _install_dispatches(layers: int, batched: bool) -> int:
     return counted.count
 
 
-def test_installs_of_twice_the_blocks_dispatch_far_fewer_than_twice_the_operations() -> None:
-    """One at a time, each install is about 8 operations, so twice the layers install with
-    twice the operations; batched per group they add about one per install."""
-    small, large = _install_dispatches(4, True), _install_dispatches(8, True)
+@pytest.mark.parametrize("optimizer", [SOAP, KLShampoo])
+def test_installs_of_twice_the_blocks_dispatch_far_fewer_than_twice_the_operations(
+    optimizer: type,
+) -> None:
+    """One at a time, each install is a few operations (SOAP about 8), so twice the layers
+    install with twice the operations; batched per group they add about one per install."""
+    small, large = _install_dispatches(optimizer, 4, True), _install_dispatches(optimizer, 8, True)
     assert large <= 1.5 * small, (small, large)
-    alone_small, alone_large = _install_dispatches(4, False), _install_dispatches(8, False)
+    alone_small = _install_dispatches(optimizer, 4, False)
+    alone_large = _install_dispatches(optimizer, 8, False)
     assert alone_large >= 1.9 * alone_small  # the comparison that makes the bound mean something
     assert large < alone_large / 2, (large, alone_large)
 
