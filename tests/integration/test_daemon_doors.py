@@ -348,6 +348,69 @@ def test_wrong_token_peer_calls_and_close_session_guesses_are_throttled(tmp_path
     assert 1 <= len(closes_logged) <= 3, closes_logged
 
 
+class _RecordingPeer(ppb_grpc.PeerServicer):
+    """Node 1 of a job, as a raw server: it keeps the job token of every heartbeat the daemon
+    sends it (the token the daemon would accept from node 1) and refuses each."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def Heartbeat(self, request: ppb.HeartbeatRequest, context: grpc.ServicerContext) -> None:
+        self.tokens.append(request.credentials.job_token)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "recorded")
+
+
+def _token_other_than(fake: _RecordingPeer, old: str | None) -> str:
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while not fake.tokens or fake.tokens[-1] == old:
+        assert time.monotonic() < deadline, f"no heartbeat with a new job token ({fake.tokens})"
+        time.sleep(0.05)
+    return fake.tokens[-1]
+
+
+def test_a_job_token_is_good_for_one_registration_of_the_job_only(tmp_path: Path) -> None:
+    """The job token a daemon sends its peers (recorded by a raw node-1 server) is accepted
+    from node 1 while that run of the job is registered; once the job registers again (a new
+    run of the same job id: a new run nonce) the old token is refused and the new one works;
+    once the job is forgotten (``asteria forget --job``) the new one is refused too, with the
+    answer a wrong token gets."""
+    d = start_tenants_daemon(tmp_path)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    fake = _RecordingPeer()
+    ppb_grpc.add_PeerServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        sid = job_session(d)
+        jobs = jpb_grpc.JobsStub(grpc.insecure_channel(d.target))
+        peer = peer_stub(d)
+
+        def register(run_nonce: str) -> None:
+            layout = layout_of(d, JOB, [f"127.0.0.1:{port}"])
+            layout.run_nonce = run_nonce
+            request = jpb.RegisterJobRequest(session_id=sid, layout=layout, node_rank=0)
+            jobs.RegisterJob(request, timeout=CALL_TIMEOUT_S)
+
+        def from_node_1(token: str) -> ppb.HeartbeatRequest:
+            creds = ppb.PeerCredentials(tenant="alice", job=JOB, job_token=token, node=1)
+            return heartbeat(creds)
+
+        register("run-1")
+        first = _token_other_than(fake, None)
+        peer.Heartbeat(from_node_1(first), timeout=CALL_TIMEOUT_S)  # accepted
+        register("run-2")  # the job restarted: same id, a new run
+        stale = expect_code(grpc.StatusCode.UNAUTHENTICATED, peer.Heartbeat, from_node_1(first))
+        second = _token_other_than(fake, first)
+        peer.Heartbeat(from_node_1(second), timeout=CALL_TIMEOUT_S)  # accepted
+        argv = ["forget", "--job", JOB, "--address", d.target, "--tenant", "alice"]
+        assert cli_main([*argv, "--token", TOKENS["alice"]]) == 0
+        gone = expect_code(grpc.StatusCode.UNAUTHENTICATED, peer.Heartbeat, from_node_1(second))
+        assert gone == stale  # a job that is not here and a wrong token: one answer
+    finally:
+        server.stop(None)
+        stop_daemon(d)
+
+
 # ----------------------------------------------------------------------- 6. the job registry
 
 
