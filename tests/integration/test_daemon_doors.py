@@ -813,6 +813,74 @@ def test_descriptors_are_counted_as_held_and_health_says_when_they_run_out(
     assert end.returncode == 0, end.stderr
 
 
+def _own_channel(d: LaunchedDaemon) -> grpc.Channel:
+    """A channel with a connection of its own (not shared with other channels to ``d``)."""
+    return grpc.insecure_channel(d.target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def _served(d: LaunchedDaemon, channel: grpc.Channel | None = None) -> bool:
+    try:
+        health_pb2_grpc.HealthStub(channel or _own_channel(d)).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=2.0
+        )
+    except grpc.RpcError:
+        return False
+    return True
+
+
+def test_grpc_connections_are_capped_per_listener_and_idle_ones_closed(tmp_path: Path) -> None:
+    """max_connections 3, connection_idle_s 1 (set by ASTERIA_* variables: a daemon that does
+    not know them ignores them): of 10 raw connections that never speak, at most 3 are held
+    and the rest closed by the daemon at once, before any handshake; while they are held a
+    gRPC client is not served; once they close it is. Three clients that made a call hold the
+    three places; a fourth is not served until they have been idle for connection_idle_s,
+    and the first is served again at its next call (its channel reconnects)."""
+    env = {
+        "ASTERIA_MAX_CONNECTIONS": "3",
+        "ASTERIA_CONNECTION_IDLE_S": "1",
+        "ASTERIA_HANDSHAKE_TIMEOUT_S": "60",  # the raw ones are not closed for that
+    }
+    d = start_daemon(tmp_path, env=env)
+    raws: list[socket.socket] = []
+    try:
+        for _ in range(10):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(d.sock))
+            raws.append(s)
+        time.sleep(0.5)
+        closed = 0
+        for s in raws:
+            s.setblocking(False)
+            try:
+                closed += s.recv(1) == b""
+            except BlockingIOError:
+                pass  # held open by the daemon
+            except ConnectionResetError:
+                closed += 1
+        assert closed >= 7, f"the daemon held {10 - closed} of 10 raw connections"
+        assert not _served(d), "a client was served while the raw connections held every place"
+        for s in raws:
+            s.close()
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not _served(d):
+            assert time.monotonic() < deadline, "not served after the raw connections closed"
+            time.sleep(0.2)
+        time.sleep(1.5)  # that client's connection idles out
+        clients = [_own_channel(d) for _ in range(3)]
+        assert all(_served(d, c) for c in clients)
+        assert not _served(d), "a fourth client was served beside three holding the places"
+        time.sleep(2.5)  # past connection_idle_s: the daemon closed the three
+        assert _served(d), "the daemon kept idle connections past connection_idle_s"
+        time.sleep(1.5)
+        assert _served(d, clients[0])  # its channel reconnects at its next call
+        for c in clients:
+            c.close()
+    finally:
+        for s in raws:
+            s.close()
+        stop_daemon(d)
+
+
 def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
