@@ -111,6 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a connection without a completed HTTP/2 handshake is closed after this (default 10)",
     )
+    add(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="gRPC connections per listener at once; one more is closed before its handshake "
+        "(default 0: a quarter of the descriptor budget, at most 1024)",
+    )
+    add(
+        "--connection-idle-s",
+        type=float,
+        metavar="S",
+        help="a gRPC connection with no call in flight this long is closed (default 300)",
+    )
+    add(
+        "--max-streams-per-connection",
+        type=int,
+        metavar="N",
+        help="calls in flight on one gRPC connection at once (default 256)",
+    )
     add("--max-sessions", type=int, metavar="N", help="open sessions at most (default 4096)")
     add("--tls-cert", metavar="PEM", help="TLS certificate chain (TCP only)")
     add("--tls-key", metavar="PEM", help="TLS private key of --tls-cert")

@@ -158,6 +158,14 @@ class DaemonConfig:
         keepalive_timeout_s: a ping unanswered this long closes the connection.
         handshake_timeout_s: a connection that has not completed its HTTP/2 handshake this long
             after it opened is closed (raw connections cannot hold descriptors for long).
+        max_connections: gRPC connections each listener (the gRPC socket, the peer listener)
+            holds at once, raw ones still in their handshake included; one more is closed at
+            once, before its handshake (gRPC core's ``grpc.max_allowed_incoming_connections``).
+            0: a quarter of the descriptor budget, at most 1024.
+        connection_idle_s: a gRPC connection with no call in flight for this long is closed
+            with a GOAWAY (a client reconnects at its next call, unnoticed).
+        max_streams_per_connection: calls one gRPC connection may have in flight at once
+            (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues more until one ends).
         max_sessions: open sessions at most, all tenants together (never one dropped for another).
         tls_cert: PEM certificate chain for TCP (required beyond loopback), with ``tls_key``.
         tls_key: PEM private key of ``tls_cert``.
@@ -260,6 +268,9 @@ class DaemonConfig:
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     handshake_timeout_s: float = 10.0
+    max_connections: int = 0
+    connection_idle_s: float = 300.0
+    max_streams_per_connection: int = 256
     max_sessions: int = 4096
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -392,6 +403,7 @@ class DaemonConfig:
             "keepalive_time_s",
             "keepalive_timeout_s",
             "handshake_timeout_s",
+            "connection_idle_s",
             "upload_wait_s",
             "solve_timeout_s",
             "solve_timeout_floor_s",
@@ -511,8 +523,10 @@ class DaemonConfig:
             "tenant_max_peers",
             "tenant_max_push_streams",
             "metrics_max_connections",
+            "max_streams_per_connection",
         ):
             _check_int(name, getattr(self, name), 1)
+        _check_int("max_connections", self.max_connections, 0)
         for name in (
             "session_ttl_s",
             "stream_stall_s",
@@ -778,6 +792,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "keepalive_time_s": _as_float,
     "keepalive_timeout_s": _as_float,
     "handshake_timeout_s": _as_float,
+    "max_connections": int,
+    "connection_idle_s": _as_float,
+    "max_streams_per_connection": int,
     "max_sessions": int,
     "tls_cert": str,
     "tls_key": str,

@@ -705,6 +705,24 @@ def write_figures(report: dict[str, Any], json_path: Path) -> list[Path]:
     return [output.save_figure(fig, output.figure_path(json_path, "daemon"))]
 
 
+#: What each of the bad tenant's attacks does, for the report (``soak_actors.ATTACKS``).
+ATTACK_TEXT = {
+    "stalled_uploads": "stalled uploads",
+    "silent_streams": "result streams never read",
+    "big_snapshots": "bursts of n={big_n} fp64 snapshots",
+    "wide_layouts": "4,096-node job layouts",
+    "stalled_pushes": "stalled n=4096 peer pushes",
+    "peer_guesses": "wrong-token peer calls",
+    "session_spam": "OpenSession spam",
+    "metrics_flood": "a metrics connection flood",
+}
+
+
+def _attacks_text(cfg: dict[str, Any]) -> str:
+    names = [a for a in cfg.get("bad_attacks", "").split(",") if a] or list(ATTACK_TEXT)
+    return ", ".join(ATTACK_TEXT.get(a, a).format(big_n=cfg["bad_big_n"]) for a in names)
+
+
 def report_section(data: dict[str, Any]) -> str:
     """Markdown: the daemon's resources, the two halves, the targets, the bad tenant's tally."""
     cfg = data["config"]
@@ -714,8 +732,7 @@ def report_section(data: dict[str, Any]) -> str:
         f"every block each {cfg['interval_s']} s) on one daemon with {cfg['daemon_workers']} "
         f"solver workers, a {_mib(cfg['cache_memory_bytes'])} result cache and a spill "
         f"directory, for {cfg['duration_s']:.0f} s: the first half alone, the second beside "
-        "tenant `bad` (stalled uploads, OpenSession spam, result streams never read, bursts "
-        f"of n={cfg['bad_big_n']} fp64 snapshots). In each half one client is SIGKILLed a third "
+        f"tenant `bad` ({_attacks_text(cfg)}). In each half one client is SIGKILLed a third "
         f"of the way in and restarted. {data.get('cpus', '?')} CPUs shared by everything.",
         "",
     ]

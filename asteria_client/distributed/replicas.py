@@ -28,6 +28,7 @@ own blocks" with one warning — a lost peer never stops training.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -509,14 +510,20 @@ def job_source(
 
 def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> None:
     """Tell every node's daemon the job's layout: each rank's daemon address and incarnation
-    are gathered (collective), and the lowest rank of each node registers the whole."""
+    are gathered (collective), and the lowest rank of each node registers the whole.
+
+    Rank 0's random run nonce travels in the same gather and every node leader registers it:
+    the daemons bind the job's peer-call token to it, so each run of a job id (a restart
+    included) gets a token of its own and an earlier run's stops working."""
     from asteria_client.transport.connection import JobNodeInfo, RegisteredJob
 
     gathered: list[Any] = [None] * layout.world_size
     # A daemon with a peer listener is named by it: the address its ranks use is often a Unix
     # socket, the same path on every node, that no other node's daemon can reach.
     reachable = daemon.peer_address or daemon.address
-    dist.all_gather_object(gathered, (reachable, daemon.incarnation_id), group=group)
+    mine = (reachable, daemon.incarnation_id, secrets.token_hex(16))
+    dist.all_gather_object(gathered, mine, group=group)
+    run_nonce = str(gathered[0][2])
     nodes = tuple(
         JobNodeInfo(
             host=layout.hosts[ranks[0]],
@@ -533,5 +540,6 @@ def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> 
                 world_size=layout.world_size,
                 nodes=nodes,
                 node_rank=layout.node_rank,
+                run_nonce=run_nonce,
             )
         )

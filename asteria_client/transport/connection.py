@@ -60,6 +60,8 @@ class RegisteredJob:
     node_rank: int
     registered_age_s: float = 0.0
     registrations: int = 0
+    #: this run of the job, drawn by rank 0 (its peer-call token is bound to it)
+    run_nonce: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,6 +316,7 @@ class DaemonConnection:
                     )
                     for node in job.nodes
                 ],
+                run_nonce=job.run_nonce,
             ),
         )
         try:

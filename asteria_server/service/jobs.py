@@ -56,6 +56,11 @@ def check_layout(layout: jpb.JobLayout, node_rank: int) -> None:
     what = f"RegisterJob of job {layout.job[:MAX_NAME_CHARS]!r}"
     if not layout.job or len(layout.job) > MAX_NAME_CHARS:
         raise InvalidInputError(f"{what}: the job id must have 1 to {MAX_NAME_CHARS} characters")
+    if len(layout.run_nonce) > MAX_NAME_CHARS:
+        raise InvalidInputError(
+            f"{what}: run_nonce must have at most {MAX_NAME_CHARS} characters, got "
+            f"{len(layout.run_nonce)}"
+        )
     if not 1 <= layout.world_size <= MAX_JOB_RANKS:
         raise InvalidInputError(
             f"{what}: world_size must be between 1 and {MAX_JOB_RANKS}, got {layout.world_size}"

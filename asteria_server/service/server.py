@@ -361,8 +361,26 @@ class RunningDaemon:
         logger.info("stopped")
 
 
-def _server_options(config: DaemonConfig) -> list[tuple[str, int]]:
+#: The most gRPC connections per listener a daemon takes when ``max_connections`` is 0.
+MAX_CONNECTIONS_DEFAULT_CAP = 1024
+
+
+def connections_per_listener(config: DaemonConfig, nofile: int) -> int:
+    """``max_connections``, or for 0 a quarter of the descriptor budget (at most 1024): with
+    the peer listener, the metrics endpoint and the segment handover, the connections alone
+    cannot fill the descriptor table."""
+    if config.max_connections:
+        return config.max_connections
+    return max(4, min(MAX_CONNECTIONS_DEFAULT_CAP, fd_budget_for(nofile) // 4))
+
+
+def _server_options(config: DaemonConfig, max_connections: int) -> list[tuple[str, int]]:
     return [
+        # A hard cap per listener, checked at accept (before the handshake): one more is closed
+        # at once, so a flood of connections, raw or HTTP/2, cannot exhaust the descriptors.
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.max_connection_idle_ms", int(config.connection_idle_s * 1000)),
+        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
         ("grpc.so_reuseport", 0),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -484,7 +502,15 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
         raise
     handover: SegmentHandover | None = None
     try:
-        server = grpc.aio.server(options=_server_options(config))
+        max_connections = connections_per_listener(config, nofile)
+        server = grpc.aio.server(options=_server_options(config, max_connections))
+        logger.info(
+            "at most %d gRPC connections per listener (max_connections), each closed after %g s "
+            "without a call (connection_idle_s), %d calls in flight on one",
+            max_connections,
+            config.connection_idle_s,
+            config.max_streams_per_connection,
+        )
         if isinstance(address, UnixAddress) and config.shared_memory:
             total_fds = fd_budget_for(nofile)
             per_tenant = SEGMENT_FDS * config.tenant_shm_segments or (

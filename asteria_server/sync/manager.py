@@ -130,9 +130,14 @@ class SyncConfig:
         return cls(**values)
 
 
-def job_token(token: str, job: str) -> str:
-    """The job token: hex HMAC-SHA256 of the job id under the tenant's token."""
-    return hmac.new(token.encode(), job.encode(), hashlib.sha256).hexdigest()
+def job_token(token: str, job: str, run_nonce: str = "") -> str:
+    """The job token: hex HMAC-SHA256 under the tenant's token of the job id and the run nonce
+    its layout was registered with (``job + "\\n" + run_nonce``), or of the job id alone for a
+    layout without a nonce (a client older than ``JobLayout.run_nonce``). A new run of the job
+    draws a new nonce, so a token of an earlier run stops working once the job registers again
+    or leaves the registry."""
+    message = job if not run_nonce else f"{job}\n{run_nonce}"
+    return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
 
 
 def blocks_digest(blocks: Mapping[str, int]) -> str:
@@ -232,6 +237,8 @@ class JobSync:
         self.manager = manager
         self.tenant = tenant
         self.job = layout.job
+        #: this run of the job (JobLayout.run_nonce): its peer calls' token is bound to it
+        self.run_nonce = layout.run_nonce
         self.prefix = f"{layout.job}:"
         self.registered_at = time.monotonic()
         addresses: list[str] = []
@@ -1041,9 +1048,12 @@ class SyncManager:
         old = self.jobs.get(key)
         addresses = [n.daemon_address for n in layout.nodes]
         if old is not None:
-            same = [
-                old.addresses[old.member_of_node[i]] for i in range(len(old.member_of_node))
-            ] == addresses and old.node_of(old.me) == node_rank
+            same = (
+                [old.addresses[old.member_of_node[i]] for i in range(len(old.member_of_node))]
+                == addresses
+                and old.node_of(old.me) == node_rank
+                and old.run_nonce == layout.run_nonce  # a new run: a new token, a new group
+            )
             if same:
                 return
             for task in old._tasks:
@@ -1110,7 +1120,7 @@ class SyncManager:
         return ppb.PeerCredentials(
             tenant=js.tenant,
             job=js.job,
-            job_token=job_token(self._tokens.get(js.tenant, ""), js.job),
+            job_token=job_token(self._tokens.get(js.tenant, ""), js.job, js.run_nonce),
             node=js.node_of(js.me),
             incarnation_id=self.engine.incarnation_id,
         )
@@ -1168,6 +1178,11 @@ class SyncManager:
                     grpc.StatusCode.UNAUTHENTICATED,
                     grpc.StatusCode.PERMISSION_DENIED,
                 ):
+                    # Not (or no longer) a daemon of this run of the job: asked at most once
+                    # a second again, and pushed nothing, until it proves itself (so a peer
+                    # that restarted and has not registered the job yet does not use up its
+                    # authentication throttle on our calls).
+                    peer.proven = False
                     self._refusals.refused(
                         "heartbeat of ours by a peer",
                         f"job {js.job!r}, {peer.address}: {exc.details()}",
@@ -1198,8 +1213,8 @@ class SyncManager:
         while not self._closed:
             await peer.wake.wait()
             peer.wake.clear()
-            if peer.state != "alive" or not peer.queued:
-                if peer.queued:  # try again once it is heard
+            if peer.state != "alive" or not peer.proven or not peer.queued:
+                if peer.queued:  # try again once it is heard (and took our token)
                     await asyncio.sleep(self.config.heartbeat_s)
                     peer.wake.set()
                 continue
@@ -1277,30 +1292,33 @@ class SyncManager:
     # ------------------------------------------------------------------ calls in
 
     def authenticate(self, creds: ppb.PeerCredentials, caller: str = "") -> tuple[JobSync, _Peer]:
-        """The caller's job and peer record; AuthenticationError or LookupError otherwise.
+        """The caller's job and peer record; AuthenticationError otherwise.
 
-        ``caller`` is the peer host the call came from: its failures count in the daemon's
-        authentication throttle (per host and claimed tenant, shared with OpenSession), which
-        refuses it with DaemonBusyError once used up; each class of refusal is logged, at most
-        one line per class every few seconds. The message for an unknown tenant is the one
-        for a wrong token: a caller cannot learn which tenants exist."""
+        The token is checked against the job as registered here (its run nonce), so the job is
+        looked up first. ``caller`` is the peer host the call came from: its failures count in
+        the daemon's authentication throttle (per host and claimed tenant, shared with
+        OpenSession), which refuses it with DaemonBusyError once used up; each class of refusal
+        is logged, at most one line per class every few seconds. An unknown tenant, a job not
+        registered here (not yet, or no longer) and a wrong token (one of an earlier run of the
+        job included) get one message: a caller learns neither which tenants nor which jobs
+        exist. (A daemon of the job that calls before its peer's ranks registered it is asked
+        again, at most once a second while unproven: within the throttle's refill.)"""
         key = f"{caller or 'unknown peer'} for tenant {creds.tenant[:64]!r}"
         self.auth_throttle.check(key)
         token = self._tokens.get(creds.tenant)
-        expected = job_token(token or "", creds.job)
+        js = self.jobs.get((creds.tenant, creds.job))
+        expected = job_token(token or "", creds.job, js.run_nonce if js is not None else "")
         wrong = not hmac.compare_digest(expected.encode(), creds.job_token.encode())
-        if (token is None and self._tokens) or wrong:
+        if (token is None and self._tokens) or js is None or wrong:
             self.auth_throttle.failed(key)
             if self.on_auth_failed is not None:
                 self.on_auth_failed(creds.tenant)
             self._refusals.refused("peer call with a wrong job token", f"from {key}")
             raise AuthenticationError(
-                f"unknown tenant or wrong job token for job {creds.job[:64]!r}; the daemons of "
-                "a job must share the tenant's token"
+                f"unknown tenant, job not registered here or wrong job token for job "
+                f"{creds.job[:64]!r}; the daemons of a job must share the tenant's token, and "
+                "a token is good for the run of the job registered here only"
             )
-        js = self.jobs.get((creds.tenant, creds.job))
-        if js is None:
-            raise LookupError(f"job {creds.job[:64]!r} is not registered on this daemon yet")
         if not 0 <= creds.node < len(js.member_of_node):
             raise InvalidInputError(f"node {creds.node} is not one of the job's nodes")
         member = js.member_of_node[creds.node]

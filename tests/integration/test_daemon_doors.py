@@ -348,6 +348,69 @@ def test_wrong_token_peer_calls_and_close_session_guesses_are_throttled(tmp_path
     assert 1 <= len(closes_logged) <= 3, closes_logged
 
 
+class _RecordingPeer(ppb_grpc.PeerServicer):
+    """Node 1 of a job, as a raw server: it keeps the job token of every heartbeat the daemon
+    sends it (the token the daemon would accept from node 1) and refuses each."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def Heartbeat(self, request: ppb.HeartbeatRequest, context: grpc.ServicerContext) -> None:
+        self.tokens.append(request.credentials.job_token)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "recorded")
+
+
+def _token_other_than(fake: _RecordingPeer, old: str | None) -> str:
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while not fake.tokens or fake.tokens[-1] == old:
+        assert time.monotonic() < deadline, f"no heartbeat with a new job token ({fake.tokens})"
+        time.sleep(0.05)
+    return fake.tokens[-1]
+
+
+def test_a_job_token_is_good_for_one_registration_of_the_job_only(tmp_path: Path) -> None:
+    """The job token a daemon sends its peers (recorded by a raw node-1 server) is accepted
+    from node 1 while that run of the job is registered; once the job registers again (a new
+    run of the same job id: a new run nonce) the old token is refused and the new one works;
+    once the job is forgotten (``asteria forget --job``) the new one is refused too, with the
+    answer a wrong token gets."""
+    d = start_tenants_daemon(tmp_path)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    fake = _RecordingPeer()
+    ppb_grpc.add_PeerServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        sid = job_session(d)
+        jobs = jpb_grpc.JobsStub(grpc.insecure_channel(d.target))
+        peer = peer_stub(d)
+
+        def register(run_nonce: str) -> None:
+            layout = layout_of(d, JOB, [f"127.0.0.1:{port}"])
+            layout.run_nonce = run_nonce
+            request = jpb.RegisterJobRequest(session_id=sid, layout=layout, node_rank=0)
+            jobs.RegisterJob(request, timeout=CALL_TIMEOUT_S)
+
+        def from_node_1(token: str) -> ppb.HeartbeatRequest:
+            creds = ppb.PeerCredentials(tenant="alice", job=JOB, job_token=token, node=1)
+            return heartbeat(creds)
+
+        register("run-1")
+        first = _token_other_than(fake, None)
+        peer.Heartbeat(from_node_1(first), timeout=CALL_TIMEOUT_S)  # accepted
+        register("run-2")  # the job restarted: same id, a new run
+        stale = expect_code(grpc.StatusCode.UNAUTHENTICATED, peer.Heartbeat, from_node_1(first))
+        second = _token_other_than(fake, first)
+        peer.Heartbeat(from_node_1(second), timeout=CALL_TIMEOUT_S)  # accepted
+        argv = ["forget", "--job", JOB, "--address", d.target, "--tenant", "alice"]
+        assert cli_main([*argv, "--token", TOKENS["alice"]]) == 0
+        gone = expect_code(grpc.StatusCode.UNAUTHENTICATED, peer.Heartbeat, from_node_1(second))
+        assert gone == stale  # a job that is not here and a wrong token: one answer
+    finally:
+        server.stop(None)
+        stop_daemon(d)
+
+
 # ----------------------------------------------------------------------- 6. the job registry
 
 
@@ -748,6 +811,74 @@ def test_descriptors_are_counted_as_held_and_health_says_when_they_run_out(
             s.close()
         end = launcher.stop()
     assert end.returncode == 0, end.stderr
+
+
+def _own_channel(d: LaunchedDaemon) -> grpc.Channel:
+    """A channel with a connection of its own (not shared with other channels to ``d``)."""
+    return grpc.insecure_channel(d.target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def _served(d: LaunchedDaemon, channel: grpc.Channel | None = None) -> bool:
+    try:
+        health_pb2_grpc.HealthStub(channel or _own_channel(d)).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=2.0
+        )
+    except grpc.RpcError:
+        return False
+    return True
+
+
+def test_grpc_connections_are_capped_per_listener_and_idle_ones_closed(tmp_path: Path) -> None:
+    """max_connections 3, connection_idle_s 1 (set by ASTERIA_* variables: a daemon that does
+    not know them ignores them): of 10 raw connections that never speak, at most 3 are held
+    and the rest closed by the daemon at once, before any handshake; while they are held a
+    gRPC client is not served; once they close it is. Three clients that made a call hold the
+    three places; a fourth is not served until they have been idle for connection_idle_s,
+    and the first is served again at its next call (its channel reconnects)."""
+    env = {
+        "ASTERIA_MAX_CONNECTIONS": "3",
+        "ASTERIA_CONNECTION_IDLE_S": "1",
+        "ASTERIA_HANDSHAKE_TIMEOUT_S": "60",  # the raw ones are not closed for that
+    }
+    d = start_daemon(tmp_path, env=env)
+    raws: list[socket.socket] = []
+    try:
+        for _ in range(10):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(d.sock))
+            raws.append(s)
+        time.sleep(0.5)
+        closed = 0
+        for s in raws:
+            s.setblocking(False)
+            try:
+                closed += s.recv(1) == b""
+            except BlockingIOError:
+                pass  # held open by the daemon
+            except ConnectionResetError:
+                closed += 1
+        assert closed >= 7, f"the daemon held {10 - closed} of 10 raw connections"
+        assert not _served(d), "a client was served while the raw connections held every place"
+        for s in raws:
+            s.close()
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not _served(d):
+            assert time.monotonic() < deadline, "not served after the raw connections closed"
+            time.sleep(0.2)
+        time.sleep(1.5)  # that client's connection idles out
+        clients = [_own_channel(d) for _ in range(3)]
+        assert all(_served(d, c) for c in clients)
+        assert not _served(d), "a fourth client was served beside three holding the places"
+        time.sleep(2.5)  # past connection_idle_s: the daemon closed the three
+        assert _served(d), "the daemon kept idle connections past connection_idle_s"
+        time.sleep(1.5)
+        assert _served(d, clients[0])  # its channel reconnects at its next call
+        for c in clients:
+            c.close()
+    finally:
+        for s in raws:
+            s.close()
+        stop_daemon(d)
 
 
 def _threads(pid: int) -> int:

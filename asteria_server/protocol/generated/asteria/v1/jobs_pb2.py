@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61steria/v1/jobs.proto\x12\nasteria.v1\"Z\n\x07JobNode\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x16\n\x0e\x64\x61\x65mon_address\x18\x03 \x01(\t\x12\x1a\n\x12\x64\x61\x65mon_incarnation\x18\x04 \x01(\t\"P\n\tJobLayout\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\"\n\x05nodes\x18\x03 \x03(\x0b\x32\x13.asteria.v1.JobNode\"b\n\x12RegisterJobRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x06layout\x18\x02 \x01(\x0b\x32\x15.asteria.v1.JobLayout\x12\x11\n\tnode_rank\x18\x03 \x01(\x05\"?\n\x13RegisterJobResponse\x12\x16\n\x0eincarnation_id\x18\x01 \x01(\t\x12\x10\n\x08replaced\x18\x02 \x01(\x08\"%\n\x0fListJobsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"z\n\rRegisteredJob\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.asteria.v1.JobLayout\x12\x11\n\tnode_rank\x18\x02 \x01(\x05\x12\x18\n\x10registered_age_s\x18\x03 \x01(\x01\x12\x15\n\rregistrations\x18\x04 \x01(\x05\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.asteria.v1.RegisteredJob2\x9d\x01\n\x04Jobs\x12N\n\x0bRegisterJob\x12\x1e.asteria.v1.RegisterJobRequest\x1a\x1f.asteria.v1.RegisterJobResponse\x12\x45\n\x08ListJobs\x12\x1b.asteria.v1.ListJobsRequest\x1a\x1c.asteria.v1.ListJobsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61steria/v1/jobs.proto\x12\nasteria.v1\"Z\n\x07JobNode\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x16\n\x0e\x64\x61\x65mon_address\x18\x03 \x01(\t\x12\x1a\n\x12\x64\x61\x65mon_incarnation\x18\x04 \x01(\t\"c\n\tJobLayout\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\"\n\x05nodes\x18\x03 \x03(\x0b\x32\x13.asteria.v1.JobNode\x12\x11\n\trun_nonce\x18\x04 \x01(\t\"b\n\x12RegisterJobRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x06layout\x18\x02 \x01(\x0b\x32\x15.asteria.v1.JobLayout\x12\x11\n\tnode_rank\x18\x03 \x01(\x05\"?\n\x13RegisterJobResponse\x12\x16\n\x0eincarnation_id\x18\x01 \x01(\t\x12\x10\n\x08replaced\x18\x02 \x01(\x08\"%\n\x0fListJobsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"z\n\rRegisteredJob\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.asteria.v1.JobLayout\x12\x11\n\tnode_rank\x18\x02 \x01(\x05\x12\x18\n\x10registered_age_s\x18\x03 \x01(\x01\x12\x15\n\rregistrations\x18\x04 \x01(\x05\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.asteria.v1.RegisteredJob2\x9d\x01\n\x04Jobs\x12N\n\x0bRegisterJob\x12\x1e.asteria.v1.RegisterJobRequest\x1a\x1f.asteria.v1.RegisterJobResponse\x12\x45\n\x08ListJobs\x12\x1b.asteria.v1.ListJobsRequest\x1a\x1c.asteria.v1.ListJobsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBNODE']._serialized_start=37
   _globals['_JOBNODE']._serialized_end=127
   _globals['_JOBLAYOUT']._serialized_start=129
-  _globals['_JOBLAYOUT']._serialized_end=209
-  _globals['_REGISTERJOBREQUEST']._serialized_start=211
-  _globals['_REGISTERJOBREQUEST']._serialized_end=309
-  _globals['_REGISTERJOBRESPONSE']._serialized_start=311
-  _globals['_REGISTERJOBRESPONSE']._serialized_end=374
-  _globals['_LISTJOBSREQUEST']._serialized_start=376
-  _globals['_LISTJOBSREQUEST']._serialized_end=413
-  _globals['_REGISTEREDJOB']._serialized_start=415
-  _globals['_REGISTEREDJOB']._serialized_end=537
-  _globals['_LISTJOBSRESPONSE']._serialized_start=539
-  _globals['_LISTJOBSRESPONSE']._serialized_end=598
-  _globals['_JOBS']._serialized_start=601
-  _globals['_JOBS']._serialized_end=758
+  _globals['_JOBLAYOUT']._serialized_end=228
+  _globals['_REGISTERJOBREQUEST']._serialized_start=230
+  _globals['_REGISTERJOBREQUEST']._serialized_end=328
+  _globals['_REGISTERJOBRESPONSE']._serialized_start=330
+  _globals['_REGISTERJOBRESPONSE']._serialized_end=393
+  _globals['_LISTJOBSREQUEST']._serialized_start=395
+  _globals['_LISTJOBSREQUEST']._serialized_end=432
+  _globals['_REGISTEREDJOB']._serialized_start=434
+  _globals['_REGISTEREDJOB']._serialized_end=556
+  _globals['_LISTJOBSRESPONSE']._serialized_start=558
+  _globals['_LISTJOBSRESPONSE']._serialized_end=617
+  _globals['_JOBS']._serialized_start=620
+  _globals['_JOBS']._serialized_end=777
 # @@protoc_insertion_point(module_scope)

@@ -72,10 +72,18 @@ class JobLayout(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    RUN_NONCE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """The job's id: ASTERIA_JOB, else the launcher's run id, else one rank 0 chose."""
     world_size: _builtins.int
     """Ranks in the job."""
+    run_nonce: _builtins.str
+    """Drawn by rank 0 for this run of the job (a fresh one each time the job starts) and sent
+    alike by every node leader. The job's peer-call token is bound to it (peer.proto,
+    PeerCredentials.job_token), so a token of an earlier run of the same job id stops working
+    once the job registers again or leaves the registry. "" (a client older than the field):
+    the token of the job id alone. At most 256 characters.
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobNode]:
         """One entry per node."""
@@ -86,10 +94,11 @@ class JobLayout(_message.Message):
         job: _builtins.str = ...,
         world_size: _builtins.int = ...,
         nodes: _abc.Iterable[Global___JobNode] | None = ...,
+        run_nonce: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "nodes", b"nodes", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "nodes", b"nodes", "run_nonce", b"run_nonce", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

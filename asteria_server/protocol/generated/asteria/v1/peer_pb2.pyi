@@ -17,9 +17,12 @@ daemons of the job find each other and form a peer group, one per (tenant, job):
   (PushResults); a peer keeps a pushed result only when newer than its own, and serves it to
   its ranks exactly like one it computed.
 
-Authentication: every call carries the tenant and a job token, HMAC-SHA256 of the job id under
-the tenant's token (the daemons of one cluster share the tenants' tokens; the token itself
-never travels). PeerStatus is for `asteria status` and takes a session of the Preconditioner
+Authentication: every call carries the tenant and a job token, HMAC-SHA256 under the tenant's
+token of the job id and the run nonce its layout was registered with (the daemons of one
+cluster share the tenants' tokens; the tenant token itself never travels). A token is checked
+against the job as registered on the callee: a token of an earlier run of the job, of a job
+the callee does not hold, or of an unknown tenant all get the same UNAUTHENTICATED answer,
+and count in the callee's authentication throttle. PeerStatus is for `asteria status` and takes a session of the Preconditioner
 service instead, like the Jobs service.
 
 Evolution: as preconditioner.proto — fields are only added, removed numbers are reserved.
@@ -54,7 +57,9 @@ class PeerCredentials(_message.Message):
     tenant: _builtins.str
     job: _builtins.str
     job_token: _builtins.str
-    """hex HMAC-SHA256(key = tenant token, message = job id)"""
+    """hex HMAC-SHA256(key = tenant token, message = job id + "\\n" + JobLayout.run_nonce), or of
+    the job id alone for a layout registered without a nonce
+    """
     node: _builtins.int
     """The caller's node in the job's layout, and its daemon's incarnation."""
     incarnation_id: _builtins.str

@@ -60,8 +60,9 @@ class PeerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Heartbeat(self, request, context):
-        """One heartbeat each way. Fails UNAUTHENTICATED for a wrong job token and NOT_FOUND when the
-        callee has no such job registered (its ranks have not registered it yet).
+        """One heartbeat each way. Fails UNAUTHENTICATED for a wrong job token or a job the callee has
+        not registered (its ranks have not registered it yet, or it ended there): alike, so that
+        a caller cannot tell which jobs exist.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -17,9 +17,12 @@ daemons of the job find each other and form a peer group, one per (tenant, job):
   (PushResults); a peer keeps a pushed result only when newer than its own, and serves it to
   its ranks exactly like one it computed.
 
-Authentication: every call carries the tenant and a job token, HMAC-SHA256 of the job id under
-the tenant's token (the daemons of one cluster share the tenants' tokens; the token itself
-never travels). PeerStatus is for `asteria status` and takes a session of the Preconditioner
+Authentication: every call carries the tenant and a job token, HMAC-SHA256 under the tenant's
+token of the job id and the run nonce its layout was registered with (the daemons of one
+cluster share the tenants' tokens; the tenant token itself never travels). A token is checked
+against the job as registered on the callee: a token of an earlier run of the job, of a job
+the callee does not hold, or of an unknown tenant all get the same UNAUTHENTICATED answer,
+and count in the callee's authentication throttle. PeerStatus is for `asteria status` and takes a session of the Preconditioner
 service instead, like the Jobs service.
 
 Evolution: as preconditioner.proto — fields are only added, removed numbers are reserved.
@@ -54,8 +57,9 @@ class PeerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PeerAsyncStub: ...
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
-    """One heartbeat each way. Fails UNAUTHENTICATED for a wrong job token and NOT_FOUND when the
-    callee has no such job registered (its ranks have not registered it yet).
+    """One heartbeat each way. Fails UNAUTHENTICATED for a wrong job token or a job the callee has
+    not registered (its ranks have not registered it yet, or it ended there): alike, so that
+    a caller cannot tell which jobs exist.
     """
     PushResults: _grpc.StreamUnaryMultiCallable[_peer_pb2.PushResultsRequest, _peer_pb2.PushResultsResponse]
     """Results of blocks the caller owns, for the callee's ranks: a PushHello, then each result's
@@ -75,8 +79,9 @@ class PeerStub:
 class PeerAsyncStub(PeerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
-    """One heartbeat each way. Fails UNAUTHENTICATED for a wrong job token and NOT_FOUND when the
-    callee has no such job registered (its ranks have not registered it yet).
+    """One heartbeat each way. Fails UNAUTHENTICATED for a wrong job token or a job the callee has
+    not registered (its ranks have not registered it yet, or it ended there): alike, so that
+    a caller cannot tell which jobs exist.
     """
     PushResults: _aio.StreamUnaryMultiCallable[_peer_pb2.PushResultsRequest, _peer_pb2.PushResultsResponse]  # type: ignore[assignment]
     """Results of blocks the caller owns, for the callee's ranks: a PushHello, then each result's
@@ -99,8 +104,9 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.HeartbeatResponse, _abc.Awaitable[_peer_pb2.HeartbeatResponse]]:
-        """One heartbeat each way. Fails UNAUTHENTICATED for a wrong job token and NOT_FOUND when the
-        callee has no such job registered (its ranks have not registered it yet).
+        """One heartbeat each way. Fails UNAUTHENTICATED for a wrong job token or a job the callee has
+        not registered (its ranks have not registered it yet, or it ended there): alike, so that
+        a caller cannot tell which jobs exist.
         """
 
     @_abc_1.abstractmethod
