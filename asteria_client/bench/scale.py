@@ -17,7 +17,8 @@ times n³), bytes pushed to and received from its peers; and overall:
   agreed: these may be duplicates, and are counted as such when they are);
 - the balance ratio: the largest daemon's estimated solve CPU-seconds over the mean, of the
   owner map (what each daemon owns, per version) and of the solves actually done (a snapshot
-  replaced by a newer one before its solve is not solved: latest wins);
+  replaced by a newer one before its solve is not solved: latest wins), the latter also
+  weighed by n³ alone (each daemon's calibrated cost per n³ differs on a loaded host);
 - bytes between daemons per refresh against the minimum (each result once to each peer that
   needs it: K-1 copies of every result solved);
 - the staleness observed: the largest lag, in steps, of a block a rank used (the budget is
@@ -243,11 +244,12 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
     for i, ((stats, group), d) in enumerate(zip(views, daemons, strict=True)):
         blocks = [] if group is None else group["blocks"]
         solves = stats.solves_done
-        est = 0.0
+        est = work = 0.0
         for b in blocks:
             versions = b["solved_versions"] + b["discarded_versions"]
             solved.setdefault(b["block"], []).extend(versions)
             est += stats.seconds_per_n3 * b["n"] ** 3 * len(versions)
+            work += float(b["n"]) ** 3 * len(versions)
         peers = [] if group is None else [p for p in group["peers"] if p["state"] != "self"]
         per_daemon.append(
             {
@@ -255,6 +257,8 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
                 "solves": solves,
                 "cpu_s": d.cpu_s,
                 "solve_cpu_s_estimated": est,
+                # the same without each daemon's own calibration (which a loaded host skews)
+                "solve_work_n3": work,
                 "bytes_pushed": sum(p["bytes_sent"] for p in peers),
                 "bytes_received": sum(p["bytes_received"] for p in peers),
                 "results_pushed": sum(p["results_sent"] for p in peers),
@@ -275,6 +279,8 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
     planned_mean = sum(planned) / len(planned) if planned else 0.0
     loads = [float(p["solve_cpu_s_estimated"]) for p in per_daemon]
     mean = sum(loads) / len(loads)
+    works = [float(p["solve_work_n3"]) for p in per_daemon]
+    mean_work = sum(works) / len(works)
     return {
         "nodes": k,
         "layout": layout,
@@ -286,6 +292,7 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
         "claims_granted": sum(p["claims_granted"] for p in per_daemon),
         "daemon_fallbacks": sum(p["fallbacks"] for p in per_daemon),
         "balance": max(loads) / mean if mean > 0 else 1.0,
+        "balance_of_solves_n3": max(works) / mean_work if mean_work > 0 else 1.0,
         "balance_of_owner_map": max(planned) / planned_mean if planned_mean > 0 else 1.0,
         "bytes_between_daemons": pushed,
         "bytes_minimum": minimum,
@@ -317,7 +324,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
             "K",
             "solves/daemon",
             "dup",
-            "balance map/done",
+            "balance map/done/n³",
             "est. solve CPU-s/daemon",
             "CPU-s/daemon",
             "KiB pushed/daemon",
@@ -336,7 +343,8 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
                 str(run["nodes"]),
                 " ".join(str(d["solves"]) for d in daemons),
                 str(run["duplicate_solves"]),
-                f"{run['balance_of_owner_map']:.2f}/{run['balance']:.2f}",
+                f"{run['balance_of_owner_map']:.2f}/{run['balance']:.2f}/"
+                f"{run.get('balance_of_solves_n3', run['balance']):.2f}",
                 " ".join(f"{d['solve_cpu_s_estimated']:.3f}" for d in daemons),
                 " ".join("-" if d["cpu_s"] is None else f"{d['cpu_s']:.1f}" for d in daemons),
                 " ".join(f"{d['bytes_pushed'] / 1024:.0f}" for d in daemons),
@@ -385,7 +393,8 @@ def report_section(report: dict[str, Any]) -> str:
         "away); balance: largest over mean estimated "
         "solve CPU-seconds, of the owner map and of the solves done (a snapshot replaced by "
         "a newer one before its solve is skipped, latest wins, so the done balance also "
-        "reflects which versions each owner skipped); "
+        "reflects which versions each owner skipped; `n³`: the solves done weighed by n³ "
+        "alone, without each daemon's own calibration, which a loaded host skews); "
         "CPU-s: each daemon process with its worker, start to stop; bytes/min: bytes pushed "
         "between daemons over K-1 copies of every result solved; max lag: the largest lag "
         "of a version in use, in steps, against the budget S·f; claims: versions a daemon "
