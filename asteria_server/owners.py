@@ -22,8 +22,12 @@ and which of them are alive, so every member computes the same map without a coo
    node. Blocks of living nodes never move, so a death moves only the dead node's blocks, and
    when it comes back (alive again, or a new incarnation) exactly those move back.
 
+A block that only some members use (a parameter shard replicated on some nodes: HSDP) is
+owned by one of its *users*: both steps above choose among the nodes that use it, and a block
+none of whose users lives has no owner. Without ``users`` every node uses every block.
+
 The base map depends on the whole block set: a block that appears later can move others. The
-sync therefore decides owners only once every live peer reported the same blocks (see
+sync therefore decides owners only once every live peer holds the same block lists (see
 :mod:`asteria_server.sync.manager`).
 """
 
@@ -52,26 +56,41 @@ def _rank(*parts: object) -> int:
 
 
 def _lpt(
-    blocks: Iterable[tuple[str, int]], nodes: list[int], load: dict[int, float]
+    blocks: Iterable[tuple[str, int]],
+    nodes: list[int],
+    load: dict[int, float],
+    users: Mapping[str, Iterable[int]] | None,
 ) -> dict[str, int]:
     out: dict[str, int] = {}
     for block, n in sorted(blocks, key=lambda b: (-block_cost(b[1]), _rank(b[0]), b[0])):
-        node = min(nodes, key=lambda m: (load[m], _rank(block, m), m))
+        if users is None:
+            candidates = nodes
+        else:
+            allowed = set(users[block])
+            candidates = [m for m in nodes if m in allowed]
+        if not candidates:
+            continue
+        node = min(candidates, key=lambda m: (load[m], _rank(block, m), m))
         out[block] = node
         load[node] += block_cost(n)
     return out
 
 
 def owner_map(
-    blocks: Mapping[str, int], nodes: Iterable[int], alive: Iterable[int]
+    blocks: Mapping[str, int],
+    nodes: Iterable[int],
+    alive: Iterable[int],
+    users: Mapping[str, Iterable[int]] | None = None,
 ) -> dict[str, int]:
     """block -> owner node, for ``blocks`` (name -> n) over the layout's ``nodes`` of which
-    ``alive`` are alive (see the module docstring). Empty when no node is alive."""
+    ``alive`` are alive, each block owned by one of its ``users`` (default: every node; see
+    the module docstring). Empty when no node is alive; a block none of whose users is alive
+    is left out."""
     every = sorted(set(nodes))
     living = sorted(set(alive) & set(every))
     if not living or not blocks:
         return {}
-    base = _lpt(blocks.items(), every, dict.fromkeys(every, 0.0))
+    base = _lpt(blocks.items(), every, dict.fromkeys(every, 0.0), users)
     dead = set(every) - set(living)
     if not dead:
         return base
@@ -80,7 +99,8 @@ def owner_map(
         if node not in dead:
             load[node] += block_cost(blocks[block])
     orphans = [(b, blocks[b]) for b, node in base.items() if node in dead]
-    return {**base, **_lpt(orphans, living, load)}
+    kept = {b: node for b, node in base.items() if node not in dead}
+    return {**kept, **_lpt(orphans, living, load, users)}
 
 
 def balance(blocks: Mapping[str, int], owners: Mapping[str, int], nodes: Iterable[int]) -> float:

@@ -17,11 +17,18 @@ times n³), bytes pushed to and received from its peers; and overall:
   agreed: these may be duplicates, and are counted as such when they are);
 - the balance ratio: the largest daemon's estimated solve CPU-seconds over the mean, of the
   owner map (what each daemon owns, per version) and of the solves actually done (a snapshot
-  replaced by a newer one before its solve is not solved: latest wins);
+  replaced by a newer one before its solve is not solved: latest wins), the latter also
+  weighed by n³ alone (each daemon's calibrated cost per n³ differs on a loaded host);
 - bytes between daemons per refresh against the minimum (each result once to each peer that
   needs it: K-1 copies of every result solved);
 - the staleness observed: the largest lag, in steps, of a block a rank used (the budget is
   S·f), and the barrier waits and local fallbacks.
+
+The **HSDP rows** run the same blocks as the blocks of parameter shards (names with the shard
+mark ``@``): two shards, each held by its own simulated rank on every node (two ranks per
+node, the shard dimension within a node, replicas across nodes). Every shard block has one
+owner among the nodes that hold a replica of it, and each (block, version) must still be
+solved once in the cluster.
 
 On a host with few cores the K daemons, their workers and the ranks share the same cores, so
 these are counts and bytes, not speed: the time columns say what this host did, not what K real
@@ -51,6 +58,10 @@ from asteria_client.transport.daemon import DaemonSource
 from asteria_server.types import SolveKind
 
 DEFAULT_NODES = (1, 2, 4)
+#: The meshes a run can simulate: data-parallel replicas (one rank per node) or HSDP.
+LAYOUTS = ("dp", "hsdp")
+#: HSDP: shards per replica (ranks per node).
+HSDP_SHARDS = 2
 #: The fixed job: block dimensions (two of most sizes, like the two factors of a weight).
 BLOCK_SIZES = (96, 96, 80, 80, 64, 64, 64, 48, 48, 40, 32, 32, 24, 16)
 DEFAULT_REFRESHES = 8
@@ -63,6 +74,7 @@ JOB = "scale"
 @dataclass(frozen=True, kw_only=True)
 class ScaleConfig:
     nodes: tuple[int, ...] = DEFAULT_NODES
+    layouts: tuple[str, ...] = LAYOUTS
     refreshes: int = DEFAULT_REFRESHES
     precondition_frequency: int = 5
     staleness_budget: int = 1
@@ -74,6 +86,8 @@ class ScaleConfig:
             raise ValueError(f"nodes must be counts >= 1, got {list(self.nodes)}")
         if self.refreshes < 1 or self.precondition_frequency < 1:
             raise ValueError("refreshes and precondition_frequency must be >= 1")
+        if not self.layouts or any(m not in LAYOUTS for m in self.layouts):
+            raise ValueError(f"layouts must be among {list(LAYOUTS)}, got {list(self.layouts)}")
         if self.staleness_budget < 0 or self.step_s < 0:
             raise ValueError("staleness_budget and step_s must be >= 0")
 
@@ -85,12 +99,27 @@ def _factor(n: int, block: int, version: int) -> torch.Tensor:
     return torch.from_numpy(a @ a.T / (2 * n) + 1e-3 * np.eye(n, dtype=np.float32))
 
 
+def job_blocks(layout: str, shard: int = 0) -> dict[int, str]:
+    """The blocks one rank submits (index into BLOCK_SIZES -> name): every block for a
+    data-parallel rank; under HSDP the blocks of its shard, named as a shard's blocks."""
+    if layout == "dp":
+        return {i: f"b{i}" for i in range(len(BLOCK_SIZES))}
+    return {i: f"b{i}@shard{shard}" for i in range(len(BLOCK_SIZES)) if i % HSDP_SHARDS == shard}
+
+
 class _Rank(threading.Thread):
     """One simulated rank of one node: snapshots every f steps, the staleness barrier."""
 
-    def __init__(self, cfg: ScaleConfig, source: DaemonSource, go: threading.Barrier) -> None:
+    def __init__(
+        self,
+        cfg: ScaleConfig,
+        source: DaemonSource,
+        go: threading.Barrier,
+        blocks: dict[int, str],
+    ) -> None:
         super().__init__(name="asteria-bench-scale-rank", daemon=True)
         self.cfg = cfg
+        self.blocks = blocks
         self.source = source
         self.go = go
         self.max_lag = 0
@@ -108,30 +137,30 @@ class _Rank(threading.Thread):
     def _train(self) -> None:
         cfg = self.cfg
         f, budget = cfg.precondition_frequency, cfg.staleness_budget * cfg.precondition_frequency
-        installed = dict.fromkeys(range(len(BLOCK_SIZES)), -1)
+        installed = dict.fromkeys(self.blocks, -1)
         newest = -1
         self.go.wait()
         for step in range(cfg.refreshes * f):
             if step % f == 0:
                 newest = step
-                for i, n in enumerate(BLOCK_SIZES):
+                for i, name in self.blocks.items():
                     self.source.submit(
                         PreconditionerRequest(
-                            block=f"b{i}",
+                            block=name,
                             version=step,
                             kind=SolveKind.EIGENBASIS,
-                            matrix=_factor(n, i, step),
+                            matrix=_factor(BLOCK_SIZES[i], i, step),
                             deadline_step=step + budget,
                         )
                     )
-            for i in range(len(BLOCK_SIZES)):
-                result = self.source.take(f"b{i}")
+            for i, name in self.blocks.items():
+                result = self.source.take(name)
                 if result is not None:
                     installed[i] = max(installed[i], result.version)
                 required = newest - budget  # the staleness barrier, as the optimizer's
                 if required >= 0 and installed[i] < required:
                     started = time.perf_counter()
-                    got = self.source.wait(f"b{i}", required, cfg.barrier_timeout_s)
+                    got = self.source.wait(name, required, cfg.barrier_timeout_s)
                     self.waits += 1
                     self.wait_s += time.perf_counter() - started
                     if got is None:
@@ -149,31 +178,36 @@ def _result_bytes(n: int) -> int:
     return 4 * n * n + 4 * n
 
 
-def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
-    """One run of the job on ``k`` simulated nodes."""
+def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
+    """One run of the job on ``k`` simulated nodes (``layout``: see :data:`LAYOUTS`)."""
     env = {"ASTERIA_TOKENS": f"{TENANT}={TOKEN}"}
     daemons = [DaemonProcess(workers=1, listen="127.0.0.1:0", env=env) for _ in range(k)]
+    per_node = 1 if layout == "dp" else HSDP_SHARDS
     sources: list[DaemonSource] = []
     try:
         for d in daemons:
             d.start()
         sources = [
-            DaemonSource(d.address, tenant=TENANT, token=TOKEN, job=JOB, rank=i)
+            DaemonSource(d.address, tenant=TENANT, token=TOKEN, job=JOB, rank=i * per_node + j)
             for i, d in enumerate(daemons)
+            for j in range(per_node)
         ]
+        leaders = sources[::per_node]
         nodes = tuple(
             JobNodeInfo(
                 host=f"node{i}",
-                ranks=(i,),
+                ranks=tuple(range(i * per_node, (i + 1) * per_node)),
                 daemon_address=d.address,
                 daemon_incarnation=s.incarnation_id,
             )
-            for i, (d, s) in enumerate(zip(daemons, sources, strict=True))
+            for i, (d, s) in enumerate(zip(daemons, leaders, strict=True))
         )
-        for i, s in enumerate(sources):
-            s.register_job(RegisteredJob(job=JOB, world_size=k, nodes=nodes, node_rank=i))
-        go = threading.Barrier(k)
-        ranks = [_Rank(cfg, s, go) for s in sources]
+        for i, s in enumerate(leaders):
+            s.register_job(
+                RegisteredJob(job=JOB, world_size=k * per_node, nodes=nodes, node_rank=i)
+            )
+        go = threading.Barrier(len(sources))
+        ranks = [_Rank(cfg, s, go, job_blocks(layout, r % per_node)) for r, s in enumerate(sources)]
         started = time.perf_counter()
         for r in ranks:
             r.start()
@@ -200,17 +234,22 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
             if d.exit is None:
                 d.stop()
 
-    names = {f"{JOB}:b{i}": n for i, n in enumerate(BLOCK_SIZES)}
+    names = {
+        f"{JOB}:{name}": BLOCK_SIZES[i]
+        for shard in range(per_node)
+        for i, name in job_blocks(layout, shard).items()
+    }
     per_daemon = []
     solved: dict[str, list[int]] = {}
     for i, ((stats, group), d) in enumerate(zip(views, daemons, strict=True)):
         blocks = [] if group is None else group["blocks"]
         solves = stats.solves_done
-        est = 0.0
+        est = work = 0.0
         for b in blocks:
             versions = b["solved_versions"] + b["discarded_versions"]
             solved.setdefault(b["block"], []).extend(versions)
             est += stats.seconds_per_n3 * b["n"] ** 3 * len(versions)
+            work += float(b["n"]) ** 3 * len(versions)
         peers = [] if group is None else [p for p in group["peers"] if p["state"] != "self"]
         per_daemon.append(
             {
@@ -218,6 +257,8 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
                 "solves": solves,
                 "cpu_s": d.cpu_s,
                 "solve_cpu_s_estimated": est,
+                # the same without each daemon's own calibration (which a loaded host skews)
+                "solve_work_n3": work,
                 "bytes_pushed": sum(p["bytes_sent"] for p in peers),
                 "bytes_received": sum(p["bytes_received"] for p in peers),
                 "results_pushed": sum(p["results_sent"] for p in peers),
@@ -238,8 +279,12 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
     planned_mean = sum(planned) / len(planned) if planned else 0.0
     loads = [float(p["solve_cpu_s_estimated"]) for p in per_daemon]
     mean = sum(loads) / len(loads)
+    works = [float(p["solve_work_n3"]) for p in per_daemon]
+    mean_work = sum(works) / len(works)
     return {
         "nodes": k,
+        "layout": layout,
+        "blocks_solved": sorted(solved),
         "wall_s": wall_s,
         "daemons": per_daemon,
         "solves": sum(p["solves"] for p in per_daemon),
@@ -247,6 +292,7 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
         "claims_granted": sum(p["claims_granted"] for p in per_daemon),
         "daemon_fallbacks": sum(p["fallbacks"] for p in per_daemon),
         "balance": max(loads) / mean if mean > 0 else 1.0,
+        "balance_of_solves_n3": max(works) / mean_work if mean_work > 0 else 1.0,
         "balance_of_owner_map": max(planned) / planned_mean if planned_mean > 0 else 1.0,
         "bytes_between_daemons": pushed,
         "bytes_minimum": minimum,
@@ -261,7 +307,7 @@ def run_k(cfg: ScaleConfig, k: int) -> dict[str, Any]:
 
 
 def run_scale(cfg: ScaleConfig) -> dict[str, Any]:
-    runs = [run_k(cfg, k) for k in cfg.nodes]
+    runs = [run_k(cfg, k, layout) for layout in cfg.layouts for k in cfg.nodes]
     return {
         "benchmark": "scale",
         "config": {**asdict(cfg), "block_sizes": list(BLOCK_SIZES)},
@@ -274,10 +320,11 @@ def run_scale(cfg: ScaleConfig) -> dict[str, Any]:
 def _rows(report: dict[str, Any]) -> list[list[str]]:
     rows = [
         [
+            "mesh",
             "K",
             "solves/daemon",
             "dup",
-            "balance map/done",
+            "balance map/done/n³",
             "est. solve CPU-s/daemon",
             "CPU-s/daemon",
             "KiB pushed/daemon",
@@ -292,10 +339,12 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
         over = run["bytes_over_minimum"]
         rows.append(
             [
+                run.get("layout", "dp"),
                 str(run["nodes"]),
                 " ".join(str(d["solves"]) for d in daemons),
                 str(run["duplicate_solves"]),
-                f"{run['balance_of_owner_map']:.2f}/{run['balance']:.2f}",
+                f"{run['balance_of_owner_map']:.2f}/{run['balance']:.2f}/"
+                f"{run.get('balance_of_solves_n3', run['balance']):.2f}",
                 " ".join(f"{d['solve_cpu_s_estimated']:.3f}" for d in daemons),
                 " ".join("-" if d["cpu_s"] is None else f"{d['cpu_s']:.1f}" for d in daemons),
                 " ".join(f"{d['bytes_pushed'] / 1024:.0f}" for d in daemons),
@@ -337,11 +386,15 @@ def report_section(report: dict[str, Any]) -> str:
         "",
         markdown(report),
         "",
-        "Columns: solves per daemon; `dup`: (block, version) pairs solved more than once in "
-        "the cluster (a result kept or thrown away); balance: largest over mean estimated "
+        "Columns: mesh: `dp`, one data-parallel rank per node holding every block, or "
+        f"`hsdp`, {HSDP_SHARDS} ranks per node each holding one shard's blocks (names with "
+        "`@`), the shards replicated across nodes; solves per daemon; `dup`: (block, "
+        "version) pairs solved more than once in the cluster (a result kept or thrown "
+        "away); balance: largest over mean estimated "
         "solve CPU-seconds, of the owner map and of the solves done (a snapshot replaced by "
         "a newer one before its solve is skipped, latest wins, so the done balance also "
-        "reflects which versions each owner skipped); "
+        "reflects which versions each owner skipped; `n³`: the solves done weighed by n³ "
+        "alone, without each daemon's own calibration, which a loaded host skews); "
         "CPU-s: each daemon process with its worker, start to stop; bytes/min: bytes pushed "
         "between daemons over K-1 copies of every result solved; max lag: the largest lag "
         "of a version in use, in steps, against the budget S·f; claims: versions a daemon "
@@ -370,6 +423,12 @@ def register(subparsers: Any) -> Any:
         metavar="K,K,...",
         help=f"simulated node counts (default {','.join(map(str, DEFAULT_NODES))})",
     )
+    parser.add_argument(
+        "--layouts",
+        type=lambda text: tuple(text.split(",")),
+        metavar="dp,hsdp",
+        help=f"meshes to simulate (default {','.join(LAYOUTS)})",
+    )
     parser.add_argument("--precondition-frequency", type=int, default=5, metavar="F")
     parser.add_argument("--staleness-budget", type=int, default=1, metavar="S")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here")
@@ -379,6 +438,7 @@ def register(subparsers: Any) -> Any:
 def run_command(args: argparse.Namespace) -> int:
     cfg = ScaleConfig(
         nodes=args.nodes or DEFAULT_NODES,
+        layouts=args.layouts or LAYOUTS,
         refreshes=QUICK_REFRESHES if args.quick else DEFAULT_REFRESHES,
         precondition_frequency=args.precondition_frequency,
         staleness_budget=args.staleness_budget,

@@ -14,12 +14,17 @@ A new incarnation (a restarted daemon) or a dead one heard again *rejoins*: the 
 exactly its blocks back, and everything it needs is pushed to it again (versions never go back:
 a peer keeps a pushed result only when newer than its own).
 
-**Agreement.** The owner map depends on the job's replicated blocks, so owners are decided only
-while every live member reported the same blocks (a digest in every heartbeat; the list itself
-when it changed), and that for ``settle_s``. Before, a snapshot waits (at most ``patience_s``).
+**Agreement.** The owner map depends on the job's blocks and on which members use each one, so
+owners are decided only while every live member holds the same block lists of all of them (a
+digest of its own list in every heartbeat, the list itself when it changed, and a digest of
+all the lists it holds), and that for ``settle_s``. Before, a snapshot waits (at most
+``patience_s``). A replicated block is used by every member; a block of a parameter shard (a
+name with the shard mark ``@``) only by the members whose ranks hold that shard (HSDP: its
+replicas on several nodes; plain FSDP: one member, which then owns it), and it is owned by one
+of them (:func:`asteria_server.owners.owner_map` with ``users``).
 
-**The gate.** A snapshot of a replicated block (a name in the job's namespace without the shard
-mark ``@``) is solved here only when this member owns it. Otherwise it waits for the owner's
+**The gate.** A snapshot of a block in the job's namespace is solved here only when this
+member owns it. Otherwise it waits for the owner's
 push. When the push has not come by the snapshot's deadline, ``max(patience_s, (deadline -
 version) * step_s)`` after it arrived (``step_s`` being the job's seconds per step as seen from
 its snapshots), or at once when the owner is suspect or its ranks are behind, it is *claimed*
@@ -61,7 +66,7 @@ import grpc
 
 from asteria_server.engine import PreconditionerEngine
 from asteria_server.errors import AuthenticationError, DaemonBusyError, InvalidInputError
-from asteria_server.owners import block_cost, is_shard_block, owner_map
+from asteria_server.owners import block_cost, owner_map
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
@@ -96,6 +101,9 @@ class SyncConfig:
     settle_s: float = 0.3
     call_timeout_s: float = 1.0
     push_timeout_s: float = 10.0
+    #: How long a member declared dead is still trusted with the snapshots it had accepted
+    #: (queued or on a worker): only after this is a version it held solved elsewhere.
+    takeover_grace_s: float = 10.0
     #: A job's peer group ends once no session of the job has been open here for this long
     #: (long enough for its ranks to reconnect after a restart).
     group_idle_s: float = 120.0
@@ -147,8 +155,10 @@ def blocks_digest(blocks: Mapping[str, int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def replicated(block: str, prefix: str) -> bool:
-    return block.startswith(prefix) and not is_shard_block(block)
+def synced(block: str, prefix: str) -> bool:
+    """Whether ``block`` is one of the job's (``prefix``: its namespace): replicated, or of a
+    shard some members share."""
+    return block.startswith(prefix)
 
 
 @dataclass
@@ -167,6 +177,11 @@ class _Held:
     claiming: bool = False
     #: since when its owner has answered that it does not own the block (maps not agreed)
     disowned_since: float | None = None
+    #: the member (and its incarnation) that had this version when it arrived here: the owner,
+    #: alive then (its ranks send it the same versions), or a claim's winner. That member has it
+    #: queued or on a worker, so it is solved here only once that member has lost it (see
+    #: :meth:`JobSync.lost`), never merely because it went quiet.
+    had_by: tuple[int, str] | None = None
 
 
 @dataclass
@@ -200,6 +215,8 @@ class _Peer:
     digest: str = ""
     reported: str = ""
     acked: str = ""
+    #: the digest of every member's list as it holds them (its last heartbeat said)
+    view: str = ""
     workers_busy: int = 0
     workers: int = 0
     queue_depth: int = 0
@@ -282,6 +299,11 @@ class JobSync:
         self._owners: dict[str, int] = {}
         self.newest_step = -1
         self._step_at = 0.0
+        #: when the peers' states were last judged, and the seconds this daemon did not run
+        #: (SIGSTOP, a stalled host) that were not counted against its peers
+        self._judged_at = self.registered_at
+        self.own_pauses = 0
+        self.own_pause_s = 0.0
         self.step_s: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -301,6 +323,24 @@ class JobSync:
         return "suspect" if quiet < config.dead_s else "dead"
 
     def refresh_states(self, now: float) -> None:
+        gap = now - self._judged_at
+        if gap > self.manager.config.suspect_s:
+            # Nothing here ran for a while (this daemon was stopped, or its host stalled): the
+            # silence was its own, not its peers'. Judged by the clock alone, every peer would be
+            # dead now and this daemon would solve what they already solved for it.
+            self.own_pauses += 1
+            self.own_pause_s += gap
+            self.registered_at += gap
+            for peer in self.peers.values():
+                if peer.last_heard is not None:
+                    peer.last_heard = min(now, peer.last_heard + gap)
+            logger.info(
+                "job %r: this daemon did not run for %.1f s; its peers are not blamed for it",
+                self.job,
+                gap,
+                extra={"tenant": self.tenant, "job": self.job},
+            )
+        self._judged_at = now
         for peer in self.peers.values():
             state = self.peer_state(peer, now)
             if state != peer.state:
@@ -320,6 +360,25 @@ class JobSync:
                     extra={"tenant": self.tenant, "job": self.job},
                 )
                 peer.state = state
+
+    def lost(self, held: _Held, now: float) -> bool:
+        """Whether the member that had ``held``'s version may no longer deliver it: it came back
+        as a new incarnation (a restart holds nothing), or it has been dead for
+        ``takeover_grace_s``. A member merely quiet (suspect, or dead for a shorter while: a
+        SIGSTOPped daemon whose worker may be solving that very version) is waited for, so the
+        version is not solved twice in the cluster; the ranks meanwhile keep their budget with
+        the barrier and, past it, a local solve."""
+        if held.had_by is None or held.had_by[0] == self.me:
+            return True
+        member, incarnation = held.had_by
+        peer = self.peers[member]
+        if peer.incarnation != incarnation:
+            return True
+        if peer.state != "dead":
+            return False
+        config = self.manager.config
+        quiet_since = peer.last_heard if peer.last_heard is not None else self.registered_at
+        return now - quiet_since >= config.dead_s + config.takeover_grace_s
 
     def living(self) -> list[int]:
         """Members not dead (alive, suspect or not yet heard), this one included."""
@@ -344,9 +403,10 @@ class JobSync:
         peer.workers = state.workers
         peer.queue_depth = state.queue_depth
         if state.blocks_included:
-            peer.blocks = {b.block: b.n for b in state.blocks if replicated(b.block, self.prefix)}
+            peer.blocks = {b.block: b.n for b in state.blocks if synced(b.block, self.prefix)}
             peer.digest = state.blocks_digest
         peer.reported = state.blocks_digest
+        peer.view = state.view_digest
         self.refresh_states(now)
         if peer.state == "alive":
             self.queue_missing(peer)
@@ -366,32 +426,54 @@ class JobSync:
             else [],
             blocks_included=include,
             alive_members=self.living(),
+            view_digest=self.view_digest(),
         )
 
     # ------------------------------------------------------------------ owners
 
+    def view_digest(self) -> str:
+        """A digest of every member's block list as held here (this member's own included)."""
+        digests = [(self.me, self.digest)] + [(m, p.digest) for m, p in self.peers.items()]
+        text = "\n".join(f"{m}:{d}" for m, d in sorted(digests))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
     def agreed(self, now: float) -> bool:
-        """Every member not dead reported this member's blocks, for ``settle_s``."""
+        """Every member not dead holds the same block lists of all members as this one (and
+        this one holds its current list), for ``settle_s``."""
         living = tuple(self.living())
+        view = self.view_digest()
         same = bool(self.digest) and all(
-            self.peers[m].reported == self.digest and self.peers[m].state != "unknown"
+            self.peers[m].reported == self.peers[m].digest
+            and self.peers[m].view == view
+            and self.peers[m].state != "unknown"
             for m in living
             if m != self.me
         )
         if not same:
             self._agreed_key = None
             return False
-        key = (self.digest, living)
-        if self._agreed_key is None or self._agreed_key[0] != self.digest:
+        key = (view, living)
+        if self._agreed_key is None or self._agreed_key[0] != view:
             self._agreed_key = key
             self._agreed_since = now
         self._agreed_key = key
         return now - self._agreed_since >= self.manager.config.settle_s
 
+    def all_blocks(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """The job's blocks used by any member (name -> n) and the members that use each."""
+        blocks = dict(self.known)
+        users: dict[str, list[int]] = {b: [self.me] for b in self.known}
+        for m, peer in sorted(self.peers.items()):
+            for b, n in peer.blocks.items():
+                blocks.setdefault(b, n)
+                users.setdefault(b, []).append(m)
+        return blocks, users
+
     def owners(self) -> dict[str, int]:
-        key = (self.digest, tuple(self.living()))
+        key = (self.view_digest(), tuple(self.living()))
         if key != self._owners_key:
-            self._owners = owner_map(self.known, self.members, key[1])
+            blocks, users = self.all_blocks()
+            self._owners = owner_map(blocks, self.members, key[1], users=users)
             self._owners_key = key
         return self._owners
 
@@ -459,8 +541,18 @@ class JobSync:
             due = now + max(config.patience_s, budget * (self.step_s or 0.0))
         if held is not None:
             stats.superseded += 1
+        had_by = wait_for if wait_for is not None else owner
         self.manager.engine.note_elsewhere(task, job=job)
-        self.held[task.block] = _Held(task, job, now, due, wait_for=wait_for)
+        self.held[task.block] = _Held(
+            task,
+            job,
+            now,
+            due,
+            wait_for=wait_for,
+            had_by=(had_by, self.peers[had_by].incarnation)
+            if had_by is not None and self.peers[had_by].state == "alive"
+            else None,
+        )
         self.left_to_owner += 1
         self.manager.wake_ticker()
         return SubmitOutcome.SUPERSEDED_QUEUED if held is not None else SubmitOutcome.QUEUED
@@ -487,6 +579,8 @@ class JobSync:
             if held.wait_for is not None:  # this member, as owner, let another one claim it
                 state = self.peers[held.wait_for].state
                 if state in ("suspect", "dead"):
+                    if not self.lost(held, now):
+                        continue  # the winner has it queued or on a worker: not solved twice
                     fallback, reason = True, "owner_down"
                     why = f"member {held.wait_for}, whose push it waits for, is {state}"
                 elif now >= held.due:
@@ -497,12 +591,20 @@ class JobSync:
                         fallback, reason = True, "claim_lapsed"
                         why = f"member {held.wait_for} won its claim, is idle and did not push it"
             elif owner == self.me:
+                if (
+                    held.had_by is not None
+                    and self.peers[held.had_by[0]].state != "alive"
+                    and not self.lost(held, now)
+                ):
+                    continue  # its old owner, quiet now, has this version: not solved twice
                 fallback = False
             elif owner is None:
                 fallback = True if now >= held.since + self.manager.config.patience_s else None
                 why = "the daemons did not agree on the job's blocks in time"
                 reason = "not_agreed"
             elif self.peers[owner].state == "dead":
+                if not self.lost(held, now):
+                    continue
                 fallback, why = True, f"its owner (member {owner}) is dead"
                 reason = "owner_down"
             elif not held.claiming and (now >= held.due or self.peers[owner].state == "suspect"):
@@ -600,8 +702,11 @@ class JobSync:
             grpc.StatusCode.UNAUTHENTICATED,
             grpc.StatusCode.PERMISSION_DENIED,
         )
-        if state == "alive" and not hopeless:
-            held.due = time.monotonic() + self.manager.config.heartbeat_s
+        now = time.monotonic()
+        if not hopeless and (state == "alive" or not self.lost(held, now)):
+            # Asked again soon. A quiet owner that had this version is waited for (it may be
+            # stopped with the version on a worker): solving it here would solve it twice.
+            held.due = now + self.manager.config.heartbeat_s
             return
         self._solve_held(
             held,
@@ -614,7 +719,7 @@ class JobSync:
         """``peer`` asks to solve ``version`` of ``block`` itself (this member owns it)."""
         now = time.monotonic()
         me = self.node_of(self.me)
-        if not replicated(block, self.prefix) or block not in self.known:
+        if not synced(block, self.prefix) or block not in self.known:
             return ppb.ClaimResponse(granted=False, reason="not_owner", by=-1)
         owner = self.owner_of(block, now)
         if owner != self.me:
@@ -647,6 +752,7 @@ class JobSync:
                 now,
                 now + self.manager.config.push_timeout_s,
                 wait_for=peer.member,
+                had_by=(peer.member, peer.incarnation),
             )
         self.handed[block] = (peer.member, version)
         arrived = task is not None
@@ -803,7 +909,8 @@ class JobSync:
         spn3 = self.manager.engine.stats().seconds_per_n3
         for block, member in owners.items():
             count_of[member] = count_of.get(member, 0) + 1
-            cost_of[member] = cost_of.get(member, 0.0) + spn3 * block_cost(self.known[block])
+            n = self.known.get(block) or max(p.blocks.get(block, 0) for p in self.peers.values())
+            cost_of[member] = cost_of.get(member, 0.0) + spn3 * block_cost(n)
         peers = [
             ppb.PeerInfo(
                 node=self.node_of(self.me),
@@ -1088,7 +1195,7 @@ class SyncManager:
 
     def _job_of(self, tenant: str, block: str) -> JobSync | None:
         for (t, _), js in self.jobs.items():
-            if t == tenant and replicated(block, js.prefix):
+            if t == tenant and synced(block, js.prefix):
                 return js
         return None
 

@@ -70,8 +70,8 @@ def check_header(
     Reads the header only."""
     block = header.block[:128]
     what = f"PushResults: result of block {block!r} version {header.version}"
-    if header.tenant != tenant or not header.block.startswith(prefix) or "@" in header.block:
-        raise InvalidInputError(f"{what}: not a replicated block of job {job!r}")
+    if header.tenant != tenant or not header.block.startswith(prefix):
+        raise InvalidInputError(f"{what}: not a block of job {job!r}")
     if header.HasField("shm"):
         raise InvalidInputError(f"{what}: a push carries its arrays in chunks, not in a segment")
     if not 0 <= header.version <= MAX_VERSION:

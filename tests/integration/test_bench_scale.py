@@ -13,7 +13,8 @@ def test_bench_scale_counts_no_duplicates_and_near_minimal_bytes(tmp_path: Path)
     out = tmp_path / "scale.json"
     assert main(["bench", "scale", "--quick", "--nodes", "1,2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    one, two = report["runs"]
+    one, two, hsdp_one, hsdp_two = report["runs"]
+    assert [r["layout"] for r in report["runs"]] == ["dp", "dp", "hsdp", "hsdp"]
     assert one["nodes"] == 1 and two["nodes"] == 2
     assert one["bytes_between_daemons"] == 0 and one["duplicate_solves"] == 0
     # Two daemons: every solve on one daemon only, each result pushed once to the other one.
@@ -27,4 +28,15 @@ def test_bench_scale_counts_no_duplicates_and_near_minimal_bytes(tmp_path: Path)
     assert all(d["bytes_pushed"] > 0 and d["bytes_received"] > 0 for d in two["daemons"])
     assert "counts and bytes" in report["note"]
     section = report_section(report)  # what `asteria bench report` puts in docs/benchmarks.md
-    assert "| K |" in section and "bytes/min" in section and "claims" in section
+    # HSDP: the shard blocks (names with "@") of both shards, each held on both nodes, are
+    # synced like replicated ones: one owner per shard block, each version solved once.
+    assert all("@shard" in b for b in hsdp_two["blocks_solved"])
+    assert len(hsdp_two["blocks_solved"]) == len(BLOCK_SIZES)
+    assert hsdp_one["duplicate_solves"] == 0 and hsdp_two["duplicate_solves"] == 0
+    assert hsdp_two["daemon_fallbacks"] == 0 and hsdp_two["rank_fallbacks"] == 0
+    assert 0 < hsdp_two["solves"] <= len(BLOCK_SIZES) * report["config"]["refreshes"]
+    assert hsdp_two["balance_of_owner_map"] <= 1.25
+    assert all(d["solves"] > 0 and d["bytes_pushed"] > 0 for d in hsdp_two["daemons"])
+    assert 1.0 <= hsdp_two["bytes_over_minimum"] < 1.05
+    assert hsdp_two["max_lag_steps"] <= hsdp_two["budget_steps"]
+    assert "| mesh | K |" in section and "bytes/min" in section and "claims" in section

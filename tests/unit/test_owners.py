@@ -34,3 +34,33 @@ def test_the_old_greedy_rule_was_less_balanced_than_the_shared_one() -> None:
     assert balance(blocks, shared, [0, 1]) < balance(blocks, seen, [0, 1])
     late = planned.owner("late.weight/tile0/dim0", 8)  # not planned: the least loaded rank
     assert late in (0, 1)
+
+
+def test_a_block_some_members_use_is_owned_by_one_of_them() -> None:
+    """HSDP across nodes: a shard's blocks are used by the nodes that hold a replica of it.
+    Each goes to one of its users, by the same LPT rule; a block every node uses is placed as
+    without ``users``; a block whose users are all dead has no owner, and a dead user's blocks
+    move to a living user only."""
+    shared = _blocks()
+    shards = {
+        f"fc.weight{SHARD_MARK}rows{s}:4/tile0/dim{i}": n
+        for s in (0, 1)
+        for i, n in enumerate((256, 96, 48))
+    }
+    users = {**{b: [0, 1, 2, 3] for b in shared}}
+    users.update({b: [0, 2] if "rows0" in b else [1, 3] for b in shards})
+    blocks = {**shared, **shards}
+    owners = owner_map(blocks, range(4), range(4), users=users)
+    assert set(owners) == set(blocks)
+    assert all(owners[b] in users[b] for b in blocks)
+    assert owner_map(shared, range(4), range(4), users={b: range(4) for b in shared}) == (
+        owner_map(shared, range(4), range(4))
+    )
+    # node 2 dead: the rows0 blocks it owned go to node 0, its only other user
+    after = owner_map(blocks, range(4), [0, 1, 3], users=users)
+    assert all(after[b] == 0 for b in shards if "rows0" in b)
+    assert all(after[b] == owners[b] for b in blocks if owners[b] != 2)
+    # both users of rows1 dead: those blocks have no owner
+    gone = owner_map(blocks, range(4), [0, 2], users=users)
+    assert not any("rows1" in b for b in gone)
+    assert all(gone[b] in (0, 2) for b in gone)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61steria/v1/peer.proto\x12\nasteria.v1\"g\n\x0fPeerCredentials\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x11\n\tjob_token\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\x05\x12\x16\n\x0eincarnation_id\x18\x05 \x01(\t\"\xe0\x01\n\tPeerState\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\x12\x14\n\x0cworkers_busy\x18\x03 \x01(\x05\x12\x0f\n\x07workers\x18\x04 \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x05\x12\x15\n\rblocks_digest\x18\x07 \x01(\t\x12$\n\x06\x62locks\x18\x08 \x03(\x0b\x32\x14.asteria.v1.BlockUse\x12\x17\n\x0f\x62locks_included\x18\t \x01(\x08\x12\x15\n\ralive_members\x18\n \x03(\x05J\x04\x08\x06\x10\x07\"$\n\x08\x42lockUse\x12\r\n\x05\x62lock\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\x05\"\x80\x01\n\x10HeartbeatRequest\x12\x30\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32\x1b.asteria.v1.PeerCredentials\x12$\n\x05state\x18\x02 \x01(\x0b\x32\x15.asteria.v1.PeerState\x12\x14\n\x0cknown_digest\x18\x03 \x01(\t\"O\n\x11HeartbeatResponse\x12$\n\x05state\x18\x01 \x01(\x0b\x32\x15.asteria.v1.PeerState\x12\x14\n\x0cknown_digest\x18\x02 \x01(\t\"=\n\tPushHello\x12\x30\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32\x1b.asteria.v1.PeerCredentials\"U\n\x12PushResultsRequest\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.asteria.v1.PushHelloH\x00\x12\x0f\n\x05\x66rame\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"4\n\x13PushResultsResponse\x12\x0c\n\x04kept\x18\x01 \x01(\x05\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\x05\"`\n\x0c\x43laimRequest\x12\x30\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32\x1b.asteria.v1.PeerCredentials\x12\r\n\x05\x62lock\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"<\n\rClaimResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\n\n\x02\x62y\x18\x03 \x01(\x05\"\'\n\x11PeerStatusRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xfb\x02\n\x08PeerInfo\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0clast_heard_s\x18\x05 \x01(\x01\x12\x14\n\x0cowned_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cowned_cost_s\x18\x07 \x01(\x01\x12\x19\n\x11push_lag_versions\x18\x08 \x01(\x03\x12\x12\n\npush_lag_s\x18\t \x01(\x01\x12\x12\n\nbytes_sent\x18\n \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x0b \x01(\x03\x12\x14\n\x0cresults_sent\x18\x0c \x01(\x03\x12\x18\n\x10results_received\x18\r \x01(\x03\x12\x14\n\x0cworkers_busy\x18\x0e \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\x05\x12\x11\n\tsuspected\x18\x10 \x01(\x05\x12\x0c\n\x04\x64ied\x18\x11 \x01(\x05\x12\x10\n\x08rejoined\x18\x12 \x01(\x05\"\xfc\x01\n\tPeerBlock\x12\r\n\x05\x62lock\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\x05\x12\r\n\x05owner\x18\x03 \x01(\x05\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06origin\x18\x05 \x01(\t\x12\x0e\n\x06solves\x18\x06 \x01(\x03\x12\x10\n\x08received\x18\x07 \x01(\x03\x12\x11\n\tfallbacks\x18\x08 \x01(\x03\x12\x17\n\x0fsolved_versions\x18\t \x03(\x03\x12\x12\n\nsuperseded\x18\n \x01(\x03\x12\x12\n\ntaken_over\x18\x0b \x01(\x03\x12\x13\n\x0bhanded_over\x18\x0c \x01(\x03\x12\x1a\n\x12\x64iscarded_versions\x18\r \x03(\x03\"\xd4\x03\n\tPeerGroup\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\x05\x12#\n\x05peers\x18\x03 \x03(\x0b\x32\x14.asteria.v1.PeerInfo\x12%\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x15.asteria.v1.PeerBlock\x12\x0e\n\x06\x61greed\x18\x05 \x01(\x08\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x15\n\rleft_to_owner\x18\x07 \x01(\x03\x12\x11\n\tfallbacks\x18\x08 \x01(\x03\x12\x15\n\rlate_arrivals\x18\t \x01(\x03\x12\x1d\n\x15max_arrival_lag_steps\x18\n \x01(\x03\x12\x44\n\x10\x66\x61llback_reasons\x18\x0b \x03(\x0b\x32*.asteria.v1.PeerGroup.FallbackReasonsEntry\x12\x13\n\x0b\x63laims_sent\x18\x0c \x01(\x03\x12\x16\n\x0e\x63laims_granted\x18\r \x01(\x03\x12\x1a\n\x12\x63laims_handed_over\x18\x0e \x01(\x03\x12\x18\n\x10solves_withdrawn\x18\x0f \x01(\x03\x1a\x36\n\x14\x46\x61llbackReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\";\n\x12PeerStatusResponse\x12%\n\x06groups\x18\x01 \x03(\x0b\x32\x15.asteria.v1.PeerGroup2\xad\x02\n\x04Peer\x12H\n\tHeartbeat\x12\x1c.asteria.v1.HeartbeatRequest\x1a\x1d.asteria.v1.HeartbeatResponse\x12P\n\x0bPushResults\x12\x1e.asteria.v1.PushResultsRequest\x1a\x1f.asteria.v1.PushResultsResponse(\x01\x12<\n\x05\x43laim\x12\x18.asteria.v1.ClaimRequest\x1a\x19.asteria.v1.ClaimResponse\x12K\n\nPeerStatus\x12\x1d.asteria.v1.PeerStatusRequest\x1a\x1e.asteria.v1.PeerStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61steria/v1/peer.proto\x12\nasteria.v1\"g\n\x0fPeerCredentials\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x11\n\tjob_token\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\x05\x12\x16\n\x0eincarnation_id\x18\x05 \x01(\t\"\xf5\x01\n\tPeerState\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x16\n\x0eincarnation_id\x18\x02 \x01(\t\x12\x14\n\x0cworkers_busy\x18\x03 \x01(\x05\x12\x0f\n\x07workers\x18\x04 \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x05\x12\x15\n\rblocks_digest\x18\x07 \x01(\t\x12$\n\x06\x62locks\x18\x08 \x03(\x0b\x32\x14.asteria.v1.BlockUse\x12\x17\n\x0f\x62locks_included\x18\t \x01(\x08\x12\x15\n\ralive_members\x18\n \x03(\x05\x12\x13\n\x0bview_digest\x18\x0b \x01(\tJ\x04\x08\x06\x10\x07\"$\n\x08\x42lockUse\x12\r\n\x05\x62lock\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\x05\"\x80\x01\n\x10HeartbeatRequest\x12\x30\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32\x1b.asteria.v1.PeerCredentials\x12$\n\x05state\x18\x02 \x01(\x0b\x32\x15.asteria.v1.PeerState\x12\x14\n\x0cknown_digest\x18\x03 \x01(\t\"O\n\x11HeartbeatResponse\x12$\n\x05state\x18\x01 \x01(\x0b\x32\x15.asteria.v1.PeerState\x12\x14\n\x0cknown_digest\x18\x02 \x01(\t\"=\n\tPushHello\x12\x30\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32\x1b.asteria.v1.PeerCredentials\"U\n\x12PushResultsRequest\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.asteria.v1.PushHelloH\x00\x12\x0f\n\x05\x66rame\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"4\n\x13PushResultsResponse\x12\x0c\n\x04kept\x18\x01 \x01(\x05\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\x05\"`\n\x0c\x43laimRequest\x12\x30\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32\x1b.asteria.v1.PeerCredentials\x12\r\n\x05\x62lock\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"<\n\rClaimResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\n\n\x02\x62y\x18\x03 \x01(\x05\"\'\n\x11PeerStatusRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xfb\x02\n\x08PeerInfo\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x14\n\x0clast_heard_s\x18\x05 \x01(\x01\x12\x14\n\x0cowned_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cowned_cost_s\x18\x07 \x01(\x01\x12\x19\n\x11push_lag_versions\x18\x08 \x01(\x03\x12\x12\n\npush_lag_s\x18\t \x01(\x01\x12\x12\n\nbytes_sent\x18\n \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x0b \x01(\x03\x12\x14\n\x0cresults_sent\x18\x0c \x01(\x03\x12\x18\n\x10results_received\x18\r \x01(\x03\x12\x14\n\x0cworkers_busy\x18\x0e \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\x05\x12\x11\n\tsuspected\x18\x10 \x01(\x05\x12\x0c\n\x04\x64ied\x18\x11 \x01(\x05\x12\x10\n\x08rejoined\x18\x12 \x01(\x05\"\xfc\x01\n\tPeerBlock\x12\r\n\x05\x62lock\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\x05\x12\r\n\x05owner\x18\x03 \x01(\x05\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06origin\x18\x05 \x01(\t\x12\x0e\n\x06solves\x18\x06 \x01(\x03\x12\x10\n\x08received\x18\x07 \x01(\x03\x12\x11\n\tfallbacks\x18\x08 \x01(\x03\x12\x17\n\x0fsolved_versions\x18\t \x03(\x03\x12\x12\n\nsuperseded\x18\n \x01(\x03\x12\x12\n\ntaken_over\x18\x0b \x01(\x03\x12\x13\n\x0bhanded_over\x18\x0c \x01(\x03\x12\x1a\n\x12\x64iscarded_versions\x18\r \x03(\x03\"\xd4\x03\n\tPeerGroup\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\x05\x12#\n\x05peers\x18\x03 \x03(\x0b\x32\x14.asteria.v1.PeerInfo\x12%\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x15.asteria.v1.PeerBlock\x12\x0e\n\x06\x61greed\x18\x05 \x01(\x08\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x15\n\rleft_to_owner\x18\x07 \x01(\x03\x12\x11\n\tfallbacks\x18\x08 \x01(\x03\x12\x15\n\rlate_arrivals\x18\t \x01(\x03\x12\x1d\n\x15max_arrival_lag_steps\x18\n \x01(\x03\x12\x44\n\x10\x66\x61llback_reasons\x18\x0b \x03(\x0b\x32*.asteria.v1.PeerGroup.FallbackReasonsEntry\x12\x13\n\x0b\x63laims_sent\x18\x0c \x01(\x03\x12\x16\n\x0e\x63laims_granted\x18\r \x01(\x03\x12\x1a\n\x12\x63laims_handed_over\x18\x0e \x01(\x03\x12\x18\n\x10solves_withdrawn\x18\x0f \x01(\x03\x1a\x36\n\x14\x46\x61llbackReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\";\n\x12PeerStatusResponse\x12%\n\x06groups\x18\x01 \x03(\x0b\x32\x15.asteria.v1.PeerGroup2\xad\x02\n\x04Peer\x12H\n\tHeartbeat\x12\x1c.asteria.v1.HeartbeatRequest\x1a\x1d.asteria.v1.HeartbeatResponse\x12P\n\x0bPushResults\x12\x1e.asteria.v1.PushResultsRequest\x1a\x1f.asteria.v1.PushResultsResponse(\x01\x12<\n\x05\x43laim\x12\x18.asteria.v1.ClaimRequest\x1a\x19.asteria.v1.ClaimResponse\x12K\n\nPeerStatus\x12\x1d.asteria.v1.PeerStatusRequest\x1a\x1e.asteria.v1.PeerStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERCREDENTIALS']._serialized_start=37
   _globals['_PEERCREDENTIALS']._serialized_end=140
   _globals['_PEERSTATE']._serialized_start=143
-  _globals['_PEERSTATE']._serialized_end=367
-  _globals['_BLOCKUSE']._serialized_start=369
-  _globals['_BLOCKUSE']._serialized_end=405
-  _globals['_HEARTBEATREQUEST']._serialized_start=408
-  _globals['_HEARTBEATREQUEST']._serialized_end=536
-  _globals['_HEARTBEATRESPONSE']._serialized_start=538
-  _globals['_HEARTBEATRESPONSE']._serialized_end=617
-  _globals['_PUSHHELLO']._serialized_start=619
-  _globals['_PUSHHELLO']._serialized_end=680
-  _globals['_PUSHRESULTSREQUEST']._serialized_start=682
-  _globals['_PUSHRESULTSREQUEST']._serialized_end=767
-  _globals['_PUSHRESULTSRESPONSE']._serialized_start=769
-  _globals['_PUSHRESULTSRESPONSE']._serialized_end=821
-  _globals['_CLAIMREQUEST']._serialized_start=823
-  _globals['_CLAIMREQUEST']._serialized_end=919
-  _globals['_CLAIMRESPONSE']._serialized_start=921
-  _globals['_CLAIMRESPONSE']._serialized_end=981
-  _globals['_PEERSTATUSREQUEST']._serialized_start=983
-  _globals['_PEERSTATUSREQUEST']._serialized_end=1022
-  _globals['_PEERINFO']._serialized_start=1025
-  _globals['_PEERINFO']._serialized_end=1404
-  _globals['_PEERBLOCK']._serialized_start=1407
-  _globals['_PEERBLOCK']._serialized_end=1659
-  _globals['_PEERGROUP']._serialized_start=1662
-  _globals['_PEERGROUP']._serialized_end=2130
-  _globals['_PEERGROUP_FALLBACKREASONSENTRY']._serialized_start=2076
-  _globals['_PEERGROUP_FALLBACKREASONSENTRY']._serialized_end=2130
-  _globals['_PEERSTATUSRESPONSE']._serialized_start=2132
-  _globals['_PEERSTATUSRESPONSE']._serialized_end=2191
-  _globals['_PEER']._serialized_start=2194
-  _globals['_PEER']._serialized_end=2495
+  _globals['_PEERSTATE']._serialized_end=388
+  _globals['_BLOCKUSE']._serialized_start=390
+  _globals['_BLOCKUSE']._serialized_end=426
+  _globals['_HEARTBEATREQUEST']._serialized_start=429
+  _globals['_HEARTBEATREQUEST']._serialized_end=557
+  _globals['_HEARTBEATRESPONSE']._serialized_start=559
+  _globals['_HEARTBEATRESPONSE']._serialized_end=638
+  _globals['_PUSHHELLO']._serialized_start=640
+  _globals['_PUSHHELLO']._serialized_end=701
+  _globals['_PUSHRESULTSREQUEST']._serialized_start=703
+  _globals['_PUSHRESULTSREQUEST']._serialized_end=788
+  _globals['_PUSHRESULTSRESPONSE']._serialized_start=790
+  _globals['_PUSHRESULTSRESPONSE']._serialized_end=842
+  _globals['_CLAIMREQUEST']._serialized_start=844
+  _globals['_CLAIMREQUEST']._serialized_end=940
+  _globals['_CLAIMRESPONSE']._serialized_start=942
+  _globals['_CLAIMRESPONSE']._serialized_end=1002
+  _globals['_PEERSTATUSREQUEST']._serialized_start=1004
+  _globals['_PEERSTATUSREQUEST']._serialized_end=1043
+  _globals['_PEERINFO']._serialized_start=1046
+  _globals['_PEERINFO']._serialized_end=1425
+  _globals['_PEERBLOCK']._serialized_start=1428
+  _globals['_PEERBLOCK']._serialized_end=1680
+  _globals['_PEERGROUP']._serialized_start=1683
+  _globals['_PEERGROUP']._serialized_end=2151
+  _globals['_PEERGROUP_FALLBACKREASONSENTRY']._serialized_start=2097
+  _globals['_PEERGROUP_FALLBACKREASONSENTRY']._serialized_end=2151
+  _globals['_PEERSTATUSRESPONSE']._serialized_start=2153
+  _globals['_PEERSTATUSRESPONSE']._serialized_end=2212
+  _globals['_PEER']._serialized_start=2215
+  _globals['_PEER']._serialized_end=2516
 # @@protoc_insertion_point(module_scope)

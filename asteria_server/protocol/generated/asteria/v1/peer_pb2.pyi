@@ -95,6 +95,7 @@ class PeerState(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     BLOCKS_INCLUDED_FIELD_NUMBER: _builtins.int
     ALIVE_MEMBERS_FIELD_NUMBER: _builtins.int
+    VIEW_DIGEST_FIELD_NUMBER: _builtins.int
     node: _builtins.int
     """Its node in the layout and its incarnation."""
     incarnation_id: _builtins.str
@@ -103,9 +104,16 @@ class PeerState(_message.Message):
     workers: _builtins.int
     queue_depth: _builtins.int
     blocks_digest: _builtins.str
-    """Digest of the replicated blocks its ranks use (sha256 over the sorted "name:n" lines)."""
+    """Digest of the job's blocks its ranks use (sha256 over the sorted "name:n" lines): the
+    replicated ones and those of parameter shards (names with "@"), which only some members
+    may use (HSDP: one shard's replicas on several nodes).
+    """
     blocks_included: _builtins.bool
     """True when `blocks` is the full list (else only the digest travelled)."""
+    view_digest: _builtins.str
+    """Digest of every member's block list as this daemon holds them (its own included): equal
+    on two daemons when both decide owners from the same lists.
+    """
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockUse]:
         """Those blocks, sent when the digest changed since the receiver last acknowledged it."""
@@ -128,10 +136,11 @@ class PeerState(_message.Message):
         blocks: _abc.Iterable[Global___BlockUse] | None = ...,
         blocks_included: _builtins.bool = ...,
         alive_members: _abc.Iterable[_builtins.int] | None = ...,
+        view_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive_members", b"alive_members", "blocks", b"blocks", "blocks_digest", b"blocks_digest", "blocks_included", b"blocks_included", "incarnation_id", b"incarnation_id", "node", b"node", "queue_depth", b"queue_depth", "workers", b"workers", "workers_busy", b"workers_busy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive_members", b"alive_members", "blocks", b"blocks", "blocks_digest", b"blocks_digest", "blocks_included", b"blocks_included", "incarnation_id", b"incarnation_id", "node", b"node", "queue_depth", b"queue_depth", "view_digest", b"view_digest", "workers", b"workers", "workers_busy", b"workers_busy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
