@@ -26,6 +26,7 @@ from asteria_client.optim import grouped as batched
 from asteria_client.optim.base import AsteriaOptimizer, Mode, check_range, validate_hyperparameters
 from asteria_client.optim.blocking import DEFAULT_MAX_DIM_RATIO, BlockingPlan, LargeDimPolicy
 from asteria_client.optim.grouped import GroupStep, StorageSpec, set_entry
+from asteria_client.optim.installs import Pending
 from asteria_client.optim.updates import TINY, adam_direction
 from asteria_client.runtime import PreconditionerRequest, PreconditionerResult, TileBlocks
 from asteria_server.types import SolveKind
@@ -187,10 +188,44 @@ class Shampoo(AsteriaOptimizer):
         )
 
     def _install(self, tile: ShampooTile, dim: int, result: PreconditionerResult) -> None:
+        self._put_root(tile, dim, result)
+        tile.versions[dim] = result.version
+
+    @staticmethod
+    def _put_root(tile: ShampooTile, dim: int, result: PreconditionerResult) -> None:
         factor = tile.factors[dim]
         assert factor is not None
         set_entry(tile, "roots", dim, result.matrix.to(factor.device, factor.dtype))
-        tile.versions[dim] = result.version
+
+    # ------------------------------------------------------------------ batched installs
+    def _batches_installs(self) -> bool:
+        return "_install" not in vars(self) and type(self)._install is Shampoo._install
+
+    def _note_install(self, tile: ShampooTile, dim: int, result: PreconditionerResult) -> None:
+        tile.versions[dim] = result.version  # a root request reads the factor alone
+
+    def _apply_noted(self, item: Pending) -> None:
+        tile, dim, result, _ = item
+        self._put_root(tile, dim, result)
+
+    def _install_rows(self, items: list[Pending]) -> None:
+        """One round of installs (one per tile): the roots of tiles backed by one tile group
+        along one dim are written with one indexed copy."""
+        together: dict[tuple[int, int], tuple[batched.TileGroup, list[Pending]]] = {}
+        for item in items:
+            group = batched.backing_group(item[0], (), ("roots", item[1]))
+            if group is None:
+                self._apply_noted(item)
+                continue
+            together.setdefault((id(group), item[1]), (group, []))[1].append(item)
+        for (_, dim), (group, rows) in together.items():
+            if len(rows) == 1:
+                self._apply_noted(rows[0])
+                continue
+            like = group.entries[("roots", dim)]
+            index = torch.tensor([batched.row_of(r[0]) for r in rows], device=like.device)
+            roots = torch.stack([r[2].matrix.to(like.device, like.dtype) for r in rows])
+            batched.set_rows(group, "roots", dim, index, roots, [r[0] for r in rows])
 
     @staticmethod
     def _direction(work: GroupStep) -> torch.Tensor:

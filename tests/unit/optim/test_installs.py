@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asteria_client import SOAP, KLShampoo
+from asteria_client import SOAP, KLShampoo, Shampoo
 from asteria_client.optim.installs import InstallBatch
 from tests.unit.test_continuous import DelayedSource
 
@@ -44,7 +44,7 @@ def _one_at_a_time(opt: Any) -> Any:
     return opt
 
 
-@pytest.mark.parametrize("optimizer", [SOAP, KLShampoo])
+@pytest.mark.parametrize("optimizer", [SOAP, Shampoo, KLShampoo])
 @pytest.mark.parametrize("source", ["native", "delayed"])
 def test_batched_installs_equal_installs_one_at_a_time_bit_for_bit(
     source: str, optimizer: type
@@ -102,12 +102,13 @@ def _install_dispatches(optimizer: type, layers: int, batched: bool) -> int:
     return counted.count
 
 
-@pytest.mark.parametrize("optimizer", [SOAP, KLShampoo])
+@pytest.mark.parametrize("optimizer", [SOAP, Shampoo, KLShampoo])
 def test_installs_of_twice_the_blocks_dispatch_far_fewer_than_twice_the_operations(
     optimizer: type,
 ) -> None:
-    """One at a time, each install is a few operations (SOAP about 8), so twice the layers
-    install with twice the operations; batched per group they add about one per install."""
+    """One at a time, each install is a few operations (SOAP about 8, Shampoo 2), so twice
+    the layers install with twice the operations; batched per group they add about one per
+    install."""
     small, large = _install_dispatches(optimizer, 4, True), _install_dispatches(optimizer, 8, True)
     assert large <= 1.5 * small, (small, large)
     alone_small = _install_dispatches(optimizer, 4, False)
