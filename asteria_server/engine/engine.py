@@ -528,7 +528,7 @@ class PreconditionerEngine:
             if not registry.on_result(result):
                 return False
             self._note_result(result.tenant, result.block)
-            self._tiers.held(result.key, result)
+            self._tiers.held(self._coord.registry.key(*result.key), result)
             self._enforce_cache()
             self._cond.notify_all()
             listeners = self._listeners
@@ -827,7 +827,10 @@ class PreconditionerEngine:
             if self._coord.complete(task, result):
                 self._note_result(task.tenant, task.block)
                 fresh = True
-                self._tiers.held(task.key, self._coord.registry.latest_result(*task.key))
+                self._tiers.held(
+                    self._coord.registry.key(*task.key),
+                    self._coord.registry.latest_result(*task.key),
+                )
                 self._enforce_cache()
         else:
             self._coord.fail(task, event.error or "unknown worker failure")

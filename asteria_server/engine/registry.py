@@ -182,8 +182,9 @@ def host_bytes(result: SolveResult | None) -> int:
 
 @dataclass(slots=True)
 class _Record:
-    tenant: str
-    block: str
+    #: ``(tenant, block)``: the one tuple of the block, which the scheduler's and the tiers'
+    #: tables share as their key too (a tuple per table was ~56 bytes a block each)
+    key: Key
     submitted_version: int = -1
     queued_version: int = -1
     running_version: int = -1
@@ -206,6 +207,14 @@ class _Record:
     #: the newest version another daemon solves for it (the sync between node daemons): a
     #: submission of that version here is still accepted once (a local fallback)
     elsewhere_version: int = -1
+
+    @property
+    def tenant(self) -> str:
+        return self.key[0]
+
+    @property
+    def block(self) -> str:
+        return self.key[1]
 
     @property
     def in_flight_version(self) -> int:
@@ -245,10 +254,17 @@ class CoherenceRegistry:
         #: came or went, then shared by every page (a status read of many pages sorts once)
         self._sorted_names: dict[str, list[str]] = {}
 
+    def key(self, tenant: str, block: str) -> Key:
+        """The block's key tuple as the registry holds it (a new one if it holds no record):
+        what other per-block tables should key by, so that a block has one tuple."""
+        rec = self._records.get((tenant, block))
+        return (tenant, block) if rec is None else rec.key
+
     def _record(self, tenant: str, block: str) -> _Record:
         rec = self._records.get((tenant, block))
         if rec is None:
-            rec = self._records[(tenant, block)] = _Record(tenant, block)
+            key = (tenant, block)
+            rec = self._records[key] = _Record(key)
             self._blocks_of[tenant] = self._blocks_of.get(tenant, 0) + 1
             self._sorted_names.pop(tenant, None)
         return rec

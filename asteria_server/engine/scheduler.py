@@ -156,8 +156,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ submit side
 
-    def push(self, task: SolveTask) -> SubmitOutcome:
-        """Queue ``task`` under the rules in the module docstring."""
+    def push(self, task: SolveTask, key: Key | None = None) -> SubmitOutcome:
+        """Queue ``task`` under the rules in the module docstring; ``key``: the block's key
+        tuple as the registry holds it, kept instead of a copy of it."""
         self._submitted_at[task.tenant] = self._clock()
         latest = self._latest.get(task.key, -1)
         if task.version < latest:
@@ -171,7 +172,7 @@ class Scheduler:
         replaced = task.block in queue
         self._seq += 1
         self._enqueue(queue, ScheduledTask(task, self.cost_model.task_cost_s(task), self._seq))
-        self._latest[task.key] = task.version
+        self._latest[task.key if key is None else key] = task.version
         return SubmitOutcome.SUPERSEDED_QUEUED if replaced else SubmitOutcome.QUEUED
 
     def _enqueue(self, queue: dict[str, ScheduledTask], entry: ScheduledTask) -> None:
