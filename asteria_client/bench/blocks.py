@@ -623,6 +623,8 @@ def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out["status_all_clients_s"] = last["status_all_clients"]["median_s"]
             out["status_blocks_seen"] = last["status_all_clients"]["blocks"]
             out["status_rpc_p99_s"] = last["status_rpc"]["p99_s"]
+        if "status_summary_all_clients" in last:
+            out["status_summary_s"] = last["status_summary_all_clients"]["median_s"]
     return out
 
 
@@ -702,6 +704,7 @@ def _targets_text(report: dict[str, Any]) -> list[str]:
         f"- daemon RSS beyond payload at N = {t['last_n']}: "
         f"{fmt(t.get('daemon_rss_per_block_bytes'), 'B/block')} (target ≤ 2048 B/block)",
         f"- `asteria status` of all clients' blocks at N = {t['last_n']}: "
+        f"{fmt(t.get('status_summary_s'), 's')} (its default, the summary); with --blocks "
         f"{fmt(t.get('status_all_clients_s'), 's')} over the {t.get('status_blocks_seen', '?')} "
         "blocks the daemon held then (target ≤ 2 s); Status RPC p99 while "
         f"they train: {fmt(t.get('status_rpc_p99_s'), 's')} (target ≤ 0.1 s)",
