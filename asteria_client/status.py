@@ -3,12 +3,17 @@
 :class:`StatusReader` holds one session as a tenant, so it sees that tenant's blocks, with the
 daemon-wide numbers: incarnation, uptime, workers busy and idle, queue depth.
 :func:`status_document` makes them one JSON document, :func:`format_table` a text table.
+By default ``asteria status`` shows a summary instead (:meth:`StatusReader.read_summary`,
+:func:`format_summary`, :func:`summary_document`): one RPC whatever the number of blocks, the
+daemon adding them up, so 160,000 blocks cost a pass over their records, not 80 MB of JSON.
+Every block's row is read in pages of columns (``BlockTable``) and shown with ``--blocks``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from asteria_client.tables import text_table
@@ -19,7 +24,13 @@ from asteria_client.transport.connection import (
 )
 from asteria_server.errors import AsteriaError
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
-from asteria_server.types import BlockStatus, EngineStats, TransportStats
+from asteria_server.types import (
+    BlockStatus,
+    BlockSummary,
+    BlockTable,
+    EngineStats,
+    TransportStats,
+)
 
 #: Deadline of each call status makes.
 CALL_TIMEOUT_S = 5.0
@@ -29,16 +40,17 @@ _JOB = "asteria-status"
 def status_document(
     address: str,
     stats: EngineStats,
-    blocks: list[BlockStatus],
+    blocks: Sequence[BlockStatus],
     transport: TransportStats | None = None,
     jobs: list[RegisteredJob] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of ``asteria status --json``."""
-    rows = []
-    for block in sorted(blocks, key=lambda b: (b.tenant, b.block)):
-        row = block.to_dict()
-        row["staleness_s"] = block.age_s
-        rows.append(row)
+    if isinstance(blocks, BlockTable):  # a daemon's read: in name order, rows from columns
+        rows = blocks.to_dicts()
+    else:
+        rows = [b.to_dict() for b in sorted(blocks, key=lambda b: (b.tenant, b.block))]
+    for row in rows:
+        row["staleness_s"] = row["age_s"]
     return {
         "address": address,
         "incarnation_id": stats.incarnation_id,
@@ -98,15 +110,13 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):.1f} MiB"
 
 
-def format_table(
+def _header_lines(
     address: str,
     stats: EngineStats,
-    blocks: list[BlockStatus],
-    transport: TransportStats | None = None,
-    jobs: list[RegisteredJob] | None = None,
-) -> str:
-    """The human-readable report: the summary lines, the tenant's jobs, then one row per
-    block."""
+    transport: TransportStats | None,
+    jobs: list[RegisteredJob] | None,
+) -> list[str]:
+    """The report's first lines: the daemon, its workers, cache, data path and the jobs."""
     lines = [
         f"daemon {address}  incarnation {stats.incarnation_id}  uptime {stats.uptime_s:.1f} s"
         + ("  (shutting down)" if stats.closed else ""),
@@ -145,29 +155,95 @@ def format_table(
             + f"; registered {_seconds(job.registered_age_s)} ago"
             + (f", {job.registrations} times" if job.registrations > 1 else "")
         )
+    return lines
+
+
+def format_table(
+    address: str,
+    stats: EngineStats,
+    blocks: Sequence[BlockStatus],
+    transport: TransportStats | None = None,
+    jobs: list[RegisteredJob] | None = None,
+) -> str:
+    """The human-readable report: the summary lines, the tenant's jobs, then one row per
+    block."""
+    lines = _header_lines(address, stats, transport, jobs)
     if not blocks:
         lines.append("no blocks for this tenant")
         return "\n".join(lines)
-    rows = [list(_COLUMNS)]
-    for b in sorted(blocks, key=lambda b: (b.tenant, b.block)):
-        rows.append(
-            [
-                b.block,
-                _version(b.submitted_version),
-                _version(b.version),
-                _version(b.delivered_version),
-                str(b.staleness_steps),
-                _seconds(b.age_s),
-                "-" if b.queue_position is None else str(b.queue_position),
-                _seconds(b.last_solve_s),
-                str(b.failures),
-                b.state.value,
-                b.tier or "-",
-            ]
-        )
+    table = blocks if isinstance(blocks, BlockTable) else BlockTable.of("", _by_name(blocks))
     lines.append("")
-    lines += text_table(rows)
+    lines += text_table([list(_COLUMNS), *_table_rows(table)])
     return "\n".join(lines)
+
+
+def _by_name(blocks: Sequence[BlockStatus]) -> list[BlockStatus]:
+    return sorted(blocks, key=lambda b: (b.tenant, b.block))
+
+
+def _table_rows(table: BlockTable) -> list[list[str]]:
+    """The table's rows of cells, formatted a column at a time."""
+    c = table.columns
+    cells = [
+        c["block"],
+        [_version(v) for v in c["submitted_version"]],
+        [_version(v) for v in c["version"]],
+        [_version(v) for v in c["delivered_version"]],
+        [str(s - v) for s, v in zip(c["submitted_version"], c["version"], strict=True)],
+        [_seconds(a) for a in c["age_s"]],
+        ["-" if p is None else str(p) for p in c["queue_position"]],
+        [_seconds(t) for t in c["last_solve_s"]],
+        [str(f) for f in c["failures"]],
+        [s.value for s in c["state"]],
+        [t or "-" for t in c["tier"]],
+    ]
+    return [list(row) for row in zip(*cells, strict=True)]
+
+
+def format_summary(
+    address: str,
+    stats: EngineStats,
+    summary: BlockSummary,
+    transport: TransportStats | None = None,
+    jobs: list[RegisteredJob] | None = None,
+) -> str:
+    """The default report: the daemon's lines, what the tenant's blocks add up to, and its
+    worst blocks (failed first, then the most stale) as rows; ``--blocks`` shows every one."""
+    s = summary
+    lines = _header_lines(address, stats, transport, jobs)
+    if not s.blocks:
+        lines.append("no blocks for this tenant")
+        return "\n".join(lines)
+    lines += [
+        f"blocks {s.blocks}: {s.idle} idle, {s.queued} queued, {s.running} running, "
+        f"{s.failed} failed; {s.never_computed} never computed; {s.failures} failed solves",
+        f"staleness (steps): median {s.staleness_steps_p50}, p99 {s.staleness_steps_p99}, "
+        f"max {s.staleness_steps_max}; oldest result {_seconds(s.oldest_result_age_s)} old",
+        f"results held: {s.tier_host} in daemon memory, {s.tier_shm} in shared memory, "
+        f"{s.tier_spill} spilled, {s.tier_none} none",
+    ]
+    if len(s.worst):
+        lines += ["", f"the {len(s.worst)} blocks most behind (every block: --blocks):"]
+        lines += text_table([list(_COLUMNS), *_table_rows(s.worst)])
+    return "\n".join(lines)
+
+
+def summary_document(
+    address: str,
+    stats: EngineStats,
+    summary: BlockSummary,
+    transport: TransportStats | None = None,
+    jobs: list[RegisteredJob] | None = None,
+) -> dict[str, Any]:
+    """The JSON document of ``asteria status --json``: :func:`status_document`'s keys, with
+    ``summary`` (the numbers and the ``worst`` blocks' rows) in place of ``blocks``."""
+    document = status_document(address, stats, [], transport, jobs)
+    del document["blocks"]
+    numbers = summary.to_dict()
+    for row in numbers["worst"]:
+        row["staleness_s"] = row["age_s"]
+    document["summary"] = numbers
+    return document
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -186,7 +262,7 @@ class StatusReader:
         self._conn = DaemonConnection(address, tenant=tenant, token=token, job=_JOB, config=config)
         self._session_id: str | None = None
 
-    def read(self) -> tuple[EngineStats, list[BlockStatus], TransportStats | None]:
+    def read(self) -> tuple[EngineStats, BlockTable, TransportStats | None]:
         """Raises an AsteriaError when the daemon cannot be reached or refuses the tenant."""
         for attempt in range(2):
             if self._session_id is None:
@@ -195,6 +271,20 @@ class StatusReader:
                 return self._conn.status_report(self._session_id)
             except AsteriaError:
                 self._session_id = None  # e.g. the daemon restarted: one new session, once
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def read_summary(self) -> tuple[EngineStats, BlockSummary | None, TransportStats | None]:
+        """:meth:`read` as a summary: one RPC however many blocks (None from a daemon that
+        predates summaries). Raises an AsteriaError as :meth:`read` does."""
+        for attempt in range(2):
+            if self._session_id is None:
+                self._session_id = self._conn.open_session().session_id
+            try:
+                return self._conn.status_summary(self._session_id)
+            except AsteriaError:
+                self._session_id = None
                 if attempt == 1:
                     raise
         raise AssertionError("unreachable")

@@ -23,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 
@@ -330,6 +331,161 @@ class BlockStatus:
         """JSON-ready mapping (``state`` as its string value)."""
         out = asdict(self)
         out["state"] = self.state.value
+        return out
+
+
+#: The columns :class:`BlockTable` keeps, in :class:`BlockStatus` field order; the fields it
+#: leaves out (``tenant``, ``in_flight_version``, ``staleness_steps``) follow from them.
+BLOCK_COLUMNS = (
+    "block",
+    "version",
+    "submitted_version",
+    "queued_version",
+    "running_version",
+    "delivered_version",
+    "age_s",
+    "submitted_age_s",
+    "delivered_age_s",
+    "last_solve_s",
+    "failures",
+    "consecutive_failures",
+    "duplicates",
+    "stale_ignored",
+    "superseded",
+    "state",
+    "last_error",
+    "queue_position",
+    "tier",
+)
+
+_STATUS_FIELDS = (
+    "tenant",
+    "block",
+    "version",
+    "submitted_version",
+    "in_flight_version",
+    "queued_version",
+    "running_version",
+    "delivered_version",
+    "staleness_steps",
+    *BLOCK_COLUMNS[6:],
+)
+
+
+class BlockTable(Sequence[BlockStatus]):
+    """Many blocks of one tenant as columns (one list per field, entry i of each is block i):
+    what a Status read of thousands of blocks is held as. Indexing or iterating gives
+    :class:`BlockStatus` values, made on demand; :meth:`to_dicts` gives the JSON rows without
+    making them. A record per block cost about 40 µs from the engine to ``asteria status
+    --json`` (160,000 blocks: seconds), a table row a few."""
+
+    __slots__ = ("columns", "tenant")
+
+    def __init__(self, tenant: str, columns: dict[str, list[Any]] | None = None) -> None:
+        self.tenant = tenant
+        self.columns: dict[str, list[Any]] = (
+            {name: [] for name in BLOCK_COLUMNS} if columns is None else columns
+        )
+        lengths = {len(v) for v in self.columns.values()}
+        if set(self.columns) != set(BLOCK_COLUMNS) or len(lengths) > 1:
+            raise InvalidInputError(
+                f"BlockTable: columns must be {BLOCK_COLUMNS} of one length, got "
+                f"{ {k: len(v) for k, v in self.columns.items()} }"
+            )
+
+    @classmethod
+    def of(cls, tenant: str, blocks: Iterable[BlockStatus]) -> BlockTable:
+        """The table of ``blocks`` (records, e.g. from a daemon that sends no columns)."""
+        table = cls(tenant)
+        for b in blocks:
+            for name, column in table.columns.items():
+                column.append(getattr(b, name))
+        return table
+
+    def head(self, count: int) -> BlockTable:
+        """The first ``count`` blocks, as a table of their own."""
+        return BlockTable(self.tenant, {k: v[:count] for k, v in self.columns.items()})
+
+    def extend(self, other: BlockTable) -> None:
+        for name, column in self.columns.items():
+            column.extend(other.columns[name])
+
+    def __len__(self) -> int:
+        return len(self.columns["block"])
+
+    @overload
+    def __getitem__(self, index: int) -> BlockStatus: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[BlockStatus]: ...
+    def __getitem__(self, index: int | slice) -> BlockStatus | list[BlockStatus]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        c = self.columns
+        queued, running = c["queued_version"][index], c["running_version"][index]
+        values = {name: column[index] for name, column in c.items()}
+        return BlockStatus(
+            tenant=self.tenant,
+            in_flight_version=queued if queued >= 0 else running,
+            staleness_steps=values["submitted_version"] - values["version"],
+            **values,
+        )
+
+    def __iter__(self) -> Iterator[BlockStatus]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per block, equal to its :meth:`BlockStatus.to_dict`."""
+        c = self.columns
+        n = len(self)
+        derived = {
+            "tenant": [self.tenant] * n,
+            "in_flight_version": [
+                q if q >= 0 else r
+                for q, r in zip(c["queued_version"], c["running_version"], strict=True)
+            ],
+            "staleness_steps": [
+                s - v for s, v in zip(c["submitted_version"], c["version"], strict=True)
+            ],
+            "state": [s.value for s in c["state"]],
+        }
+        ordered = [derived[name] if name in derived else c[name] for name in _STATUS_FIELDS]
+        return [dict(zip(_STATUS_FIELDS, row, strict=True)) for row in zip(*ordered, strict=True)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSummary:
+    """What a tenant's blocks add up to (``asteria status`` without ``--blocks``): counts by
+    state and tier, staleness in steps (median, p99, largest), the oldest result's age, all
+    failures, and ``worst``: the failed blocks, then the most stale (their queue positions are
+    None: not computed for a summary)."""
+
+    idle: int = 0
+    queued: int = 0
+    running: int = 0
+    failed: int = 0
+    tier_host: int = 0
+    tier_shm: int = 0
+    tier_spill: int = 0
+    tier_none: int = 0
+    never_computed: int = 0
+    staleness_steps_p50: int = 0
+    staleness_steps_p99: int = 0
+    staleness_steps_max: int = 0
+    oldest_result_age_s: float | None = None
+    failures: int = 0
+    worst: BlockTable = dataclasses.field(default_factory=lambda: BlockTable(""))
+
+    @property
+    def blocks(self) -> int:
+        return self.idle + self.queued + self.running + self.failed
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "worst"
+        }
+        out["blocks"] = self.blocks
+        out["worst"] = self.worst.to_dicts()
         return out
 
 

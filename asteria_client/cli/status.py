@@ -24,18 +24,25 @@ from asteria_client.cli.args import (
 )
 from asteria_client.config import client_env, resolve_address
 from asteria_client.peers_status import format_peers, peers_document
-from asteria_client.status import StatusReader, format_table, status_document
+from asteria_client.status import (
+    StatusReader,
+    format_summary,
+    format_table,
+    status_document,
+    summary_document,
+)
 from asteria_server.errors import AsteriaError, InvalidInputError
 
 STATUS_DESCRIPTION = """\
-Show a daemon's incarnation, uptime, workers and queue, and one row per block of your tenant:
-versions submitted / computed / delivered, staleness in steps and seconds, queue position, last
-solve time, failures and state.
+Show a daemon's incarnation, uptime, workers and queue, and what your tenant's blocks add up to:
+counts by state and tier, staleness in steps (median, p99, max), failures, and the blocks most
+behind. With --blocks, one row per block: versions submitted / computed / delivered, staleness
+in steps and seconds, queue position, last solve time, failures and state.
 
 example:
   asteria status --address unix:///run/user/1000/asteria/asteria.sock
   ASTERIA_ADDRESS=unix:///tmp/asteria.sock asteria status --watch 1
-  asteria status --json | jq '.blocks[] | select(.state == "failed")'
+  asteria status --json --blocks | jq '.blocks[] | select(.state == "failed")'
 """
 
 #: Seconds between refreshes of ``--watch`` without a value.
@@ -58,6 +65,11 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
         "--token", help="the tenant's token (default: $ASTERIA_TOKEN; prefer the variable)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument(
+        "--blocks",
+        action="store_true",
+        help="every block's row, not the summary (a daemon with 100,000s of blocks: seconds)",
+    )
     parser.add_argument(
         "--watch",
         nargs="?",
@@ -84,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                stats, blocks, transport = reader.read()
+                summary = None
+                if not args.blocks:
+                    stats, summary, transport = reader.read_summary()
+                if summary is None:  # asked for, or a daemon that predates summaries
+                    stats, blocks, transport = reader.read()
                 jobs = reader.jobs()
                 peers = reader.peers()
             except AsteriaError as exc:
@@ -95,13 +111,20 @@ def run(args: argparse.Namespace) -> int:
                     return EXIT_FAILED
             else:
                 if args.json:
-                    document = status_document(address, stats, blocks, transport, jobs)
+                    if summary is not None:
+                        document = summary_document(address, stats, summary, transport, jobs)
+                    else:
+                        document = status_document(address, stats, blocks, transport, jobs)
                     document["peer_groups"] = peers_document(peers)
                     print(json.dumps(document), flush=True)
                 else:
                     if args.watch is not None and sys.stdout.isatty():
                         print("\x1b[H\x1b[2J", end="")
-                    print(format_table(address, stats, blocks, transport, jobs), flush=True)
+                    if summary is not None:
+                        text = format_summary(address, stats, summary, transport, jobs)
+                    else:
+                        text = format_table(address, stats, blocks, transport, jobs)
+                    print(text, flush=True)
                     table = format_peers(peers)
                     if table:
                         print(table, flush=True)

@@ -26,7 +26,8 @@ from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as p
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
 from asteria_server.protocol.shm import SegmentRef
 from asteria_server.types import (
-    BlockStatus,
+    BlockSummary,
+    BlockTable,
     Credit,
     EngineStats,
     SolveResult,
@@ -364,40 +365,70 @@ class DaemonConnection:
 
     def status(
         self, session_id: str = "", *, timeout_s: float | None = None
-    ) -> tuple[EngineStats, list[BlockStatus]]:
+    ) -> tuple[EngineStats, BlockTable]:
         """The engine's numbers and the session's tenant's blocks."""
         stats, blocks, _ = self.status_report(session_id, timeout_s=timeout_s)
         return stats, blocks
 
     def status_report(
         self, session_id: str = "", *, timeout_s: float | None = None
-    ) -> tuple[EngineStats, list[BlockStatus], TransportStats | None]:
+    ) -> tuple[EngineStats, BlockTable, TransportStats | None]:
         """:meth:`status` and the daemon's data-path numbers (None from an older daemon). The
-        daemon answers in pages (each within its message limit); this reads them all, up to
-        ``MAX_STATUS_PAGES``."""
+        daemon answers in pages (each within its message limit), as columns where it can; this
+        reads them all, up to ``MAX_STATUS_PAGES``, into one table."""
         timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
         after = ""
-        blocks: list[BlockStatus] = []
+        blocks = BlockTable(self._tenant)
         for _ in range(MAX_STATUS_PAGES):
-            request = pb.StatusRequest(session_id=session_id, after_block=after)
+            request = pb.StatusRequest(session_id=session_id, after_block=after, columns=True)
             try:
                 reply = self._stub.Status(request, timeout=timeout)
             except grpc.RpcError as exc:
                 raise _error(exc) from None
-            stats, page = convert.status_from_proto(reply)
+            stats = convert.engine_stats_from_proto(reply.engine)
+            if reply.HasField("columns"):
+                page = convert.block_table_from_proto(reply.columns)
+            else:  # a daemon that predates columns: a message per block
+                page = BlockTable.of(self._tenant, convert.status_from_proto(reply)[1])
+            if len(page) and page.tenant != blocks.tenant:
+                blocks.tenant = page.tenant
             blocks.extend(page)
             after = reply.next_after_block
-            if not after or not page:
+            if not after or not len(page):
                 break
         return stats, blocks, convert.transport_stats_from_proto(reply)
 
-    def status_page(self, session_id: str, *, timeout_s: float | None = None) -> int:
-        """One Status RPC (the first page); the number of blocks it carried."""
+    def status_summary(
+        self, session_id: str, *, worst: int = 0, timeout_s: float | None = None
+    ) -> tuple[EngineStats, BlockSummary | None, TransportStats | None]:
+        """The engine's numbers, what the session's tenant's blocks add up to (with its
+        ``worst`` blocks, 0: the daemon's default) and the data-path numbers: one RPC, however
+        many blocks. The summary is None from a daemon that predates summaries."""
         timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
+        request = pb.StatusRequest(session_id=session_id, summary=True, max_blocks=worst)
         try:
-            reply = self._stub.Status(pb.StatusRequest(session_id=session_id), timeout=timeout)
+            reply = self._stub.Status(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+        summary = (
+            convert.block_summary_from_proto(reply.summary) if reply.HasField("summary") else None
+        )
+        return (
+            convert.engine_stats_from_proto(reply.engine),
+            summary,
+            convert.transport_stats_from_proto(reply),
+        )
+
+    def status_page(self, session_id: str, *, timeout_s: float | None = None) -> int:
+        """One Status RPC (the first page, as columns); the number of blocks it carried."""
+        timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
+        request = pb.StatusRequest(session_id=session_id, columns=True)
+        try:
+            reply = self._stub.Status(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        if reply.HasField("columns"):
+            return len(convert.block_table_from_proto(reply.columns))
         return len(reply.blocks)
 
     def results(

@@ -75,6 +75,7 @@ from asteria_server.protocol.shm import (
 from asteria_server.types import (
     ArrivalOrder,
     BlockStatus,
+    BlockTable,
     Credit,
     EngineStats,
     SolveKind,
@@ -876,7 +877,7 @@ class DaemonSource(PreconditionerSource):
             return []
 
     # ------------------------------------------------------------------ status
-    def status(self) -> tuple[EngineStats, list[BlockStatus]] | None:
+    def status(self) -> tuple[EngineStats, BlockTable] | None:
         """The daemon's engine numbers and this tenant's blocks, or None while unreachable."""
         with self._lock:
             session = self._session.current

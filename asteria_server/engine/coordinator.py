@@ -96,7 +96,7 @@ class Coordinator:
         outcome = self.registry.on_submit(task.tenant, task.block, task.version, job)
         if outcome.accepted:
             replaced = self.scheduler.pending_task(task.tenant, task.block)
-            queued = self.scheduler.push(task)
+            queued = self.scheduler.push(task, self.registry.key(task.tenant, task.block))
             assert queued is outcome, (queued, outcome)
             if replaced is not None:
                 self._hold(task.tenant, -task_host_bytes(replaced))

@@ -35,7 +35,8 @@ from pathlib import Path
 from types import TracebackType
 
 from asteria_server.engine.coordinator import Coordinator
-from asteria_server.engine.scheduler import CostModel
+from asteria_server.engine.registry import SummaryRow, block_table, summarize
+from asteria_server.engine.scheduler import CostModel, queue_order
 from asteria_server.engine.solvers import SolverConfig
 from asteria_server.engine.tiers import ResultTiers
 from asteria_server.engine.workers import (
@@ -52,6 +53,8 @@ from asteria_server.types import (
     DEFAULT_TENANT,
     ArrivalOrder,
     BlockStatus,
+    BlockSummary,
+    BlockTable,
     EngineStats,
     SharedSegment,
     SolveKind,
@@ -61,6 +64,11 @@ from asteria_server.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Blocks whose fields a status summary copies per hold of the engine's lock.
+SUMMARY_CHUNK_BLOCKS = 10_000
+#: Blocks a status summary lists with their records unless asked for another number.
+SUMMARY_WORST_BLOCKS = 10
 
 #: Told ``(tenant, block)`` when a block gets a newer result; see ``add_result_listener``.
 ResultListener = Callable[[str, str], None]
@@ -520,7 +528,7 @@ class PreconditionerEngine:
             if not registry.on_result(result):
                 return False
             self._note_result(result.tenant, result.block)
-            self._tiers.held(result.key, result)
+            self._tiers.held(self._coord.registry.key(*result.key), result)
             self._enforce_cache()
             self._cond.notify_all()
             listeners = self._listeners
@@ -590,6 +598,52 @@ class PreconditionerEngine:
         consistent queue order, computed once per read)."""
         with self._cond:
             return self._coord.status_page(tenant, after, limit, self._tiers.tier, positions)
+
+    def status_table(
+        self,
+        tenant: str,
+        after: str,
+        limit: int,
+        positions: Mapping[tuple[str, str], int] | None = None,
+    ) -> tuple[BlockTable, int, Mapping[tuple[str, str], int]]:
+        """:meth:`status_page` as a :class:`BlockTable`, built mostly without the engine's
+        lock: under it, only a copy of the page's record fields and (at a read's first page) of
+        the queue's entries; the queue order and the table are made after it is released, so a
+        status read of thousands of blocks holds up no submit or result for long."""
+        with self._cond:
+            rows, total, now = self._coord.registry.status_rows(
+                tenant, after, limit, self._tiers.tier
+            )
+            queue = None
+            if positions is None and len(self._coord.scheduler):
+                queue = self._coord.scheduler.queue_snapshot()
+        if queue is not None:
+            positions = {key: i for i, key in enumerate(queue_order(*queue))}
+        positions = positions or {}
+        return block_table(tenant, rows, now, positions), total, positions
+
+    def status_summary(self, tenant: str, worst: int = SUMMARY_WORST_BLOCKS) -> BlockSummary:
+        """What ``tenant``'s blocks add up to, with its ``worst`` blocks' records: one pass over
+        a few fields of each block, copied under the lock ``SUMMARY_CHUNK_BLOCKS`` blocks at a
+        time (a submit or result waits for one chunk at most) and added up outside it."""
+        rows: list[SummaryRow] = []
+        after = ""
+        while True:
+            with self._cond:
+                chunk = self._coord.registry.summary_rows(
+                    tenant, after, SUMMARY_CHUNK_BLOCKS, self._tiers.tier
+                )
+            rows += chunk
+            if len(chunk) < SUMMARY_CHUNK_BLOCKS:
+                break
+            after = chunk[-1][0]
+        with self._cond:
+            now = self._coord.registry.now()
+        numbers, names = summarize(rows, now, worst)
+        with self._cond:
+            shown = self._coord.registry.status_rows_of(tenant, names, self._tiers.tier)
+            now = self._coord.registry.now()
+        return BlockSummary(**numbers, worst=block_table(tenant, shown, now, {}))
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """Engine-wide numbers. The workers' block names are shown for tenant ``viewer``'s tasks
@@ -773,7 +827,10 @@ class PreconditionerEngine:
             if self._coord.complete(task, result):
                 self._note_result(task.tenant, task.block)
                 fresh = True
-                self._tiers.held(task.key, self._coord.registry.latest_result(*task.key))
+                self._tiers.held(
+                    self._coord.registry.key(*task.key),
+                    self._coord.registry.latest_result(*task.key),
+                )
                 self._enforce_cache()
         else:
             self._coord.fail(task, event.error or "unknown worker failure")

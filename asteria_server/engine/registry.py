@@ -21,13 +21,151 @@ The registry is not thread-safe; the engine serializes access with its lock.
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
+import math
+import operator
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from asteria_server.types import BlockState, BlockStatus, SolveResult, SubmitOutcome
+from asteria_server.types import (
+    BLOCK_COLUMNS,
+    BlockState,
+    BlockStatus,
+    BlockTable,
+    SolveResult,
+    SubmitOutcome,
+)
 
 Key = tuple[str, str]
+
+#: What :meth:`CoherenceRegistry.status_rows` copies of each record, in one C call.
+_ROW_FIELDS = (
+    "block",
+    "computed_version",
+    "submitted_version",
+    "queued_version",
+    "running_version",
+    "delivered_version",
+    "computed_at",
+    "submitted_at",
+    "delivered_at",
+    "last_solve_s",
+    "failures",
+    "consecutive_failures",
+    "duplicates",
+    "stale_ignored",
+    "superseded",
+    "failed",
+    "last_error",
+)
+_copy_row = operator.attrgetter(*_ROW_FIELDS)
+#: One status row: the record's fields above, then its tier.
+StatusRow = tuple[Any, ...]
+
+
+def block_table(
+    tenant: str, rows: list[StatusRow], now: float, positions: Mapping[Key, int]
+) -> BlockTable:
+    """The :class:`BlockTable` of ``rows`` (from :meth:`CoherenceRegistry.status_rows`, taken
+    at ``now``) with the queue ``positions``: the part of a status page built without the
+    engine's lock."""
+    if not rows:
+        return BlockTable(tenant)
+    (block, version, submitted, queued, running, delivered, computed_at, submitted_at,
+     delivered_at, last_solve, failures, consecutive, duplicates, stale, superseded, failed,
+     last_error, tier) = (list(c) for c in zip(*rows, strict=True))  # fmt: skip
+
+    def ages(times: list[float | None]) -> list[float | None]:
+        return [None if t is None else max(0.0, now - t) for t in times]
+
+    state = [
+        BlockState.FAILED
+        if f
+        else BlockState.RUNNING
+        if r >= 0
+        else BlockState.QUEUED
+        if q >= 0
+        else BlockState.IDLE
+        for f, r, q in zip(failed, running, queued, strict=True)
+    ]
+    position = [positions.get((tenant, b)) for b in block] if positions else [None] * len(block)
+    values = (
+        block, version, submitted, queued, running, delivered, ages(computed_at),
+        ages(submitted_at), ages(delivered_at), last_solve, failures, consecutive, duplicates,
+        stale, superseded, state, last_error, position, tier,
+    )  # fmt: skip
+    return BlockTable(tenant, dict(zip(BLOCK_COLUMNS, values, strict=True)))
+
+
+_SUMMARY_FIELDS = (
+    "block",
+    "submitted_version",
+    "computed_version",
+    "failed",
+    "running_version",
+    "queued_version",
+    "computed_at",
+    "failures",
+)
+_copy_summary = operator.attrgetter(*_SUMMARY_FIELDS)
+_result_of = operator.attrgetter("result")
+
+
+def _one(value: str) -> tuple[str]:
+    return (value,)
+
+
+#: One summary row: the record's fields above, then its tier.
+SummaryRow = tuple[Any, ...]
+
+
+def summarize(rows: list[SummaryRow], now: float, count: int) -> tuple[dict[str, Any], list[str]]:
+    """The :class:`BlockSummary` numbers of ``rows`` (from
+    :meth:`CoherenceRegistry.summary_rows`, at ``now``) and the names of its ``count`` worst
+    blocks: the failed ones, then the largest staleness, the oldest result first among equals
+    (never computed counts as oldest)."""
+    if not rows:
+        return {}, []
+    (block, submitted, computed, failed, running, queued, computed_at, failures,
+     tier) = zip(*rows, strict=True)  # fmt: skip
+    stale = [s - c for s, c in zip(submitted, computed, strict=True)]
+    states = Counter(
+        "failed" if f else "running" if r >= 0 else "queued" if q >= 0 else "idle"
+        for f, r, q in zip(failed, running, queued, strict=True)
+    )
+    tiers = Counter(tier)
+    ordered = sorted(stale)
+    n = len(ordered)
+    times = [t for t in computed_at if t is not None]
+    numbers = {
+        **{state: states[state] for state in ("idle", "queued", "running", "failed")},
+        "tier_host": tiers["host"],
+        "tier_shm": tiers["shm"],
+        "tier_spill": tiers["spill"],
+        "tier_none": tiers[""],
+        "never_computed": n - len(times),
+        "staleness_steps_p50": ordered[n // 2],
+        "staleness_steps_p99": ordered[min(n - 1, (99 * n) // 100)],
+        "staleness_steps_max": ordered[-1],
+        "oldest_result_age_s": max(0.0, now - min(times)) if times else None,
+        "failures": sum(failures),
+    }
+    # failed first, then the largest staleness, then the oldest result (never computed: oldest)
+    ranked = heapq.nlargest(
+        count,
+        zip(
+            failed,
+            stale,
+            [math.inf if t is None else -t for t in computed_at],
+            block,
+            strict=True,
+        ),
+    )
+    return numbers, [row[3] for row in ranked]
 
 
 def host_bytes(result: SolveResult | None) -> int:
@@ -44,8 +182,9 @@ def host_bytes(result: SolveResult | None) -> int:
 
 @dataclass(slots=True)
 class _Record:
-    tenant: str
-    block: str
+    #: ``(tenant, block)``: the one tuple of the block, which the scheduler's and the tiers'
+    #: tables share as their key too (a tuple per table was ~56 bytes a block each)
+    key: Key
     submitted_version: int = -1
     queued_version: int = -1
     running_version: int = -1
@@ -68,6 +207,14 @@ class _Record:
     #: the newest version another daemon solves for it (the sync between node daemons): a
     #: submission of that version here is still accepted once (a local fallback)
     elsewhere_version: int = -1
+
+    @property
+    def tenant(self) -> str:
+        return self.key[0]
+
+    @property
+    def block(self) -> str:
+        return self.key[1]
 
     @property
     def in_flight_version(self) -> int:
@@ -107,10 +254,17 @@ class CoherenceRegistry:
         #: came or went, then shared by every page (a status read of many pages sorts once)
         self._sorted_names: dict[str, list[str]] = {}
 
+    def key(self, tenant: str, block: str) -> Key:
+        """The block's key tuple as the registry holds it (a new one if it holds no record):
+        what other per-block tables should key by, so that a block has one tuple."""
+        rec = self._records.get((tenant, block))
+        return (tenant, block) if rec is None else rec.key
+
     def _record(self, tenant: str, block: str) -> _Record:
         rec = self._records.get((tenant, block))
         if rec is None:
-            rec = self._records[(tenant, block)] = _Record(tenant, block)
+            key = (tenant, block)
+            rec = self._records[key] = _Record(key)
             self._blocks_of[tenant] = self._blocks_of.get(tenant, 0) + 1
             self._sorted_names.pop(tenant, None)
         return rec
@@ -365,6 +519,64 @@ class CoherenceRegistry:
             for name in names[first : first + limit]
         ]
         return page, len(names)
+
+    def now(self) -> float:
+        """The registry's clock now (what its ages are measured against)."""
+        return self._clock()
+
+    def status_rows(
+        self,
+        tenant: str,
+        after: str,
+        limit: int,
+        tier_of: Callable[[Key, SolveResult | None], str] | None = None,
+    ) -> tuple[list[StatusRow], int, float]:
+        """The page :meth:`status_page` would give, as plain copies of the records' fields (one
+        tuple per block, no status object), how many blocks the tenant has, and the clock's
+        time they were copied at. :func:`block_table` makes them a table, outside any lock."""
+        names = self._names(tenant)
+        first = bisect.bisect_right(names, after) if after else 0
+        keys = list(zip(itertools.repeat(tenant), names[first : first + limit]))
+        return self._rows(keys, _copy_row, tier_of), len(names), self._clock()
+
+    def status_rows_of(
+        self,
+        tenant: str,
+        names: Iterable[str],
+        tier_of: Callable[[Key, SolveResult | None], str] | None = None,
+    ) -> list[StatusRow]:
+        """:meth:`status_rows` of the named blocks (those still held)."""
+        keys = [(tenant, name) for name in names if (tenant, name) in self._records]
+        return self._rows(keys, _copy_row, tier_of)
+
+    def summary_rows(
+        self,
+        tenant: str,
+        after: str,
+        limit: int,
+        tier_of: Callable[[Key, SolveResult | None], str] | None = None,
+    ) -> list[SummaryRow]:
+        """What :func:`summarize` needs of at most ``limit`` of ``tenant``'s blocks, the first
+        by name after ``after``: a few fields per block, copied in one C call each."""
+        names = self._names(tenant)
+        first = bisect.bisect_right(names, after) if after else 0
+        keys = list(zip(itertools.repeat(tenant), names[first : first + limit]))
+        return self._rows(keys, _copy_summary, tier_of)
+
+    def _rows(
+        self,
+        keys: list[Key],
+        copy: Callable[[_Record], tuple[Any, ...]],
+        tier_of: Callable[[Key, SolveResult | None], str] | None,
+    ) -> list[tuple[Any, ...]]:
+        """``copy(record) + (tier,)`` of each of ``keys``' records, looped in C (map) but for
+        ``tier_of``: what a status read does under the engine's lock, so as little as can be."""
+        records = list(map(self._records.__getitem__, keys))
+        if tier_of is None:
+            tiers: Iterable[str] = itertools.repeat("")
+        else:
+            tiers = map(tier_of, keys, map(_result_of, records))
+        return list(map(operator.add, map(copy, records), map(_one, tiers)))
 
     def _names(self, tenant: str) -> list[str]:
         names = self._sorted_names.get(tenant)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import math
+import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -155,8 +156,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ submit side
 
-    def push(self, task: SolveTask) -> SubmitOutcome:
-        """Queue ``task`` under the rules in the module docstring."""
+    def push(self, task: SolveTask, key: Key | None = None) -> SubmitOutcome:
+        """Queue ``task`` under the rules in the module docstring; ``key``: the block's key
+        tuple as the registry holds it, kept instead of a copy of it."""
         self._submitted_at[task.tenant] = self._clock()
         latest = self._latest.get(task.key, -1)
         if task.version < latest:
@@ -170,7 +172,7 @@ class Scheduler:
         replaced = task.block in queue
         self._seq += 1
         self._enqueue(queue, ScheduledTask(task, self.cost_model.task_cost_s(task), self._seq))
-        self._latest[task.key] = task.version
+        self._latest[task.key if key is None else key] = task.version
         return SubmitOutcome.SUPERSEDED_QUEUED if replaced else SubmitOutcome.QUEUED
 
     def _enqueue(self, queue: dict[str, ScheduledTask], entry: ScheduledTask) -> None:
@@ -357,21 +359,43 @@ class Scheduler:
 
         Blocks that wait for their running previous version are placed as if eligible.
         """
-        queues = {
-            tenant: sorted(queue.values(), key=lambda e: e.priority, reverse=True)
-            for tenant, queue in self._pending.items()
-        }
-        consumed = {tenant: self._consumed.get(tenant, 0.0) for tenant in queues}
-        out: list[Key] = []
-        while queues:
-            tenant = min(queues, key=lambda t: (consumed[t], queues[t][-1].seq))
-            entry = queues[tenant].pop()
-            out.append(entry.task.key)
-            consumed[tenant] += entry.cost_s
-            if not queues[tenant]:
-                del queues[tenant]
-        return out
+        return queue_order(*self.queue_snapshot())
+
+    def queue_snapshot(self) -> tuple[dict[str, list[ScheduledTask]], dict[str, float]]:
+        """What :func:`queue_order` needs, copied: each tenant's queued entries (immutable) and
+        the CPU-seconds each has consumed. Costs a copy of references, so a caller holding the
+        engine's lock can take it there and sort outside."""
+        queues = {tenant: list(queue.values()) for tenant, queue in self._pending.items()}
+        return queues, {tenant: self._consumed.get(tenant, 0.0) for tenant in queues}
 
     def positions(self) -> dict[Key, int]:
         """``{key: 0-based position in order()}`` for every queued block."""
         return {key: i for i, key in enumerate(self.order())}
+
+
+_PRIORITY = operator.attrgetter("task.deadline", "cost_s", "seq")
+
+
+def queue_order(queues: dict[str, list[ScheduledTask]], consumed: dict[str, float]) -> list[Key]:
+    """The pop order of a :meth:`Scheduler.queue_snapshot`: each tenant's entries by priority,
+    the tenants interleaved by the CPU-seconds consumed (the least first, ties to the earliest
+    arrival). The sort keys come from one C call per entry and the tenants' heads from a heap,
+    so it costs O(Q log Q) in C, not a Python comparison per entry per tenant."""
+    ordered = {
+        tenant: sorted(entries, key=_PRIORITY) for tenant, entries in queues.items() if entries
+    }
+    if len(ordered) == 1:
+        (entries,) = ordered.values()
+        return [e.task.key for e in entries]
+    used = dict(consumed)
+    heads = [(used.get(t, 0.0), e[0].seq, t, 0) for t, e in ordered.items()]
+    heapq.heapify(heads)
+    out: list[Key] = []
+    while heads:
+        spent, _, tenant, i = heapq.heappop(heads)
+        entries = ordered[tenant]
+        out.append(entries[i].task.key)
+        spent += entries[i].cost_s
+        if i + 1 < len(entries):
+            heapq.heappush(heads, (spent, entries[i + 1].seq, tenant, i + 1))
+    return out

@@ -20,6 +20,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from google.protobuf.descriptor import EnumDescriptor
@@ -30,6 +31,8 @@ from asteria_server.protocol.shm import RESULT_FIELDS, ArraySpec, SegmentRef
 from asteria_server.types import (
     BlockState,
     BlockStatus,
+    BlockSummary,
+    BlockTable,
     Credit,
     EngineStats,
     SharedArrays,
@@ -508,6 +511,121 @@ def engine_stats_from_proto(message: pb.EngineStats) -> EngineStats:
         results_spilled=m.results_spilled,
         spill_bytes=m.spill_bytes,
         results_dropped=m.results_dropped,
+    )
+
+
+_NAN = math.nan
+
+
+def block_table_to_proto(table: BlockTable) -> pb.BlockColumns:
+    """A status page as columns: a few packed lists, not a message per block."""
+    c = table.columns
+
+    def seconds(values: list[float | None]) -> list[float]:
+        return [_NAN if v is None else v for v in values]
+
+    errors = [(i, e) for i, e in enumerate(c["last_error"]) if e is not None]
+    return pb.BlockColumns(
+        tenant=table.tenant,
+        block=c["block"],
+        version=c["version"],
+        submitted_version=c["submitted_version"],
+        queued_version=c["queued_version"],
+        running_version=c["running_version"],
+        delivered_version=c["delivered_version"],
+        age_s=seconds(c["age_s"]),
+        submitted_age_s=seconds(c["submitted_age_s"]),
+        delivered_age_s=seconds(c["delivered_age_s"]),
+        last_solve_s=seconds(c["last_solve_s"]),
+        failures=c["failures"],
+        consecutive_failures=c["consecutive_failures"],
+        duplicates=c["duplicates"],
+        stale_ignored=c["stale_ignored"],
+        superseded=c["superseded"],
+        state=[_STATES[s] for s in c["state"]],
+        queue_position=[-1 if p is None else p for p in c["queue_position"]],
+        tier=c["tier"],
+        error_index=[i for i, _ in errors],
+        error=[e for _, e in errors],
+    )
+
+
+def block_table_from_proto(message: pb.BlockColumns) -> BlockTable:
+    """A wire status page of columns as a :class:`BlockTable`. Raises InvalidInputError when
+    its lists differ in length or a state is unset."""
+    m = message
+    n = len(m.block)
+
+    def seconds(values: Sequence[float]) -> list[float | None]:
+        return [None if v != v else v for v in values]  # NaN: never
+
+    states = [_STATES_BACK.get(s) for s in m.state]
+    columns: dict[str, list[Any]] = {
+        "block": list(m.block),
+        "version": list(m.version),
+        "submitted_version": list(m.submitted_version),
+        "queued_version": list(m.queued_version),
+        "running_version": list(m.running_version),
+        "delivered_version": list(m.delivered_version),
+        "age_s": seconds(m.age_s),
+        "submitted_age_s": seconds(m.submitted_age_s),
+        "delivered_age_s": seconds(m.delivered_age_s),
+        "last_solve_s": seconds(m.last_solve_s),
+        "failures": list(m.failures),
+        "consecutive_failures": list(m.consecutive_failures),
+        "duplicates": list(m.duplicates),
+        "stale_ignored": list(m.stale_ignored),
+        "superseded": list(m.superseded),
+        "state": states,
+        "last_error": [None] * n,
+        "queue_position": [None if p < 0 else p for p in m.queue_position],
+        "tier": list(m.tier),
+    }
+    short = [k for k, v in columns.items() if len(v) != n]
+    if short:
+        raise _bad("status columns", f"{short} must have one entry per block ({n})")
+    if None in states:
+        block = m.block[states.index(None)]
+        raise _bad(f"status of block {block!r}", "state must be set")
+    if len(m.error_index) != len(m.error) or any(not 0 <= i < n for i in m.error_index):
+        raise _bad("status columns", "error_index must name one block per error")
+    for i, e in zip(m.error_index, m.error, strict=True):
+        columns["last_error"][i] = e
+    return BlockTable(m.tenant, columns)
+
+
+_SUMMARY_COUNTS = (
+    "idle",
+    "queued",
+    "running",
+    "failed",
+    "tier_host",
+    "tier_shm",
+    "tier_spill",
+    "tier_none",
+    "never_computed",
+    "staleness_steps_p50",
+    "staleness_steps_p99",
+    "staleness_steps_max",
+    "failures",
+)
+
+
+def block_summary_to_proto(summary: BlockSummary) -> pb.BlockSummary:
+    return pb.BlockSummary(
+        **{name: getattr(summary, name) for name in _SUMMARY_COUNTS},
+        oldest_result_age_s=summary.oldest_result_age_s,
+        worst=block_table_to_proto(summary.worst),
+    )
+
+
+def block_summary_from_proto(message: pb.BlockSummary) -> BlockSummary:
+    return BlockSummary(
+        **{name: getattr(message, name) for name in _SUMMARY_COUNTS},
+        oldest_result_age_s=(
+            message.oldest_result_age_s if message.HasField("oldest_result_age_s") else None
+        ),
+        worst=block_table_from_proto(message.worst),
     )
 
 

@@ -29,6 +29,7 @@ def test_bench_blocks_reports_every_figure_per_n(tmp_path: Path) -> None:
         assert embedded["idle_steps_receiving"] == 0 and daemon["idle_steps_receiving"] == 0
         assert daemon["register_s"] > 0 and daemon["daemon_cpu_per_snapshot_and_result_s"] > 0
         assert daemon["status_all_clients"]["blocks"] == 2 * run["blocks"]
+        assert daemon["status_summary_all_clients"]["blocks"] == 2 * run["blocks"]
         assert daemon["status_rpc"]["calls"] > 0 and not daemon["errors"]
     assert report["targets"]["daemon_idle_step_growth"] is not None
     assert "surrogate" in report["surrogate"] or "SPD" in report["surrogate"]

@@ -233,10 +233,25 @@ def test_status_command_reports_a_training_client(
             "the daemon to know and solve all four blocks",
         )
         capsys.readouterr()
-        assert main(["status", "--address", daemon.target, "--json"]) == 0
+        assert main(["status", "--address", daemon.target, "--json", "--blocks"]) == 0
         doc = json.loads(capsys.readouterr().out)
-        assert main(["status", "--address", daemon.target]) == 0
+        assert main(["status", "--address", daemon.target, "--blocks"]) == 0
         table = capsys.readouterr().out
+        assert main(["status", "--address", daemon.target, "--json"]) == 0
+        summary_doc = json.loads(capsys.readouterr().out)
+        assert main(["status", "--address", daemon.target]) == 0
+        summary_text = capsys.readouterr().out
+    # Without --blocks: what the blocks add up to, the worst of them, no row per block.
+    assert "blocks" not in summary_doc and summary_doc["incarnation_id"] == incarnation(daemon)
+    summary = summary_doc["summary"]
+    assert summary["blocks"] == len(doc["blocks"]) >= 4
+    states = ("idle", "queued", "running", "failed")
+    assert sum(summary[s] for s in states) == summary["blocks"]
+    # (training goes on between the two reads: versions may move, the blocks stay)
+    assert 0 <= summary["never_computed"] <= summary["blocks"]
+    assert summary["staleness_steps_p50"] <= summary["staleness_steps_max"]
+    assert {b["block"] for b in summary["worst"]} <= {b["block"] for b in doc["blocks"]}
+    assert f"blocks {summary['blocks']}:" in summary_text and "--blocks" in summary_text
     assert doc["incarnation_id"] == incarnation(daemon) and doc["uptime_s"] > 0
     assert doc["workers"]["total"] == 1 and doc["queue_depth"] >= 0
     ours = {b["block"]: b for b in doc["blocks"] if b["block"].startswith(source.namespace)}
@@ -258,4 +273,4 @@ def test_status_connection_reads_without_a_session(daemon: Daemon) -> None:
         stats, blocks = conn.status()
     finally:
         conn.close()
-    assert stats.incarnation_id == incarnation(daemon) and blocks == []
+    assert stats.incarnation_id == incarnation(daemon) and list(blocks) == []

@@ -543,7 +543,7 @@ def test_status_is_paged_and_asteria_status_shows_every_block(
         assert reply.total_blocks == 300 and 0 < len(reply.blocks) < 300
         assert reply.next_after_block == reply.blocks[-1].block
         capsys.readouterr()
-        assert cli_main(["status", "--address", d.target, "--json"]) == 0
+        assert cli_main(["status", "--address", d.target, "--json", "--blocks"]) == 0
         shown = json.loads(capsys.readouterr().out)["blocks"]
         assert sorted(b["block"] for b in shown) == names
     finally:

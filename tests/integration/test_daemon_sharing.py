@@ -126,7 +126,17 @@ def _status_json(
     daemon: Daemon, tenant: str, token: str, capsys: pytest.CaptureFixture[str]
 ) -> dict[str, object]:
     capsys.readouterr()
-    argv = ["status", "--address", daemon.target, "--tenant", tenant, "--token", token, "--json"]
+    argv = [
+        "status",
+        "--address",
+        daemon.target,
+        "--tenant",
+        tenant,
+        "--token",
+        token,
+        "--json",
+        "--blocks",
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     doc: dict[str, object] = json.loads(capsys.readouterr().out)
     return doc

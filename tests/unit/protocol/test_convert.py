@@ -24,7 +24,15 @@ from asteria_server.errors import InvalidInputError
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
-from asteria_server.types import Credit, SolveKind, SolveResult, SolveTask, SubmitOutcome
+from asteria_server.types import (
+    BlockSummary,
+    BlockTable,
+    Credit,
+    SolveKind,
+    SolveResult,
+    SolveTask,
+    SubmitOutcome,
+)
 from tests.protocol_readers import read_results, read_snapshot
 
 MiB = 1 << 20
@@ -663,3 +671,73 @@ def test_transport_stats_round_trip_and_are_absent_from_older_daemons() -> None:
     message = _status_wire(convert.status_to_proto(stats, [], transport))
     assert convert.transport_stats_from_proto(message) == transport
     assert convert.transport_stats_from_proto(convert.status_to_proto(stats, [])) is None
+
+
+def test_status_columns_round_trip_every_field_and_equal_the_records() -> None:
+    blocks = [
+        _block_status(),
+        _block_status(
+            block="b1",
+            version=-1,
+            running_version=9,
+            queued_version=-1,
+            in_flight_version=9,
+            staleness_steps=15,
+            age_s=None,
+            delivered_age_s=None,
+            last_solve_s=None,
+            state=BlockState.RUNNING,
+            last_error=None,
+            queue_position=None,
+            tier="shm",
+        ),
+        _block_status(block="b2", state=BlockState.FAILED, tier="spill", queue_position=7),
+    ]
+    table = BlockTable.of("alice", blocks)
+    wire = pb.BlockColumns.FromString(convert.block_table_to_proto(table).SerializeToString())
+    assert len(wire.block) == 3 and list(wire.error_index) == [0, 2]  # errors are sparse
+    back = convert.block_table_from_proto(wire)
+    assert list(back) == blocks and back.to_dicts() == [b.to_dict() for b in blocks]
+    assert back[1:] == blocks[1:]
+
+
+def test_status_columns_of_unequal_length_or_without_state_are_refused() -> None:
+    wire = convert.block_table_to_proto(BlockTable.of("alice", [_block_status()]))
+    short = pb.BlockColumns()
+    short.CopyFrom(wire)
+    short.version.append(3)
+    with pytest.raises(InvalidInputError, match=r"status columns: \['version'\] must have one"):
+        convert.block_table_from_proto(short)
+    unset = pb.BlockColumns()
+    unset.CopyFrom(wire)
+    unset.state[0] = pb.BLOCK_STATE_UNSPECIFIED
+    with pytest.raises(InvalidInputError, match="status of block 'b0': state must be set"):
+        convert.block_table_from_proto(unset)
+    bad_error = pb.BlockColumns()
+    bad_error.CopyFrom(wire)
+    bad_error.error_index[0] = 5
+    with pytest.raises(InvalidInputError, match="error_index must name one block per error"):
+        convert.block_table_from_proto(bad_error)
+
+
+def test_a_status_summary_round_trips() -> None:
+    summary = BlockSummary(
+        idle=3,
+        queued=2,
+        running=1,
+        failed=1,
+        tier_host=4,
+        tier_none=3,
+        never_computed=2,
+        staleness_steps_p50=1,
+        staleness_steps_p99=9,
+        staleness_steps_max=12,
+        oldest_result_age_s=3.5,
+        failures=4,
+        worst=BlockTable.of("alice", [_block_status(state=BlockState.FAILED)]),
+    )
+    wire = pb.BlockSummary.FromString(convert.block_summary_to_proto(summary).SerializeToString())
+    back = convert.block_summary_from_proto(wire)
+    assert back.to_dict() == summary.to_dict() and back.blocks == 7
+    none = convert.block_summary_from_proto(convert.block_summary_to_proto(BlockSummary()))
+    assert none.oldest_result_age_s is None and none.blocks == 0 and len(none.worst) == 0
