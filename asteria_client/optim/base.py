@@ -39,6 +39,7 @@ from asteria_client.optim.grouped import (
     ParamStep,
     StepMask,
     StorageSpec,
+    TileGroup,
 )
 from asteria_client.optim.installs import InstallBatch, Pending
 from asteria_client.optim.params import ParamNamer, model_names, named_param_groups
@@ -812,10 +813,30 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         """Apply one collected install on its own."""
         raise NotImplementedError  # abstract: only where _batches_installs()
 
+    def _install_group(self, item: Pending) -> TileGroup | None:
+        """The tile group whose storage an install writes, where it can be applied with the
+        group's other installs along its dim (None: on its own)."""
+        return None
+
+    def _install_group_rows(self, group: TileGroup, dim: int, rows: list[Pending]) -> None:
+        """Apply several installs into ``group`` along ``dim`` together (subclasses)."""
+        raise NotImplementedError  # abstract: only where _install_group() names groups
+
     def _install_rows(self, items: list[Pending]) -> None:
-        """Apply one round of collected installs (at most one per tile), batched per group."""
+        """Apply one round of collected installs (at most one per tile): those into one tile
+        group along one dim together, the rest one at a time."""
+        together: dict[tuple[int, int], tuple[TileGroup, list[Pending]]] = {}
         for item in items:
-            self._apply_noted(item)
+            group = self._install_group(item)
+            if group is None:
+                self._apply_noted(item)
+            else:
+                together.setdefault((id(group), item[1]), (group, []))[1].append(item)
+        for (_, dim), (group, rows) in together.items():
+            if len(rows) == 1:
+                self._apply_noted(rows[0])
+            else:
+                self._install_group_rows(group, dim, rows)
 
     def _submit_tile(self, tile: TileBlocks, version: int, group: dict[str, Any]) -> None:
         """Snapshot every factor of the tile, then install whatever is ready already."""

@@ -282,32 +282,23 @@ class KLShampoo(AsteriaOptimizer):
         tile, dim, result, _ = item
         KLShampoo._put_basis(tile, dim, result)
 
-    def _install_rows(self, items: list[Pending]) -> None:
-        """One round of installs (one per tile): the bases and eigenvalues of tiles backed by
-        one tile group along one dim are written with one indexed copy each."""
-        together: dict[tuple[int, int], tuple[batched.TileGroup, list[Pending]]] = {}
-        for item in items:
-            tile, dim, result = item[0], item[1], item[2]
-            group = batched.backing_group(tile, (), ("bases", dim))
-            if (
-                group is None
-                or result.eigenvalues is None
-                or batched.backing_group(tile, (), ("eigenvalues", dim)) is not group
-            ):
-                self._apply_noted(item)
-                continue
-            together.setdefault((id(group), dim), (group, []))[1].append(item)
-        for (_, dim), (group, rows) in together.items():
-            if len(rows) == 1:
-                self._apply_noted(rows[0])
-                continue
-            like = group.entries[("eigenvalues", dim)]
-            index = torch.tensor([batched.row_of(r[0]) for r in rows], device=like.device)
-            tiles = [r[0] for r in rows]
-            bases = torch.stack([r[2].matrix.to(like.device, like.dtype) for r in rows])
-            lams = torch.stack([_eigenvalues(r[2]).to(like.device, like.dtype) for r in rows])
-            batched.set_rows(group, "bases", dim, index, bases, tiles)
-            batched.set_rows(group, "eigenvalues", dim, index, lams.clamp_min(0), tiles)
+    def _install_group(self, item: Pending) -> batched.TileGroup | None:
+        """Results with their eigenvalues, into a group backing the basis and eigenvalues."""
+        tile, dim, result = item[0], item[1], item[2]
+        group = batched.backing_group(tile, (), ("bases", dim))
+        if result.eigenvalues is None or group is None:
+            return None
+        return group if batched.backing_group(tile, (), ("eigenvalues", dim)) is group else None
+
+    def _install_group_rows(self, group: batched.TileGroup, dim: int, rows: list[Pending]) -> None:
+        """The round's bases and eigenvalues with one indexed copy each."""
+        like = group.entries[("eigenvalues", dim)]
+        index = torch.tensor([batched.row_of(r[0]) for r in rows], device=like.device)
+        tiles = [r[0] for r in rows]
+        bases = torch.stack([r[2].matrix.to(like.device, like.dtype) for r in rows])
+        lams = torch.stack([_eigenvalues(r[2]).to(like.device, like.dtype) for r in rows])
+        batched.set_rows(group, "bases", dim, index, bases, tiles)
+        batched.set_rows(group, "eigenvalues", dim, index, lams.clamp_min(0), tiles)
 
     # ------------------------------------------------------------------ resharding
     factors_are_means = True  # each factor is divided by the tile's other elements

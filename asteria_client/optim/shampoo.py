@@ -208,24 +208,15 @@ class Shampoo(AsteriaOptimizer):
         tile, dim, result, _ = item
         self._put_root(tile, dim, result)
 
-    def _install_rows(self, items: list[Pending]) -> None:
-        """One round of installs (one per tile): the roots of tiles backed by one tile group
-        along one dim are written with one indexed copy."""
-        together: dict[tuple[int, int], tuple[batched.TileGroup, list[Pending]]] = {}
-        for item in items:
-            group = batched.backing_group(item[0], (), ("roots", item[1]))
-            if group is None:
-                self._apply_noted(item)
-                continue
-            together.setdefault((id(group), item[1]), (group, []))[1].append(item)
-        for (_, dim), (group, rows) in together.items():
-            if len(rows) == 1:
-                self._apply_noted(rows[0])
-                continue
-            like = group.entries[("roots", dim)]
-            index = torch.tensor([batched.row_of(r[0]) for r in rows], device=like.device)
-            roots = torch.stack([r[2].matrix.to(like.device, like.dtype) for r in rows])
-            batched.set_rows(group, "roots", dim, index, roots, [r[0] for r in rows])
+    def _install_group(self, item: Pending) -> batched.TileGroup | None:
+        return batched.backing_group(item[0], (), ("roots", item[1]))
+
+    def _install_group_rows(self, group: batched.TileGroup, dim: int, rows: list[Pending]) -> None:
+        """The round's roots with one indexed copy."""
+        like = group.entries[("roots", dim)]
+        index = torch.tensor([batched.row_of(r[0]) for r in rows], device=like.device)
+        roots = torch.stack([r[2].matrix.to(like.device, like.dtype) for r in rows])
+        batched.set_rows(group, "roots", dim, index, roots, [r[0] for r in rows])
 
     @staticmethod
     def _direction(work: GroupStep) -> torch.Tensor:

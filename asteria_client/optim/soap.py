@@ -238,22 +238,13 @@ class SOAP(AsteriaOptimizer):
         tile, dim, result, same_base = item
         SOAP._rotate(tile, dim, result, same_base)
 
-    def _install_rows(self, items: list[Pending]) -> None:
-        """One round of installs (one per tile): those of 2-D tiles backed by one tile group
-        along one dim are applied together, the rest one at a time."""
-        together: dict[tuple[int, int], tuple[batched.TileGroup, list[Pending]]] = {}
-        for item in items:
-            tile, dim = item[0], item[1]
-            group = batched.backing_group(tile, ("exp_avg", "exp_avg_sq"), ("bases", dim))
-            if group is None or len(group.shape) != 2:
-                self._apply_noted(item)
-                continue
-            together.setdefault((id(group), dim), (group, []))[1].append(item)
-        for (_, dim), (group, rows) in together.items():
-            if len(rows) == 1:
-                self._apply_noted(rows[0])
-            else:
-                _rotate_rows(group, dim, rows)
+    def _install_group(self, item: Pending) -> batched.TileGroup | None:
+        """2-D tiles only: their rotations are products that batch exactly."""
+        group = batched.backing_group(item[0], ("exp_avg", "exp_avg_sq"), ("bases", item[1]))
+        return group if group is not None and len(group.shape) == 2 else None
+
+    def _install_group_rows(self, group: batched.TileGroup, dim: int, rows: list[Pending]) -> None:
+        _rotate_rows(group, dim, rows)
 
     # ------------------------------------------------------------------ resharding
     def _moments_in_param_coords(self, tile: SOAPTile) -> dict[str, torch.Tensor]:

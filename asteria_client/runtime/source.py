@@ -204,6 +204,18 @@ def compute_locally(request: PreconditionerRequest) -> PreconditionerResult:
         result = linalg.refresh_eigenbasis(request.matrix, request.basis, block=request.block)
         matrix, eigenvalues, permutation = result.basis, result.eigenvalues, result.permutation
         rotation = result.rotation
+    return _result(request, matrix, eigenvalues, permutation, rotation, start)
+
+
+def _result(
+    request: PreconditionerRequest,
+    matrix: torch.Tensor,
+    eigenvalues: torch.Tensor | None,
+    permutation: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    start: float,
+) -> PreconditionerResult:
+    """The result of a solve of ``request`` that began at ``start`` (perf_counter)."""
     return PreconditionerResult(
         block=request.block,
         version=request.version,
@@ -235,18 +247,7 @@ def compute_unchecked(request: PreconditionerRequest) -> tuple[PreconditionerRes
         result, ok = linalg.refresh_eigenbasis_unchecked(request.matrix, request.basis)
         matrix, eigenvalues, permutation = result.basis, result.eigenvalues, result.permutation
         rotation = result.rotation
-    computed = PreconditionerResult(
-        block=request.block,
-        version=request.version,
-        kind=request.kind,
-        matrix=matrix,
-        eigenvalues=eigenvalues,
-        permutation=permutation,
-        rotation=rotation,
-        base_version=request.base_version,
-        solve_time_s=time.perf_counter() - start,
-    )
-    return computed, ok
+    return _result(request, matrix, eigenvalues, permutation, rotation, start), ok
 
 
 class NativeSource(PreconditionerSource):

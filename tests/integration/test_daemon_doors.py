@@ -368,6 +368,15 @@ def _token_other_than(fake: _RecordingPeer, old: str | None) -> str:
     return fake.tokens[-1]
 
 
+def _raw_peer_server(servicer: Any) -> tuple[grpc.Server, int]:
+    """A started Peer server on loopback that is no daemon (it records what it is sent)."""
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    ppb_grpc.add_PeerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
 def test_a_job_token_is_good_for_one_registration_of_the_job_only(tmp_path: Path) -> None:
     """The job token a daemon sends its peers (recorded by a raw node-1 server) is accepted
     from node 1 while that run of the job is registered; once the job registers again (a new
@@ -375,11 +384,8 @@ def test_a_job_token_is_good_for_one_registration_of_the_job_only(tmp_path: Path
     once the job is forgotten (``asteria forget --job``) the new one is refused too, with the
     answer a wrong token gets."""
     d = start_tenants_daemon(tmp_path)
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
     fake = _RecordingPeer()
-    ppb_grpc.add_PeerServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = _raw_peer_server(fake)
     try:
         sid = job_session(d)
         jobs = jpb_grpc.JobsStub(grpc.insecure_channel(d.target))
@@ -588,11 +594,8 @@ def test_peer_groups_are_bounded_allowed_and_unproven_peers_are_asked_slowly(
     but never as a daemon of the job gets a heartbeat about once a second or less, not every
     heartbeat_s (0.25 s)."""
     d = start_tenants_daemon(tmp_path)
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
     fake = _CountingPeer()
-    ppb_grpc.add_PeerServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = _raw_peer_server(fake)
     try:
         sid = job_session(d)
         jobs = jpb_grpc.JobsStub(grpc.insecure_channel(d.target))
