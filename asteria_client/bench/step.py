@@ -24,6 +24,7 @@ Target (issue: grouped optimizer math): Asteria SOAP's host time per step <= 2x 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -43,11 +44,30 @@ NEVER = 1_000_000
 
 
 class DispatchCounter(TorchDispatchMode):
-    """Counts the operations that reach the dispatcher (views and in-place ops included)."""
+    """Counts the operations that reach the dispatcher (views and in-place ops included).
+
+    The garbage collector is run before and held off while counting, so that no finalizer it
+    happens to run inside the counted region (of anything earlier code left behind) is
+    counted: where a collection falls depends on what every thread allocated before, so its
+    operations would make the count vary from run to run."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self._gc_was_enabled = False
+
+    def __enter__(self) -> DispatchCounter:
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._gc_was_enabled:
+                gc.enable()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
