@@ -165,7 +165,11 @@ class DaemonConfig:
         connection_idle_s: a gRPC connection with no call in flight for this long is closed
             with a GOAWAY (a client reconnects at its next call, unnoticed).
         max_streams_per_connection: calls one gRPC connection may have in flight at once
-            (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues more until one ends).
+            (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues more until one ends). Kept
+            well above ``tenant_max_streams``: gRPC Python's channels to one address share one
+            connection in a process, so a tenant's open result streams and its other calls all
+            count here, and the tenant's own limit must answer first, with an error that names
+            it, not a call that waits unseen.
         max_sessions: open sessions at most, all tenants together (never one dropped for another).
         tls_cert: PEM certificate chain for TCP (required beyond loopback), with ``tls_key``.
         tls_key: PEM private key of ``tls_cert``.
@@ -270,7 +274,7 @@ class DaemonConfig:
     handshake_timeout_s: float = 10.0
     max_connections: int = 0
     connection_idle_s: float = 300.0
-    max_streams_per_connection: int = 256
+    max_streams_per_connection: int = 2048
     max_sessions: int = 4096
     tls_cert: str | None = None
     tls_key: str | None = None
