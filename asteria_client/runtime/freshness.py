@@ -812,8 +812,7 @@ class FreshnessRuntime:
         blocks = None if since is None else self.source.results_since(since)
         if blocks is not None:
             for block in blocks:
-                record = self.records.get(block)
-                tile = None if record is None else record.tile
+                tile = self._tile_of(block)
                 if tile is None:
                     break
                 self._changed(tile)
@@ -821,6 +820,11 @@ class FreshnessRuntime:
                 return
         for group in self._sync_groups.values():
             group.dirty.update((id(t), t) for t in group.tiles)
+
+    def _tile_of(self, block: str) -> TileBlocks | None:
+        """The tile that holds ``block`` now (None: not known here, or dropped)."""
+        record = self.records.get(block)
+        return None if record is None else record.tile
 
     def _changed(self, tile: TileBlocks) -> None:
         """Something about ``tile`` changed: :meth:`sync_tiles` looks at it again."""
@@ -955,8 +959,7 @@ class FreshnessRuntime:
             return tiles()
         found: dict[int, TileBlocks] = {}
         for block in blocks:
-            record = self.records.get(block)
-            tile = None if record is None else record.tile
+            tile = self._tile_of(block)
             if tile is None:
                 return tiles()
             found[id(tile)] = tile
