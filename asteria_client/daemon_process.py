@@ -193,7 +193,7 @@ class DaemonProcess:
                 )
                 self._process.kill()
                 self._process.wait()
-                stdout, stderr = self._output()
+                stdout, stderr = self.output()
                 self._cleanup()
                 raise DaemonStartError(f"asteria-server {why}:\n{stdout}{stderr}")
             time.sleep(0.05)
@@ -226,13 +226,14 @@ class DaemonProcess:
                 time.sleep(0.05)
             proc.returncode = os.waitstatus_to_exitcode(status)
             cpu_s = usage.ru_utime + usage.ru_stime
-        stdout, stderr = self._output()
+        stdout, stderr = self.output()
         self._cleanup()
         assert proc.returncode is not None
         self.exit = DaemonExit(proc.returncode, cpu_s, killed, stdout, stderr)
         return self.exit
 
-    def _output(self) -> tuple[str, str]:
+    def output(self) -> tuple[str, str]:
+        """What the daemon has written so far to its stdout and its stderr (its log)."""
         if self._files is None:
             return "", ""
         files = Path(self._files.name)

@@ -37,6 +37,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -556,6 +557,7 @@ def run_soak(cfg: SoakConfig, *, quick: bool = False) -> dict[str, Any]:
                 sampler.mark("end")
             finally:
                 sampler.stop()
+            stalls = loop_stalls(daemon.output()[1])
             spill_files = len(list(spill.glob("*.res"))) if spill.exists() else 0
     marks = sampler.marks
     start, warm, end = marks["start"], marks.get("warm", marks["start"]), marks["end"]
@@ -585,6 +587,7 @@ def run_soak(cfg: SoakConfig, *, quick: bool = False) -> dict[str, Any]:
         "phases": [alone, with_bad],
         "ratios": ratios,
         "serving_while_unable": sampler.serving_while_unable,
+        "loop_stalls": stalls,
         "health_samples": {
             h: sum(1 for x in sampler.samples if x.get("health") == h)
             for h in sorted({str(x.get("health")) for x in sampler.samples if "health" in x})
@@ -592,6 +595,30 @@ def run_soak(cfg: SoakConfig, *, quick: bool = False) -> dict[str, Any]:
         "targets": targets,
         "samples": sampler.samples,
     }
+
+
+def loop_stalls(log: str) -> list[dict[str, Any]]:
+    """The daemon's event-loop stalls its log reports: the seconds it had been blocked when
+    noticed and where (the innermost frame of the stack the warning shows), then the full
+    length once it ran again."""
+    out: list[dict[str, Any]] = []
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        began = re.search(r"the event loop has been blocked for ([0-9.]+) s", line)
+        if began:
+            stack = []
+            for follow in lines[i + 1 :]:
+                if not follow.startswith("  "):
+                    break
+                stack.append(follow.strip())
+            frames = [f for f in stack if f.startswith("File ")]
+            out.append(
+                {"noticed_after_s": float(began.group(1)), "where": frames[-1] if frames else ""}
+            )
+        ended = re.search(r"the event loop ran again after ([0-9.]+) s blocked", line)
+        if ended and out:
+            out[-1]["blocked_s"] = float(ended.group(1))
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -672,6 +699,17 @@ def _target_lines(report: dict[str, Any]) -> list[str]:
         f"samples with health SERVING while the daemon could not serve: "
         f"{report.get('serving_while_unable', 0)} "
         f"({'met' if t.get('health_true', True) else 'MISSED'}: 0)",
+        *_stall_lines(report.get("loop_stalls", [])),
+    ]
+
+
+def _stall_lines(stalls: list[dict[str, Any]]) -> list[str]:
+    if not stalls:
+        return ["daemon event-loop stalls over 1 s: none"]
+    longest = max(stalls, key=lambda s: s.get("blocked_s", s["noticed_after_s"]))
+    return [
+        f"daemon event-loop stalls over 1 s: {len(stalls)}, the longest "
+        f"{longest.get('blocked_s', longest['noticed_after_s']):.1f} s, in {longest['where']}"
     ]
 
 

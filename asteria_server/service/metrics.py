@@ -55,6 +55,7 @@ from asteria_server.config import TcpAddress
 from asteria_server.engine import BlockStatus, PreconditionerEngine
 from asteria_server.engine.engine import FinishedSolve
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
+from asteria_server.service.loopwatch import StallTally
 from asteria_server.types import EngineStats, TransportStats
 
 logger = logging.getLogger(__name__)
@@ -249,10 +250,11 @@ class DaemonMetrics:
         peers: PeerGroups | None = None,
         *,
         ready: Readiness | None = None,
+        stalls: StallTally | None = None,
     ) -> None:
         """Start reading the running daemon's numbers at scrape time; ``ready`` says whether
-        it serves (/readyz)."""
-        self.collector.bind(engine, sources, peers)
+        it serves (/readyz); ``stalls``, how often its event loop was blocked."""
+        self.collector.bind(engine, sources, peers, stalls)
         self._ready = ready
 
     def drained(self, finished: int, dropped: int) -> None:
@@ -374,6 +376,7 @@ class _StatusCollector(Collector):
         self._engine: PreconditionerEngine | None = None
         self._sources: DaemonSources | None = None
         self._peers: PeerGroups | None = None
+        self._stalls: StallTally | None = None
         self._memory_limit_bytes = memory_limit_bytes
 
     @property
@@ -381,9 +384,14 @@ class _StatusCollector(Collector):
         return self._engine
 
     def bind(
-        self, engine: PreconditionerEngine, sources: DaemonSources, peers: PeerGroups | None
+        self,
+        engine: PreconditionerEngine,
+        sources: DaemonSources,
+        peers: PeerGroups | None,
+        stalls: StallTally | None = None,
     ) -> None:
         self._engine, self._sources, self._peers = engine, sources, peers
+        self._stalls = stalls
 
     def describe(self) -> Iterable[Metric]:
         return []  # names are only known once bound; nothing to check them against
@@ -403,6 +411,18 @@ class _StatusCollector(Collector):
             value={"incarnation": stats.incarnation_id, "version": __version__},
         )
         yield _gauge("asteria_uptime_seconds", "Seconds since the engine started.", stats.uptime_s)
+        if self._stalls is not None:
+            yield CounterMetricFamily(
+                "asteria_event_loop_stalls",
+                "Times the event loop answering every RPC (health included) was blocked for "
+                "over a second (the daemon's log says in what).",
+                value=self._stalls.stalls,
+            )
+            yield _gauge(
+                "asteria_event_loop_stall_seconds_max",
+                "The longest the event loop has been blocked, in seconds.",
+                self._stalls.longest_s,
+            )
         yield _gauge(
             "asteria_engine_broken",
             "1 when the engine stopped working (the daemon then reports NOT_SERVING).",

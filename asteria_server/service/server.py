@@ -52,6 +52,7 @@ from asteria_server.service.descriptors import (
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.jobs import JobsServicer
 from asteria_server.service.limits import FdBudget, fd_budget_for, raise_nofile_limit
+from asteria_server.service.loopwatch import LoopWatch
 from asteria_server.service.servicer import (
     Authenticator,
     PreconditionerServicer,
@@ -687,6 +688,8 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
         raise
     running.append(daemon)
     current = [config]
+    loop_watch = LoopWatch()  # says when (and in what) the loop serving every RPC is blocked
+    loop_watch.start()
 
     def hangup() -> None:
         if reload is None:
@@ -709,6 +712,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
             daemon.servicer,
             peers,
             ready=lambda: _readiness(daemon),
+            stalls=loop_watch.tally,
         )
         line += f" metrics={metrics_url}"
     if config.ready_file:
@@ -748,6 +752,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
         stopping.cancel()
         reclaiming.cancel()
         descriptors.cancel()
+        await loop_watch.stop()
         _unwatch(loop, watch)
         loop.remove_signal_handler(signal.SIGHUP)
         daemon.serving = False

@@ -240,6 +240,8 @@ def test_unit_daemon_trains_and_its_metrics_tell_solves_queue_and_staleness(
     assert "asteria_shm_segments" in metrics and "asteria_shm_mapped_bytes" in metrics
     assert value(metrics, "asteria_workers") == 1 and value(metrics, "asteria_engine_broken") == 0
     assert value(metrics, "asteria_worker_restarts_total") == 0
+    assert value(metrics, "asteria_event_loop_stalls_total") >= 0  # the loop watch is bound
+    assert value(metrics, "asteria_event_loop_stall_seconds_max") >= 0
     incarnation = unit_daemon.serving_line.split("incarnation=", 1)[1].split()[0]
     assert value(metrics, "asteria_daemon_info", incarnation=incarnation) == 1
 
