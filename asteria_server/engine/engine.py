@@ -21,10 +21,12 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import math
 import os
+import queue
 import threading
 import time
 import uuid
@@ -38,7 +40,7 @@ from asteria_server.engine.coordinator import Coordinator
 from asteria_server.engine.registry import SummaryRow, block_table, summarize
 from asteria_server.engine.scheduler import CostModel, queue_order
 from asteria_server.engine.solvers import SolverConfig
-from asteria_server.engine.tiers import ResultTiers
+from asteria_server.engine.tiers import ResultTiers, SpillEnd, write_spill_file
 from asteria_server.engine.workers import (
     START_METHODS,
     PoolConfig,
@@ -298,6 +300,16 @@ class PreconditionerEngine:
             target=self._dispatch_loop, name="asteria-engine-dispatch", daemon=True
         )
         self._thread.start()
+        #: results to write to spill files, by a thread of their own (None: stop); see tiers
+        self._spills: queue.SimpleQueue[tuple[tuple[str, str], SolveResult, Path] | None] = (
+            queue.SimpleQueue()
+        )
+        self._spiller: threading.Thread | None = None
+        if self.config.spill_dir is not None:
+            self._spiller = threading.Thread(
+                target=self._spill_loop, name="asteria-engine-spill", daemon=True
+            )
+            self._spiller.start()
         atexit.register(self.close)
         logger.info(
             "preconditioner engine %s started: %d workers, %d BLAS thread(s) each",
@@ -666,7 +678,7 @@ class PreconditionerEngine:
                 closed=self._closing,
                 broken_reason=self._broken,
                 workers=() if self._closed else tuple(self._pool.states(viewer)),
-                cache_host_bytes=self._tiers.host_bytes,
+                cache_host_bytes=self._tiers.memory_bytes,
                 cache_budget_bytes=self.config.cache_memory_bytes or 0,
                 results_spilled=self._tiers.num_spilled,
                 spill_bytes=self._tiers.spill_bytes,
@@ -693,6 +705,9 @@ class PreconditionerEngine:
             return
         self._thread.join()
         self._pool.close()
+        if self._spiller is not None:  # it skips what is left: the files would go at once
+            self._spills.put(None)
+            self._spiller.join()
         with self._cond:
             self._closed = True
             self._tiers.close()
@@ -863,16 +878,49 @@ class PreconditionerEngine:
 
     def _enforce_cache(self) -> None:
         """Move the least recently used results out of the host tier until it meets its
-        budget (lock held; see :mod:`asteria_server.engine.tiers`)."""
+        budget (lock held; see :mod:`asteria_server.engine.tiers`). Spill files are written by
+        the spill thread, without the lock; until then the results stay served from memory."""
         registry = self._coord.registry
         for tenant, block in self._tiers.victims():
             result = registry.latest_result(tenant, block)
             if result is None or result.shm is not None:
                 self._tiers.held((tenant, block), result)  # not in the host tier (any more)
-            elif self._tiers.evict((tenant, block), result):
-                registry.hold(tenant, block, None)
-            else:
+            elif self._spiller is None:
+                self._tiers.drop((tenant, block))
                 self._coord.drop_result(tenant, block)
+            else:
+                path = self._tiers.begin_spill((tenant, block), result)
+                self._spills.put(((tenant, block), result, path))
+
+    def _spill_loop(self) -> None:
+        """The spill thread: writes the files :meth:`_enforce_cache` asked for, one at a time,
+        outside the engine's lock (a slow or full disk holds up no call), then settles each
+        result under the lock."""
+        while (item := self._spills.get()) is not None:
+            key, result, path = item
+            if self._closing:
+                continue
+            try:
+                size: int | None = write_spill_file(path, result)
+            except OSError as exc:
+                logger.warning("cannot spill a result to %s (%s); dropping it", path, exc)
+                size = None
+            except Exception:  # a bug here must not end the thread: this result is dropped
+                logger.exception("writing spill file %s failed", path)
+                size = None
+            with self._cond:
+                if self._closed:  # the tiers are closed: nobody will ask for the file
+                    outcome = SpillEnd.KEPT
+                else:
+                    held = self._coord.registry.latest_result(*key) is result
+                    outcome = self._tiers.end_spill(key, result, size, still_held=held)
+                if outcome is SpillEnd.SPILLED:
+                    self._coord.registry.hold(*key, None)
+                elif outcome is SpillEnd.DROPPED:
+                    self._coord.drop_result(*key)
+            if outcome is SpillEnd.KEPT and size is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     @staticmethod
     def _tell(listeners: list[ResultListener], fresh: list[tuple[str, str]]) -> None:

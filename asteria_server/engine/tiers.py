@@ -10,9 +10,14 @@ When the host tier is over its budget, the least recently used results leave it:
 
 - with a **spill directory**, each is written to one file there, atomically (a temporary file,
   then ``rename``), with one CRC-32 over its header and its arrays (an edited kind or dtype
-  fails it as an edited byte of data does); it is brought back on demand (the next time it
-  is asked for): the file is memory-mapped, its checksum verified, the arrays copied back into
-  memory and the file removed, and the host tier enforces its budget again;
+  fails it as an edited byte of data does). The write happens *outside* the engine's lock
+  (:meth:`ResultTiers.begin_spill`, then the engine's spill thread writes, then
+  :meth:`ResultTiers.end_spill`): a slow or full disk must not hold up every tenant's calls.
+  While it is written the result stays in memory and is served from there; a result used
+  again, replaced or forgotten meanwhile stays (or goes) as if it had never been chosen, and
+  its file is removed. It is brought back on demand (the next time it is asked for): the file
+  is memory-mapped, its checksum verified, the arrays copied back into memory and the file
+  removed, and the host tier enforces its budget again;
 - without one, or when a spill file cannot be written or fails its checksum, the result is
   **dropped**: the block keeps its versions and counts, and a client that still needs that
   version submits the snapshot again (the registry accepts that one resubmission).
@@ -24,12 +29,13 @@ daemon checks the directory as it checks its socket directory (a real directory 
 not writable by others) and holds a lock in it, so a second daemon cannot use it (and remove
 the first one's files).
 
-Not thread-safe: the engine calls it under its lock.
+Not thread-safe: the engine calls it under its lock (all but the file writes themselves).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import mmap
@@ -79,6 +85,14 @@ class SpillEntry:
     path: Path
     version: int
     num_bytes: int
+
+
+class SpillEnd(enum.Enum):
+    """How a spill write ended (see :meth:`ResultTiers.end_spill`)."""
+
+    SPILLED = "spilled"
+    DROPPED = "dropped"
+    KEPT = "kept"
 
 
 class SpillCorruptError(RuntimeError):
@@ -221,6 +235,9 @@ class ResultTiers:
         self.host_bytes = 0
         self._spilled: dict[Key, SpillEntry] = {}
         self.spill_bytes = 0
+        #: results being written to their spill files (outside the lock): result, size, file
+        self._leaving: dict[Key, tuple[SolveResult, int, Path]] = {}
+        self.leaving_bytes = 0
         self.dropped = 0
         self._serial = 0
         if spill_dir is not None:
@@ -240,6 +257,11 @@ class ResultTiers:
             return "shm" if result.shm is not None else "host"
         return "spill" if key in self._spilled else ""
 
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of results in the daemon's memory: the host tier and those being spilled."""
+        return self.host_bytes + self.leaving_bytes
+
     def spilled(self, key: Key) -> SpillEntry | None:
         return self._spilled.get(key)
 
@@ -251,6 +273,7 @@ class ResultTiers:
     def held(self, key: Key, result: SolveResult | None) -> None:
         """``result`` is now the block's held result (None: it holds none in memory)."""
         self._discard_spilled(key)
+        self._cancel_spill(key)
         self._host_remove(key)
         if result is not None and result.shm is None:
             size = result_bytes(result)
@@ -258,13 +281,20 @@ class ResultTiers:
             self.host_bytes += size
 
     def touch(self, key: Key) -> None:
-        """The block's result was used: it becomes the most recently used."""
-        if key in self._host:
+        """The block's result was used: it becomes the most recently used (one being spilled
+        stays in memory: its write is given up)."""
+        leaving = self._leaving.get(key)
+        if leaving is not None:
+            self._cancel_spill(key)
+            self._host[key] = leaving[1]
+            self.host_bytes += leaving[1]
+        elif key in self._host:
             self._host.move_to_end(key)
 
     def forget(self, key: Key) -> None:
         """The block is gone: its host entry and spill file too."""
         self._host_remove(key)
+        self._cancel_spill(key)
         self._discard_spilled(key)
 
     def victims(self) -> list[Key]:
@@ -281,23 +311,46 @@ class ResultTiers:
             excess -= size
         return out
 
-    def evict(self, key: Key, result: SolveResult) -> bool:
-        """Move ``result`` out of the host tier: to a spill file (True) or dropped (False)."""
+    def drop(self, key: Key) -> None:
+        """``key``'s result leaves the host tier without a copy (no spill directory)."""
         self._host_remove(key)
-        if self.spill_dir is not None:
-            self._serial += 1
-            name = f"{SPILL_PREFIX}{self._incarnation}-{self._serial}{SPILL_SUFFIX}"
-            path = self.spill_dir / name
-            try:
-                size = write_spill_file(path, result)
-            except OSError as exc:
-                logger.warning("cannot spill a result to %s (%s); dropping it", path, exc)
-            else:
-                self._spilled[key] = SpillEntry(path, result.version, size)
-                self.spill_bytes += size
-                return True
         self.dropped += 1
-        return False
+
+    def begin_spill(self, key: Key, result: SolveResult) -> Path:
+        """``result`` leaves the host tier for a spill file: the path to write it to (outside
+        the lock, with :func:`write_spill_file`); then :meth:`end_spill`. Needs a spill
+        directory."""
+        if self.spill_dir is None:
+            raise RuntimeError("begin_spill without a spill directory")
+        size = self._host.pop(key)
+        self.host_bytes -= size
+        self._serial += 1
+        path = self.spill_dir / f"{SPILL_PREFIX}{self._incarnation}-{self._serial}{SPILL_SUFFIX}"
+        self._leaving[key] = (result, size, path)
+        self.leaving_bytes += size
+        return path
+
+    def end_spill(
+        self, key: Key, result: SolveResult, size: int | None, *, still_held: bool = True
+    ) -> SpillEnd:
+        """The write :meth:`begin_spill` asked for is over (``size`` None: it failed;
+        ``still_held``: the registry still holds ``result`` as the block's). SPILLED: the block
+        now holds its result on disk (the registry lets go of it); DROPPED: the write failed,
+        the result is gone; KEPT: the result was used, replaced or forgotten meanwhile, so
+        nothing changes here and the writer removes the file it wrote."""
+        leaving = self._leaving.get(key)
+        if leaving is None or leaving[0] is not result or not still_held:
+            if leaving is not None and leaving[0] is result:
+                self._cancel_spill(key)
+            return SpillEnd.KEPT
+        del self._leaving[key]
+        self.leaving_bytes -= leaving[1]
+        if size is None:
+            self.dropped += 1
+            return SpillEnd.DROPPED
+        self._spilled[key] = SpillEntry(leaving[2], result.version, size)
+        self.spill_bytes += size
+        return SpillEnd.SPILLED
 
     def load(self, key: Key) -> SolveResult | None:
         """Bring a spilled result back (the file is removed either way); None when it is
@@ -321,6 +374,8 @@ class ResultTiers:
 
     def close(self) -> None:
         """Remove every spill file (the daemon stops; nobody will ask for them)."""
+        for key in list(self._leaving):
+            self._cancel_spill(key)
         for key in list(self._spilled):
             self._discard_spilled(key)
 
@@ -329,6 +384,13 @@ class ResultTiers:
         size = self._host.pop(key, None)
         if size is not None:
             self.host_bytes -= size
+
+    def _cancel_spill(self, key: Key) -> None:
+        """Give up the write of ``key``'s spill file (it may be under way: :meth:`end_spill`
+        then says KEPT, and the writer removes the file)."""
+        leaving = self._leaving.pop(key, None)
+        if leaving is not None:
+            self.leaving_bytes -= leaving[1]
 
     def _discard_spilled(self, key: Key) -> None:
         entry = self._spilled.pop(key, None)
