@@ -9,6 +9,12 @@ stack at that moment (what it is stuck in), and the stall's length once it ends.
 ``asteria_event_loop_stalls_total`` and ``asteria_event_loop_stall_seconds_max`` from the
 metrics endpoint.
 
+A loop blocked for ``DEGRADE_AFTER_S`` or more answered nobody for that long; such stalls come
+in runs (an overloaded host, a tenant's flood), so after one the daemon's health says
+NOT_SERVING until the loop has kept its heartbeat for ``RECOVER_AFTER_S`` (``on_health``):
+a supervisor or load balancer then sees a daemon that cannot answer in time as not ready,
+instead of a SERVING that the next call belies.
+
 The decision is :class:`StallTally`, a plain object; :class:`LoopWatch` is its thread and the
 loop's heartbeat task.
 """
@@ -18,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +39,10 @@ TICK_S = 0.1
 WARN_AFTER_S = 1.0
 #: Frames of the loop thread's stack shown in the warning (innermost last).
 STACK_FRAMES = 8
+#: A stall this long turns health NOT_SERVING ...
+DEGRADE_AFTER_S = 3.0
+#: ... until the loop has kept its heartbeat this long.
+RECOVER_AFTER_S = 15.0
 
 
 class StallTally:
@@ -68,9 +80,22 @@ class StallTally:
 class LoopWatch:
     """Watches the running loop from a thread of its own (start in the loop, stop at the end)."""
 
-    def __init__(self, *, tick_s: float = TICK_S, warn_after_s: float = WARN_AFTER_S) -> None:
+    def __init__(
+        self,
+        *,
+        tick_s: float = TICK_S,
+        warn_after_s: float = WARN_AFTER_S,
+        on_health: Callable[[bool], Awaitable[None]] | None = None,
+        degrade_after_s: float = DEGRADE_AFTER_S,
+        recover_after_s: float = RECOVER_AFTER_S,
+    ) -> None:
         self.tick_s = tick_s
         self.tally = StallTally(warn_after_s)
+        self.degrade_after_s = degrade_after_s
+        self.recover_after_s = recover_after_s
+        self.degraded = False
+        #: told False when a stall turns health NOT_SERVING, True when it may serve again
+        self.on_health = on_health
         self._last_beat = time.monotonic()
         self._loop_thread = threading.get_ident()
         self._stop = threading.Event()
@@ -93,7 +118,29 @@ class LoopWatch:
         await asyncio.to_thread(self._thread.join, 2.0)
 
     async def _heartbeat(self) -> None:
+        last_stall = -math.inf
         while True:
+            now = time.monotonic()
+            if now - self._last_beat - self.tick_s >= self.degrade_after_s:
+                last_stall = now
+                if not self.degraded:
+                    self.degraded = True
+                    logger.error(
+                        "the event loop was blocked for %.1f s: health NOT_SERVING until it "
+                        "keeps time for %g s (the host is overloaded, or the log's stall "
+                        "warning names what blocked it)",
+                        now - self._last_beat - self.tick_s,
+                        self.recover_after_s,
+                    )
+                    if self.on_health is not None:
+                        await self.on_health(False)
+            elif self.degraded and now - last_stall >= self.recover_after_s:
+                self.degraded = False
+                logger.warning(
+                    "the event loop kept time for %g s: health SERVING", self.recover_after_s
+                )
+                if self.on_health is not None:
+                    await self.on_health(True)
             self._last_beat = time.monotonic()
             await asyncio.sleep(self.tick_s)
 

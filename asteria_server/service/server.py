@@ -29,7 +29,7 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
@@ -726,16 +726,23 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     stopping = asyncio.ensure_future(stop.wait())
     reclaiming = asyncio.ensure_future(reclaim_periodically())  # garbage goes back
 
-    async def set_serving(serving: bool) -> None:
-        daemon.serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await daemon.health.set(name, status)
+    unable: set[str] = set()  # why the daemon cannot serve now: health SERVING when empty
+
+    def serving_unless(reason: str) -> Callable[[bool], Awaitable[None]]:
+        async def set_serving(ok: bool) -> None:
+            (unable.discard if ok else unable.add)(reason)
+            daemon.serving = not unable
+            status = health_pb2.HealthCheckResponse.SERVING if daemon.serving else NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await daemon.health.set(name, status)
+
+        return set_serving
 
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     descriptors = asyncio.ensure_future(
-        watch_descriptors(DescriptorWatch(nofile), set_serving)
+        watch_descriptors(DescriptorWatch(nofile), serving_unless("descriptors"))
     )  # NOT_SERVING before the descriptor table is full
+    loop_watch.on_health = serving_unless("stalled")  # and after the loop was blocked
     why: str | None = None
     try:
         await asyncio.wait((broken, stopping), return_when=asyncio.FIRST_COMPLETED)
@@ -745,6 +752,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
             # non-zero so that the supervisor starts a fresh daemon.
             logger.error("the engine stopped working (%s); exiting so it can be restarted", why)
             descriptors.cancel()  # it must not say SERVING again
+            loop_watch.on_health = None
             daemon.serving = False
             for name in ("", SERVICE_NAME):
                 await daemon.health.set(name, NOT_SERVING)

@@ -76,3 +76,36 @@ def test_the_soak_bench_reads_the_stall_and_its_frame_from_the_daemons_log() -> 
     assert "test_loopwatch.py" in stall["where"] and "_stuck_in_a_blocking_call" in stall["where"]
     assert stall["noticed_after_s"] >= 0.3
     assert stall["blocked_s"] >= 1.0
+
+
+def test_a_long_stall_turns_health_not_serving_until_the_loop_keeps_time_again() -> None:
+    told: list[bool] = []
+
+    async def on_health(ok: bool) -> None:
+        told.append(ok)
+
+    async def main() -> dict[str, list[bool]]:
+        watch = LoopWatch(
+            tick_s=0.05, warn_after_s=0.3, on_health=on_health, degrade_after_s=1.0,
+            recover_after_s=0.8,
+        )  # fmt: skip
+        watch.start()
+        seen = {}
+        await asyncio.sleep(0.2)
+        time.sleep(0.5)  # shorter than degrade_after_s: health stays as it is
+        await asyncio.sleep(0.3)
+        seen["after a short stall"] = list(told)
+        _stuck_in_a_blocking_call()
+        await asyncio.sleep(0.2)
+        seen["after a long one"] = list(told)
+        while watch.degraded:
+            await asyncio.sleep(0.05)
+        seen["once it kept time"] = list(told)
+        await watch.stop()
+        return seen
+
+    assert asyncio.run(main()) == {
+        "after a short stall": [],
+        "after a long one": [False],
+        "once it kept time": [False, True],
+    }
