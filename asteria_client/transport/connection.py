@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from asteria_client.config import client_env
-from asteria_client.transport.peer import check_socket_owner
+from asteria_client.transport.peer import caller_ticket, check_socket_owner
 from asteria_server.errors import AsteriaError, DaemonBusyError, InvalidInputError
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.errors import from_status
@@ -163,6 +163,7 @@ class DaemonConnection:
         self.address = address
         self.config = config or DaemonClientConfig()
         self._tenant, self._token, self._job, self._rank = tenant, token, job, rank
+        self._ticket = ""  # the caller ticket of the last open_session (see caller_ticket)
         self._announce_supported = True  # False once the daemon answered UNIMPLEMENTED
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -198,8 +199,13 @@ class DaemonConnection:
 
     def open_session(self) -> SessionInfo:
         check_socket_owner(self.address)  # never hand a token to another user's process
+        self._ticket = caller_ticket(self.address)  # throttled as this process, not all local
         request = pb.OpenSessionRequest(
-            tenant=self._tenant, token=self._token, job=self._job, rank=self._rank
+            tenant=self._tenant,
+            token=self._token,
+            job=self._job,
+            rank=self._rank,
+            caller_ticket=self._ticket,
         )
         try:
             reply = self._stub.OpenSession(request, timeout=self.config.call_timeout_s)
@@ -217,7 +223,10 @@ class DaemonConnection:
     def close_session(self, session_id: str, *, forget_blocks: bool = False) -> None:
         """End the session; ``forget_blocks`` also forgets its job's blocks on the daemon."""
         request = pb.CloseSessionRequest(
-            session_id=session_id, forget_blocks=forget_blocks, token=self._token
+            session_id=session_id,
+            forget_blocks=forget_blocks,
+            token=self._token,
+            caller_ticket=self._ticket,
         )
         try:
             self._stub.CloseSession(request, timeout=self.config.call_timeout_s)

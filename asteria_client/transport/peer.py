@@ -27,7 +27,13 @@ import struct
 import threading
 
 from asteria_client.config import client_env
-from asteria_server.errors import AuthenticationError
+from asteria_server.errors import AuthenticationError, InvalidInputError
+from asteria_server.protocol.handover import (
+    MAX_MESSAGE_BYTES,
+    Ticket,
+    decode_reply,
+    encode_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +106,9 @@ def check_socket_owner(address: str, *, timeout_s: float = 5.0) -> None:
     """For a ``unix://`` daemon address, connect once and check who serves it (see the module
     docstring); other addresses are left to TLS. An unreachable socket is not an error here:
     the call that follows reports it."""
-    if not address.startswith("unix:"):
+    path = _unix_path(address)
+    if path is None:
         return
-    path = address.removeprefix("unix:")
-    if path.startswith("//"):
-        path = path[2:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         try:
@@ -112,3 +116,33 @@ def check_socket_owner(address: str, *, timeout_s: float = 5.0) -> None:
         except OSError:
             return
         check_peer(sock, path)
+
+
+def _unix_path(address: str) -> str | None:
+    if not address.startswith("unix:"):
+        return None
+    path = address.removeprefix("unix:")
+    return path[2:] if path.startswith("//") else path
+
+
+def caller_ticket(address: str, *, timeout_s: float = 5.0) -> str:
+    """For a ``unix://`` daemon address: a caller ticket from its handover socket (``<socket>.shm``:
+    see :mod:`asteria_server.protocol.handover`), which OpenSession and CloseSession name so that
+    the daemon throttles this process's failed authentications apart from every other local
+    process's. "" where there is none to have (TCP, no handover socket, a daemon that predates
+    tickets, or one served by an unexpected user): the calls then go without."""
+    path = _unix_path(address)
+    if path is None:
+        return ""
+    shm = path + ".shm"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(shm)
+            check_peer(sock, shm)
+            sock.send(encode_request(Ticket()))
+            reply = decode_reply(sock.recv(MAX_MESSAGE_BYTES))
+        except (OSError, InvalidInputError, UntrustedDaemonError) as exc:
+            logger.debug("no caller ticket from %s: %s", shm, exc)
+            return ""
+    return reply.ticket if reply.ok else ""

@@ -19,9 +19,18 @@ Every message is a UTF-8 JSON object of at most :data:`MAX_MESSAGE_BYTES` bytes 
                       daemon's solver writes block ``block``'s results there). Re-attaching an
                       id replaces the segment.
 ``detach``            ``{"v", "op": "detach", "segment_id"}``: forget a segment.
+``ticket``            ``{"v", "op": "ticket"}``: a caller ticket (before ``hello``, or without
+                      one). The daemon reads the connecting process's credentials
+                      (``SO_PEERCRED``) and answers ``{"v", "ok": true, "ticket"}``; the client
+                      names that ticket in OpenSession and CloseSession, so that over the Unix
+                      socket (where gRPC tells the daemon nothing of its callers) failed
+                      authentications are throttled per calling process, and one tenant's
+                      guesses cannot lock another tenant's processes out. A daemon that
+                      predates it refuses the op; the client then goes without.
 ====================  =========================================================================
 
-Reply: ``{"v", "ok": true}`` or ``{"v", "ok": false, "error": "..."}``. A message of another
+Reply: ``{"v", "ok": true}`` (``ticket`` added for a ticket) or ``{"v", "ok": false, "error":
+"..."}``. A message of another
 version is refused with an error naming both versions (and a reply the peer cannot decode as
 the version it speaks is its cue to upgrade or fall back to gRPC): bump :data:`HANDOVER_VERSION`
 whenever a field changes meaning.
@@ -73,7 +82,12 @@ class Detach:
     segment_id: str
 
 
-HandoverRequest = Hello | Attach | Detach
+@dataclass(frozen=True)
+class Ticket:
+    """Ask for a caller ticket (see the module)."""
+
+
+HandoverRequest = Hello | Attach | Detach | Ticket
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,7 @@ class Reply:
 
     ok: bool
     error: str = ""
+    ticket: str = ""  # the answer to a Ticket request
 
 
 def _encode(fields: dict[str, Any]) -> bytes:
@@ -131,6 +146,8 @@ def encode_request(request: HandoverRequest) -> bytes:
                 "block": request.block,
             }
         )
+    if isinstance(request, Ticket):
+        return _encode({"op": "ticket"})
     return _encode({"op": "detach", "segment_id": request.segment_id})
 
 
@@ -142,8 +159,10 @@ def decode_request(data: bytes) -> HandoverRequest:
         return Hello(_str(message, "session_id"))
     if op == "detach":
         return Detach(_str(message, "segment_id"))
+    if op == "ticket":
+        return Ticket()
     if op != "attach":
-        raise InvalidInputError(f"unknown handover op {op!r} (hello, attach or detach)")
+        raise InvalidInputError(f"unknown handover op {op!r} (hello, attach, detach or ticket)")
     size = message.get("size_bytes")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InvalidInputError(f"handover attach needs size_bytes >= 1, got {size!r}")
@@ -160,7 +179,7 @@ def decode_request(data: bytes) -> HandoverRequest:
 def encode_reply(reply: Reply) -> bytes:
     """The bytes of ``reply`` on the socket (an over-long error is cut, never refused)."""
     if reply.ok:
-        return _encode({"ok": True})
+        return _encode({"ok": True, "ticket": reply.ticket} if reply.ticket else {"ok": True})
     return _encode({"ok": False, "error": reply.error[: MAX_MESSAGE_BYTES // 2]})
 
 
@@ -169,4 +188,6 @@ def decode_reply(data: bytes) -> Reply:
     if not data:
         return Reply(False, "the daemon closed the handover connection")
     message = _decode(data, "reply")
-    return Reply(bool(message.get("ok")), str(message.get("error", "")))
+    return Reply(
+        bool(message.get("ok")), str(message.get("error", "")), str(message.get("ticket", ""))
+    )

@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -38,14 +39,18 @@ from asteria_server.protocol.handover import (
     Hello,
     Reply,
     SegmentRole,
+    Ticket,
     decode_request,
     encode_reply,
 )
 from asteria_server.protocol.shm import Segment, map_segment
 from asteria_server.service.descriptors import SEGMENT_FDS
-from asteria_server.service.limits import FdBudget
+from asteria_server.service.limits import CallerTickets, FdBudget
 
 logger = logging.getLogger(__name__)
+
+#: ``struct ucred`` as SO_PEERCRED gives it: pid, uid, gid.
+_UCRED = struct.Struct("3i")
 
 
 @dataclass(eq=False)
@@ -92,8 +97,11 @@ class SegmentHandover:
         tenant_of: Callable[[str], str | None] | None = None,
         touch: Callable[[str], None] | None = None,
         fds: FdBudget | None = None,
+        tickets: CallerTickets | None = None,
     ) -> None:
         self.path = path
+        #: issues the caller tickets the authentication throttle keys Unix-socket callers by
+        self.tickets = tickets
         self._tenant_of = tenant_of
         self._touch = touch
         self.fds = fds if fds is not None else FdBudget(1 << 30, 1 << 30)
@@ -234,8 +242,7 @@ class SegmentHandover:
                         raise InvalidInputError(
                             "handover message too long or with more than one descriptor"
                         )
-                    self._handle(conn, decode_request(data), fds)
-                    answer = Reply(True)
+                    answer = self._handle(conn, decode_request(data), fds)
                 except InvalidInputError as exc:
                     answer = Reply(False, str(exc))
                 except Exception as exc:  # one bad request never takes the connection down
@@ -260,7 +267,21 @@ class SegmentHandover:
             self.fds.release(conn.tenant)  # the connection's own descriptor
             logger.debug("handover connection of session %s closed", conn.session_id or "-")
 
-    def _handle(self, conn: _Connection, request: HandoverRequest, fds: list[int]) -> None:
+    def _handle(self, conn: _Connection, request: HandoverRequest, fds: list[int]) -> Reply:
+        if isinstance(request, Ticket):
+            if fds:
+                raise InvalidInputError("a ticket request carries no descriptor")
+            if self.tickets is None:
+                raise InvalidInputError("this daemon issues no caller tickets")
+            creds = conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            pid, uid, _ = _UCRED.unpack(creds)
+            return Reply(True, ticket=self.tickets.issue(uid, pid))
+        self._handle_segments(conn, request, fds)
+        return Reply(True)
+
+    def _handle_segments(
+        self, conn: _Connection, request: Hello | Attach | Detach, fds: list[int]
+    ) -> None:
         if isinstance(request, Hello):
             if conn.session_id or not self._is_session(request.session_id):
                 raise InvalidInputError(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import resource
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -351,6 +352,63 @@ class QuotaRefusals:
         )
         self._logged[tenant] = (now, 0)
         return limit
+
+
+class CallerTickets:
+    """Who a Unix-socket caller is, for the authentication throttle (thread-safe).
+
+    gRPC tells the daemon nothing of a Unix-socket caller (its peer is ``unix:``), so the throttle
+    would count every local process's failures together, and one tenant's wrong guesses would
+    lock the other tenants out. The handover socket sees the connecting process's credentials
+    (``SO_PEERCRED``): it issues a random ticket for them (:meth:`issue`), the client names the
+    ticket in OpenSession and CloseSession, and the throttle counts per calling process
+    (:meth:`caller`). A ticket lives ``ttl_s``; at most ``max_kept`` are kept (the oldest go)."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 300.0,
+        max_kept: int = AUTH_PEERS_KEPT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_kept = max_kept
+        self._clock = clock
+        self._lock = threading.Lock()
+        #: ticket -> (who, when it expires), oldest first
+        self._tickets: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def issue(self, uid: int, pid: int) -> str:
+        ticket = secrets.token_urlsafe(18)
+        with self._lock:
+            self._tickets[ticket] = (f"uid={uid} pid={pid}", self._clock() + self.ttl_s)
+            while len(self._tickets) > self.max_kept:
+                self._tickets.popitem(last=False)
+        return ticket
+
+    def caller(self, ticket: str) -> str | None:
+        """``uid=U pid=P`` of the process ``ticket`` was issued to; None: unknown or expired."""
+        if not ticket:
+            return None
+        with self._lock:
+            entry = self._tickets.get(ticket)
+            if entry is None:
+                return None
+            if entry[1] < self._clock():
+                del self._tickets[ticket]
+                return None
+            return entry[0]
+
+
+def throttle_key(peer: str, ticket: str, tickets: CallerTickets | None) -> str:
+    """The authentication throttle's key for a caller: its host over TCP; over the Unix socket
+    the process its ticket names (``unix uid=U pid=P``), or ``unix (no ticket)`` for every
+    caller without a valid one (throttled together, apart from the ticketed ones)."""
+    host = peer_host(peer)
+    if host != "unix":
+        return host
+    who = None if tickets is None else tickets.caller(ticket)
+    return f"unix {who}" if who is not None else "unix (no ticket)"
 
 
 def peer_host(peer: str) -> str:

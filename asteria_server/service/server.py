@@ -51,7 +51,12 @@ from asteria_server.service.descriptors import (
 )
 from asteria_server.service.handover import SegmentHandover
 from asteria_server.service.jobs import JobsServicer
-from asteria_server.service.limits import FdBudget, fd_budget_for, raise_nofile_limit
+from asteria_server.service.limits import (
+    CallerTickets,
+    FdBudget,
+    fd_budget_for,
+    raise_nofile_limit,
+)
 from asteria_server.service.loopwatch import LoopWatch
 from asteria_server.service.servicer import (
     Authenticator,
@@ -526,6 +531,7 @@ async def start(config: DaemonConfig, *, observer: SolveObserver | None = None) 
                 tenant_of=lambda session_id: servicer.tenant_of(session_id),
                 touch=lambda session_id: servicer.touch(session_id),
                 fds=FdBudget(total_fds, per_tenant),
+                tickets=CallerTickets(),
             )
             logger.info(
                 "descriptor limit %d: at most %d for clients' segments and connections (%d "

@@ -54,7 +54,7 @@ from asteria_server.service.limits import (
     RefusalLog,
     Session,
     SessionTable,
-    peer_host,
+    throttle_key,
 )
 from asteria_server.types import (
     MAX_VERSION,
@@ -343,6 +343,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         engine.add_result_listener(self._on_result)
         engine.add_capacity_listener(self._on_capacity)
         self._handover = handover
+        self._tickets = None if handover is None else handover.tickets
         #: where other nodes' daemons reach this one (its peer listener), told to every session
         self.peer_address = ""
         share = max(1, int(limits.max_upload_bytes * limits.tenant_upload_share))
@@ -621,9 +622,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OpenSessionResponse:
         self._loop = asyncio.get_running_loop()
-        # Failures are counted per peer host and claimed tenant: guessing one tenant's token
-        # never locks out another tenant.
-        peer = f"{peer_host(context.peer() or '')} for tenant {request.tenant[:64]!r}"
+        # Failures are counted per caller (its host over TCP, its process over the Unix socket:
+        # see CallerTickets) and claimed tenant: guessing one tenant's token never locks out
+        # another tenant, nor the claimed tenant's own processes.
+        caller = throttle_key(context.peer() or "", request.caller_ticket, self._tickets)
+        peer = f"{caller} for tenant {request.tenant[:64]!r}"
         try:
             if self.draining:
                 raise EngineUnavailableError(DRAINING)
@@ -670,8 +673,8 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CloseSessionResponse:
         # Guesses (of a session's token, or of session ids) are throttled as OpenSession's are,
-        # per peer host and the tenant of the session named (or "session ids" for unknown ones).
-        host = peer_host(context.peer() or "")
+        # per caller and the tenant of the session named (or "session ids" for unknown ones).
+        host = throttle_key(context.peer() or "", request.caller_ticket, self._tickets)
         named = self._sessions.peek(request.session_id)
         key = f"{host} for " + ("session ids" if named is None else f"tenant {named.tenant!r}")
         try:

@@ -16,7 +16,7 @@ from asteria_server.errors import (
 from asteria_server.protocol.errors import abort_call
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2_grpc as ppb_grpc
-from asteria_server.service.limits import peer_host
+from asteria_server.service.limits import throttle_key
 from asteria_server.sync.manager import SyncManager
 
 _REFUSED = (AuthenticationError, InvalidInputError, DaemonBusyError, LookupError)
@@ -40,7 +40,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         self, request: ppb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ppb.HeartbeatResponse:
         try:
-            return self._manager.heartbeat(request, peer_host(context.peer() or ""))
+            return self._manager.heartbeat(request, _caller(context))
         except _REFUSED as exc:
             await _abort(context, exc)
 
@@ -50,7 +50,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> ppb.PushResultsResponse:
         try:
-            return await self._manager.receive(request_iterator, peer_host(context.peer() or ""))
+            return await self._manager.receive(request_iterator, _caller(context))
         except _REFUSED as exc:
             await _abort(context, exc)
 
@@ -58,7 +58,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         self, request: ppb.ClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ppb.ClaimResponse:
         try:
-            return self._manager.claim(request, peer_host(context.peer() or ""))
+            return self._manager.claim(request, _caller(context))
         except _REFUSED as exc:
             await _abort(context, exc)
 
@@ -70,3 +70,9 @@ class PeerServicer(ppb_grpc.PeerServicer):
         except UnknownSessionError as exc:
             await _abort(context, exc)
         return self._manager.status(tenant)
+
+
+def _caller(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The authentication throttle's key for a peer call's caller: its host over TCP; over the
+    Unix socket (no caller ticket on peer calls) the key of every local caller without one."""
+    return throttle_key(context.peer() or "", "", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -346,6 +347,71 @@ def test_wrong_token_peer_calls_and_close_session_guesses_are_throttled(tmp_path
     assert 1 <= len(refusals) <= 3, refusals
     closes_logged = [line for line in err.splitlines() if "refused CloseSession" in line]
     assert 1 <= len(closes_logged) <= 3, closes_logged
+
+
+#: Bob's process: guesses Alice's token through the real client (which fetches its own caller
+#: ticket) and through a raw stub without a ticket, for argv[2] seconds; says "throttled" once
+#: both ways met the throttle, and at the end how every guess was answered.
+_GUESSER = """
+import json, sys, time
+import grpc
+from asteria_client.transport import DaemonConnection
+from asteria_server.errors import AuthenticationError, DaemonBusyError
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+
+seen = {"ticket": [], "none": []}
+conn = DaemonConnection(sys.argv[1], tenant="alice", token="not-alices-token-at-all", job="j")
+stub = pb_grpc.PreconditionerStub(grpc.insecure_channel(sys.argv[1]))
+said = False
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    try:
+        conn.open_session()
+        seen["ticket"].append("OK")
+    except (AuthenticationError, DaemonBusyError) as exc:
+        seen["ticket"].append(type(exc).__name__)
+    try:
+        stub.OpenSession(pb.OpenSessionRequest(tenant="alice", token="guess"), timeout=30)
+        seen["none"].append("OK")
+    except grpc.RpcError as exc:
+        seen["none"].append(exc.code().name)
+    if not said and "DaemonBusyError" in seen["ticket"] and "RESOURCE_EXHAUSTED" in seen["none"]:
+        print("throttled", flush=True)
+        said = True
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_one_process_guessing_a_token_over_the_unix_socket_locks_out_no_other_process(
+    tmp_path: Path,
+) -> None:
+    """gRPC tells the daemon nothing of a Unix-socket caller, so the throttle keyed every local
+    caller as one host: Bob's wrong guesses for Alice locked Alice's own processes out. Now a
+    client names a caller ticket the handover socket issued for its process (SO_PEERCRED), and
+    the throttle counts per process; callers without a ticket share one key of their own."""
+    d = start_tenants_daemon(tmp_path)
+    guesser = subprocess.Popen(
+        [sys.executable, "-c", _GUESSER, d.target, "20"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert guesser.stdout is not None
+        assert guesser.stdout.readline().strip() == "throttled"
+        for _ in range(3):  # while Bob keeps guessing
+            alice = DaemonConnection(d.target, tenant="alice", token=TOKENS["alice"], job="j")
+            try:
+                session = alice.open_session()  # refused: "too many failed authentications"
+                alice.close_session(session.session_id)
+            finally:
+                alice.close()
+        seen = json.loads(guesser.stdout.readline())
+        assert guesser.wait(timeout=60) == 0
+        assert "OK" not in seen["ticket"] and "OK" not in seen["none"], seen
+    finally:
+        if guesser.poll() is None:
+            guesser.kill()
+            guesser.wait()
+        stop_daemon(d)
 
 
 class _RecordingPeer(ppb_grpc.PeerServicer):

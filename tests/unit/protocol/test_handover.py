@@ -14,6 +14,7 @@ from asteria_server.protocol.handover import (
     Hello,
     Reply,
     SegmentRole,
+    Ticket,
     decode_reply,
     decode_request,
     encode_reply,
@@ -28,6 +29,7 @@ from asteria_server.protocol.handover import (
         Attach("seg", 8192, SegmentRole.SNAPSHOT),
         Attach("seg", 8192, SegmentRole.RESULT, "block/0"),
         Detach("seg"),
+        Ticket(),
     ],
 )
 def test_requests_round_trip_and_carry_the_version(request_: object) -> None:
@@ -38,6 +40,7 @@ def test_requests_round_trip_and_carry_the_version(request_: object) -> None:
 
 def test_replies_round_trip_and_an_empty_reply_is_a_refusal() -> None:
     assert decode_reply(encode_reply(Reply(True))) == Reply(True)
+    assert decode_reply(encode_reply(Reply(True, ticket="t-1"))) == Reply(True, ticket="t-1")
     assert decode_reply(encode_reply(Reply(False, "no"))) == Reply(False, "no")
     assert not decode_reply(b"").ok
 

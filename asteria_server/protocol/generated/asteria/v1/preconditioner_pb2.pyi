@@ -160,6 +160,7 @@ class OpenSessionRequest(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    CALLER_TICKET_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """The authenticated user of the daemon (one job's owner); tenants never see each other's blocks."""
     job: _builtins.str
@@ -168,6 +169,12 @@ class OpenSessionRequest(_message.Message):
     """The process's rank within the job (torch.distributed rank; 0 when not distributed)."""
     token: _builtins.str
     """The tenant's secret. The daemon compares it in constant time and never logs or echoes it."""
+    caller_ticket: _builtins.str
+    """Over the Unix socket: the caller ticket the daemon's handover socket issued to this process
+    (its "ticket" op). Failed authentications are throttled per ticketed process, so one tenant's
+    guesses never lock another's processes out; without one, a caller shares the throttle of
+    every other caller without one. Ignored over TCP (throttled per host).
+    """
     def __init__(
         self,
         *,
@@ -175,10 +182,11 @@ class OpenSessionRequest(_message.Message):
         job: _builtins.str = ...,
         rank: _builtins.int = ...,
         token: _builtins.str = ...,
+        caller_ticket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "rank", b"rank", "tenant", b"tenant", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_ticket", b"caller_ticket", "job", b"job", "rank", b"rank", "tenant", b"tenant", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -302,6 +310,7 @@ class CloseSessionRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     FORGET_BLOCKS_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    CALLER_TICKET_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session to close."""
     forget_blocks: _builtins.bool
@@ -313,16 +322,19 @@ class CloseSessionRequest(_message.Message):
     """The token of the session's tenant. A daemon with tenant tokens requires it, so a session id
     alone cannot end another's session (UNAUTHENTICATED otherwise).
     """
+    caller_ticket: _builtins.str
+    """As OpenSessionRequest.caller_ticket."""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         forget_blocks: _builtins.bool = ...,
         token: _builtins.str = ...,
+        caller_ticket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["forget_blocks", b"forget_blocks", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_ticket", b"caller_ticket", "forget_blocks", b"forget_blocks", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
