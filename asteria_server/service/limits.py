@@ -377,13 +377,25 @@ class CallerTickets:
         self._lock = threading.Lock()
         #: ticket -> (who, when it expires), oldest first
         self._tickets: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._by_caller: dict[str, str] = {}  # who -> the ticket issued to it last
 
     def issue(self, uid: int, pid: int) -> str:
-        ticket = secrets.token_urlsafe(18)
+        """A ticket for process ``pid`` of user ``uid``: the one it holds while that is valid
+        (so one process asking again and again cannot push the others' tickets out)."""
+        who = f"uid={uid} pid={pid}"
         with self._lock:
-            self._tickets[ticket] = (f"uid={uid} pid={pid}", self._clock() + self.ttl_s)
+            held = self._by_caller.get(who)
+            if held is not None and self._tickets.get(held, ("", 0.0))[1] > self._clock():
+                self._tickets[held] = (who, self._clock() + self.ttl_s)
+                self._tickets.move_to_end(held)
+                return held
+            ticket = secrets.token_urlsafe(18)
+            self._tickets[ticket] = (who, self._clock() + self.ttl_s)
+            self._by_caller[who] = ticket
             while len(self._tickets) > self.max_kept:
-                self._tickets.popitem(last=False)
+                old, (gone, _) = self._tickets.popitem(last=False)
+                if self._by_caller.get(gone) == old:
+                    del self._by_caller[gone]
         return ticket
 
     def caller(self, ticket: str) -> str | None:

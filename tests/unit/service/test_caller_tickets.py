@@ -19,6 +19,7 @@ def test_a_ticket_names_its_process_until_it_expires() -> None:
 def test_callers_without_a_valid_ticket_share_a_key_and_tcp_keys_by_host() -> None:
     tickets = CallerTickets(max_kept=1)
     first = tickets.issue(uid=1, pid=1)
+    assert tickets.issue(uid=1, pid=1) == first  # one process asking again: the same ticket
     tickets.issue(uid=1, pid=2)  # only one kept: the first is forgotten
     assert throttle_key("unix:", first, tickets) == "unix (no ticket)"
     assert throttle_key("unix:", "forged", tickets) == "unix (no ticket)"
