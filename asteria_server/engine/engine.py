@@ -897,30 +897,32 @@ class PreconditionerEngine:
         outside the engine's lock (a slow or full disk holds up no call), then settles each
         result under the lock."""
         while (item := self._spills.get()) is not None:
-            key, result, path = item
-            if self._closing:
-                continue
-            try:
-                size: int | None = write_spill_file(path, result)
-            except OSError as exc:
-                logger.warning("cannot spill a result to %s (%s); dropping it", path, exc)
-                size = None
-            except Exception:  # a bug here must not end the thread: this result is dropped
-                logger.exception("writing spill file %s failed", path)
-                size = None
-            with self._cond:
-                if self._closed:  # the tiers are closed: nobody will ask for the file
-                    outcome = SpillEnd.KEPT
-                else:
-                    held = self._coord.registry.latest_result(*key) is result
-                    outcome = self._tiers.end_spill(key, result, size, still_held=held)
-                if outcome is SpillEnd.SPILLED:
-                    self._coord.registry.hold(*key, None)
-                elif outcome is SpillEnd.DROPPED:
-                    self._coord.drop_result(*key)
-            if outcome is SpillEnd.KEPT and size is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+            if not self._closing:
+                self._spill(*item)
+            del item  # nothing of a result may stay alive here while the thread waits
+
+    def _spill(self, key: tuple[str, str], result: SolveResult, path: Path) -> None:
+        try:
+            size: int | None = write_spill_file(path, result)
+        except OSError as exc:
+            logger.warning("cannot spill a result to %s (%s); dropping it", path, exc)
+            size = None
+        except Exception:  # a bug here must not end the thread: this result is dropped
+            logger.exception("writing spill file %s failed", path)
+            size = None
+        with self._cond:
+            if self._closed:  # the tiers are closed: nobody will ask for the file
+                outcome = SpillEnd.KEPT
+            else:
+                held = self._coord.registry.latest_result(*key) is result
+                outcome = self._tiers.end_spill(key, result, size, still_held=held)
+            if outcome is SpillEnd.SPILLED:
+                self._coord.registry.hold(*key, None)
+            elif outcome is SpillEnd.DROPPED:
+                self._coord.drop_result(*key)
+        if outcome is SpillEnd.KEPT and size is not None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
     @staticmethod
     def _tell(listeners: list[ResultListener], fresh: list[tuple[str, str]]) -> None:

@@ -3,8 +3,11 @@ call, and a result used, replaced or forgotten while its file is written stays a
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +123,32 @@ def test_a_spill_write_that_blocks_holds_up_no_engine_call(tmp_path: Path) -> No
         engine.submit(root_task("c", 1, n=16))  # a later spill, to a real file
         assert engine.wait_result("c", 1, WAIT_S) is not None
     assert stats.cache_host_bytes >= 2 * 16 * 16 * 4  # both in memory while a was written
+
+
+def test_nothing_keeps_a_spilled_result_in_memory(tmp_path: Path) -> None:
+    """Once its file is written, a spilled result's arrays are gone from the daemon's memory
+    (the spill thread kept the last one it wrote alive until the next: 16 MB at n = 2048)."""
+    config = EngineConfig(
+        num_workers=1,
+        calibrate=False,
+        seconds_per_n3=1e-10,
+        cache_memory_bytes=1500,
+        spill_dir=str(tmp_path / "spill"),
+    )
+    with PreconditionerEngine(config) as engine:
+        engine.submit(root_task("a", 1, n=16))
+        assert engine.wait_result("a", 1, WAIT_S) is not None
+        held = engine.latest_result("a")
+        assert held is not None
+        gone = weakref.ref(held)
+        del held
+        engine.submit(root_task("b", 1, n=16))  # pushes a out, to its spill file
+        assert engine.wait_result("b", 1, WAIT_S) is not None
+        deadline = time.monotonic() + WAIT_S
+        while engine.stats().results_spilled < 1:
+            assert time.monotonic() < deadline, "a was never spilled"
+            time.sleep(0.05)
+        gc.collect()
+        assert gone() is None
+        back = engine.latest_result("a")  # read back from its file
+        assert back is not None and back.version == 1
