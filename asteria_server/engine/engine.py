@@ -67,6 +67,9 @@ from asteria_server.types import (
 
 logger = logging.getLogger(__name__)
 
+#: Results that may wait for their spill files at least (bytes; at most the cache budget if
+#: larger): beyond, results leaving the host tier are dropped until the disk catches up.
+SPILL_BACKLOG_MIN_BYTES = 64 << 20
 #: Blocks whose fields a status summary copies per hold of the engine's lock.
 SUMMARY_CHUNK_BLOCKS = 10_000
 #: Blocks a status summary lists with their records unless asked for another number.
@@ -301,9 +304,12 @@ class PreconditionerEngine:
         )
         self._thread.start()
         #: results to write to spill files, by a thread of their own (None: stop); see tiers
-        self._spills: queue.SimpleQueue[tuple[tuple[str, str], SolveResult, Path] | None] = (
-            queue.SimpleQueue()
+        self._spills: queue.SimpleQueue[tuple[tuple[str, str], Path] | None] = queue.SimpleQueue()
+        #: results waiting for their spill files at most (bytes); past it they are dropped
+        self._spill_backlog_bytes = max(
+            SPILL_BACKLOG_MIN_BYTES, self.config.cache_memory_bytes or 0
         )
+        self._spill_dropped_at = (-math.inf, 0)  # (last logged, dropped since) for the log
         self._spiller: threading.Thread | None = None
         if self.config.spill_dir is not None:
             self._spiller = threading.Thread(
@@ -888,9 +894,31 @@ class PreconditionerEngine:
             elif self._spiller is None:
                 self._tiers.drop((tenant, block))
                 self._coord.drop_result(tenant, block)
+            elif self._tiers.leaving_bytes >= self._spill_backlog_bytes:
+                # The disk is not keeping up: what would wait for it is dropped instead (its
+                # client resubmits), so memory stays within the budget plus this backlog.
+                self._tiers.drop((tenant, block))
+                self._coord.drop_result(tenant, block)
+                self._spill_behind()
             else:
                 path = self._tiers.begin_spill((tenant, block), result)
-                self._spills.put(((tenant, block), result, path))
+                self._spills.put(((tenant, block), path))
+
+    def _spill_behind(self) -> None:
+        """One warning every 10 s at most while results are dropped for a slow spill disk."""
+        logged_at, quiet = self._spill_dropped_at
+        now = time.monotonic()
+        if now - logged_at < 10.0:
+            self._spill_dropped_at = (logged_at, quiet + 1)
+            return
+        logger.warning(
+            "dropped a result instead of spilling it: %d bytes of results already wait for "
+            "the spill directory's disk (%d more dropped since the last line); their clients "
+            "resubmit",
+            self._tiers.leaving_bytes,
+            quiet,
+        )
+        self._spill_dropped_at = (now, 0)
 
     def _spill_loop(self) -> None:
         """The spill thread: writes the files :meth:`_enforce_cache` asked for, one at a time,
@@ -899,9 +927,14 @@ class PreconditionerEngine:
         while (item := self._spills.get()) is not None:
             if not self._closing:
                 self._spill(*item)
-            del item  # nothing of a result may stay alive here while the thread waits
 
-    def _spill(self, key: tuple[str, str], result: SolveResult, path: Path) -> None:
+    def _spill(self, key: tuple[str, str], path: Path) -> None:
+        # The queue names the block only: a result forgotten or replaced while it waits is
+        # not kept alive by it. Nothing of the result stays here once this returns.
+        with self._cond:
+            result = self._tiers.leaving(key, path)
+        if result is None:
+            return
         try:
             size: int | None = write_spill_file(path, result)
         except OSError as exc:

@@ -330,6 +330,12 @@ class ResultTiers:
         self.leaving_bytes += size
         return path
 
+    def leaving(self, key: Key, path: Path) -> SolveResult | None:
+        """The result :meth:`begin_spill` asked to write to ``path``; None when it was used,
+        replaced or forgotten since (nothing to write)."""
+        entry = self._leaving.get(key)
+        return entry[0] if entry is not None and entry[2] == path else None
+
     def end_spill(
         self, key: Key, result: SolveResult, size: int | None, *, still_held: bool = True
     ) -> SpillEnd:

@@ -15,7 +15,7 @@ import pytest
 
 from asteria_server.engine import EngineConfig, PreconditionerEngine, SolveKind
 from asteria_server.engine.tiers import ResultTiers, SpillEnd, read_spill_file, write_spill_file
-from asteria_server.types import SolveResult
+from asteria_server.types import DEFAULT_TENANT, SolveResult
 
 from .test_engine import WAIT_S, root_task
 
@@ -88,8 +88,9 @@ def test_a_failed_write_drops_the_result(tmp_path: Path) -> None:
 
 def test_a_spill_write_that_blocks_holds_up_no_engine_call(tmp_path: Path) -> None:
     """The spill file's temporary path is a FIFO nobody reads: the write blocks in open(), as
-    on a disk that does not answer. Meanwhile the engine answers, and serves the result being
-    written from memory; once the write fails (a FIFO cannot be truncated) it is dropped."""
+    on a disk that does not answer. Meanwhile the engine answers (the old code wrote under the
+    engine's lock: wait_result hung); once the write fails (a FIFO cannot be truncated) the
+    result is dropped."""
     spill = tmp_path / "spill"
     config = EngineConfig(
         num_workers=1,
@@ -108,14 +109,13 @@ def test_a_spill_write_that_blocks_holds_up_no_engine_call(tmp_path: Path) -> No
                 for block in ("a", "b"):  # b's result pushes a out: its spill write blocks
                     engine.submit(root_task(block, 1, n=16))
                     assert engine.wait_result(block, 1, WAIT_S) is not None
-                answered.extend([engine.stats(), engine.latest_result("a"), engine.status()])
+                answered.extend([engine.stats(), engine.status()])  # (using a would keep it)
 
             call = threading.Thread(target=calls, daemon=True)
             call.start()
             call.join(WAIT_S)
             assert not call.is_alive(), "an engine call waited for the spill file's write"
-            stats, held, _ = answered
-            assert held is not None and held.version == 1  # from memory, while it is written
+            stats, _ = answered
         finally:
             with open(fifo, "rb") as reader:  # let the write go on (and fail at truncate)
                 while reader.read(1 << 16):
@@ -152,3 +152,46 @@ def test_nothing_keeps_a_spilled_result_in_memory(tmp_path: Path) -> None:
         assert gone() is None
         back = engine.latest_result("a")  # read back from its file
         assert back is not None and back.version == 1
+
+
+def test_results_waiting_for_a_stuck_disk_are_bounded_and_a_forgotten_one_goes_at_once(
+    tmp_path: Path,
+) -> None:
+    """While the first spill write hangs (a FIFO nobody reads), results keep leaving the host
+    tier: those waiting for the disk hold the queue's backlog at most, the rest are dropped
+    (their clients resubmit), and a waiting one whose job is forgotten is freed at once (the
+    queue names blocks, not results)."""
+    spill = tmp_path / "spill"
+    config = EngineConfig(
+        num_workers=1,
+        calibrate=False,
+        seconds_per_n3=1e-10,
+        cache_memory_bytes=1500,
+        spill_dir=str(spill),
+    )
+    with PreconditionerEngine(config) as engine:
+        engine._spill_backlog_bytes = 2048  # two n = 16 results (the default is 64 MiB)
+        fifo = spill / f".asteria-spill-{engine.incarnation_id}-1.res.tmp"
+        os.mkfifo(fifo)
+        try:
+            engine.submit(root_task("a", 1, n=16), job="keep")
+            assert engine.wait_result("a", 1, WAIT_S) is not None
+            engine.submit(root_task("b", 1, n=16), job="gone")
+            assert engine.wait_result("b", 1, WAIT_S) is not None  # a's write hangs
+            held = engine.latest_result("b")
+            assert held is not None
+            waiting = weakref.ref(held)
+            del held
+            for block in ("c", "d", "e", "f"):
+                engine.submit(root_task(block, 1, n=16), job="keep")
+                assert engine.wait_result(block, 1, WAIT_S) is not None
+            stats = engine.stats()
+            assert stats.results_dropped >= 2  # d's and e's turn found the backlog full
+            assert stats.cache_host_bytes <= 1500 + 2048 + 1024
+            assert engine.forget(DEFAULT_TENANT, "gone") == ["b"]
+            gc.collect()
+            assert waiting() is None  # b waited for the disk: freed with its job
+        finally:
+            with open(fifo, "rb") as reader:
+                while reader.read(1 << 16):
+                    pass
