@@ -63,8 +63,9 @@ class InstallAgreement:
         self._shared = shared
         #: block -> version -> (a result taken from the source and not in use, step taken)
         self._held: dict[str, dict[int, tuple[PreconditionerResult, int]]] = {}
-        #: the round started at the last step start: its blocks, and the call that finishes it
-        self._round: tuple[list[Any], Callable[[], list[int]]] | None = None
+        #: the round started at the last step start: its blocks, the blocks whose continuous
+        #: pulls it reports, and the call that finishes it
+        self._round: tuple[list[Any], list[Any], Callable[[], list[int]]] | None = None
         self.failed = ""  # why the agreement stopped ("" while it holds)
         self.rounds = 0  # collectives at step starts
         self.forced_rounds = 0  # collectives at deadlines
@@ -126,40 +127,60 @@ class InstallAgreement:
         finally:
             self.collective_s += time.perf_counter() - start
 
-    def finish_round(self) -> list[tuple[Any, int]]:
+    def finish_round(self) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
         """The round started at the last step start, finished (a wait only if a peer has not
         started it yet): ``(item, version)`` for each of its items whose newest held version was
-        the same on every replica. Collective in effect; empty when no round is open."""
+        the same on every replica, and ``(report, version)`` for each reported block that one
+        replica (its chooser) pulled at ``version`` (see :meth:`start_round`). Collective in
+        effect; both empty when no round is open."""
         if self._round is None:
-            return []
-        items, finish = self._round
+            return [], []
+        items, reports, finish = self._round
         self._round = None
         start = time.perf_counter()
         try:
             reduced = finish()
         except Exception as exc:  # a lost peer: drift is better than a stopped run
             self._failed(exc)
-            return []
+            return [], []
         finally:
             self.collective_s += time.perf_counter() - start
         count = len(items)
-        lows, negated_highs = reduced[:count], reduced[count:]
-        return [
+        lows, negated_highs = reduced[:count], reduced[count : 2 * count]
+        agreed = [
             (item, low)
             for item, low, neg in zip(items, lows, negated_highs, strict=True)
             if low == -neg and low >= 0
         ]
+        pulled = [
+            (report, -low)
+            for report, low in zip(reports, reduced[2 * count :], strict=True)
+            if -low >= 0
+        ]
+        return agreed, pulled
 
-    def start_round(self, items: list[Any], versions: list[int]) -> None:
+    def start_round(
+        self,
+        items: list[Any],
+        versions: list[int],
+        reports: Sequence[Any] = (),
+        pulled: Sequence[int] = (),
+    ) -> None:
         """Start the round of this step start over ``items`` (every replica: the same items in
         the same order) with the newest version held for each; :meth:`finish_round` at the next
-        step start says which every replica held."""
-        if not items or self.failed:
+        step start says which every replica held.
+
+        ``reports`` (the same on every replica too) are blocks of the continuous schedule and
+        ``pulled`` this replica's pull of each since its last report (-1: none): one replica
+        alone chooses a block's extra pulls, and the round's MAX over them tells every replica
+        which version it took, so all of them register it at the same step."""
+        if not (items or reports) or self.failed:
             return
         self.rounds += 1
         start = time.perf_counter()
+        values = [*versions, *(-v for v in versions), *(-v for v in pulled)]
         try:
-            self._round = (items, self._collective.start_min(versions + [-v for v in versions]))
+            self._round = (items, list(reports), self._collective.start_min(values))
         except Exception as exc:  # a lost peer: drift is better than a stopped run
             self._failed(exc)
         finally:
