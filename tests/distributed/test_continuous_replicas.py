@@ -173,3 +173,62 @@ def test_daemon_ddp_replicas_stay_bitwise_identical_on_the_continuous_schedule(
 ) -> None:
     spawn(_replica, 2, str(tmp_path), "daemon", budget, node_daemon.target)
     _check(tmp_path, 2, budget, "daemon", node_daemon.target)
+    for rank in range(2):  # each rank uploads the blocks it chooses, and expects the others
+        source = torch.load(tmp_path / f"replica{rank}.pt", weights_only=False)["stats"]["source"]
+        assert source["snapshots_uploaded"] > 0 and source["snapshots_left_to_peers"] > 0
+
+
+# --------------------------------------------------------------------------- HSDP
+
+
+def _hsdp_replica(rank: int, world: int, tmp: str, mode: str, budget: int, address: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.distributed import spawn as ranks
+
+    init(rank, world, tmp)
+    try:
+        # replicate across the mesh's first dim, shard within its second: ranks 0 and 2 hold
+        # one shard of every weight, ranks 1 and 3 the other
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        net = ranks.shard(ranks.model(), mesh=mesh)
+        opt = _optimizer(net, mode, budget, address)
+        opt.attach(net)
+        try:
+            losses = ranks.train(net, opt, ranks.batches(30, world * 16), rank, world)
+            stats = opt.runtime_stats()
+        finally:
+            opt.close()
+        local = {k: v.to_local().detach().clone() for k, v in net.state_dict().items()}
+        torch.save({"params": local, "losses": losses, "stats": stats}, f"{tmp}/replica{rank}.pt")
+        del net, opt
+    finally:
+        ranks.finish()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_hsdp_shard_replicas_stay_bitwise_identical_on_the_continuous_schedule(
+    tmp_path: Path,
+) -> None:
+    """HSDP 2 x 2, embedded, S = 1: each shard block's owner among its two replicas chooses
+    its extra pulls, and both replicas of a shard register and install them together."""
+    spawn(_hsdp_replica, 4, str(tmp_path), "embedded", 1, "")
+    runs = [torch.load(tmp_path / f"replica{r}.pt", weights_only=False) for r in range(4)]
+    for a, b in ((0, 2), (1, 3)):  # the replicas of one shard
+        for key, value in runs[a]["params"].items():
+            other = runs[b]["params"][key]
+            assert torch.equal(value, other), (
+                f"ranks {a} and {b} hold the same shard of {key}; they differ by "
+                f"{(value - other).abs().max().item():.3g} (continuous)"
+            )
+        pulls = [
+            {k: r["extra_pulls"] for k, r in runs[i]["stats"]["refreshes"]["blocks"].items()}
+            for i in (a, b)
+        ]
+        assert pulls[0] == pulls[1] and sum(pulls[0].values()) > 0, pulls
+    for run in runs:
+        assert run["stats"]["agreement_failed"] == "" and run["stats"]["agreement_rounds"] > 0
+        assert run["stats"]["max_lag_steps"] <= FREQUENCY
+    losses = runs[0]["losses"]
+    assert losses[-1] < 0.7 * losses[0]
