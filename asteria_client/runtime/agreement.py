@@ -23,8 +23,19 @@ steps are the same:
   the same one; if any could not (a timeout, a lost owner), every replica computes the block
   locally from its (identical) factor: the same fallback on every replica at the same step.
 
+- **continuous pulls** (``refresh="continuous"``): the schedule's extra pulls follow each
+  rank's own workers and hooks, so one replica alone chooses them for a block (its owner in
+  the source, :meth:`PreconditionerSource.chooses`). It snapshots and hands the block over but
+  does not register the version yet; the next step start's round carries, next to the held
+  versions, a MAX over every reportable block's pull (the chooser's version, -1 elsewhere),
+  and when it finishes every replica registers the pulled version as the block's newest
+  snapshot, at the same step (the others expect its result from the source). Floor pulls
+  follow from the registered snapshots, so they are taken alike everywhere. An extra pull
+  taken after step t is registered at the start of step t + 2.
+
 Whether a block is pending, its version in use and its deadline follow from what was installed
-before, so they are equal on every replica by induction, and so is the sequence of collectives.
+and registered before, so they are equal on every replica by induction, and so is the sequence
+of collectives.
 A failed collective (a lost peer) ends the agreement with one warning: each rank installs on
 arrival from then on (drift is better than a stopped run).
 
