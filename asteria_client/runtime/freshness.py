@@ -620,8 +620,11 @@ class FreshnessRuntime:
             for (tile, dim, block), version in agreed:
                 if version > tile.versions[dim] and agreement.covers(block):
                     self._install(tile, dim, agreement.release(block, version, step), install)
-            for (tile, dim, block), version in pulled:
+            for (tile, dim, block), version, held in pulled:
                 self._register_pull(tile, dim, block, version)
+                # every replica held its result when the round started: into use now
+                if held >= version and held > tile.versions[dim] and agreement.holds(block, held):
+                    self._install(tile, dim, agreement.release(block, held, step), install)
             if agreement.failed:
                 self._claims_lost()
                 return
@@ -639,7 +642,11 @@ class FreshnessRuntime:
                     agreement.drop_older(block, tile.versions[dim])
             reports, claims = self._pull_reports(tiles)
             agreement.start_round(
-                pending, [agreement.held_version(b) for _, _, b in pending], reports, claims
+                pending,
+                [agreement.held_version(b) for _, _, b in pending],
+                reports,
+                claims,
+                [self._hold(b) for _, _, b in reports],
             )
 
     def _chooses(self, block: str, n: int) -> bool:

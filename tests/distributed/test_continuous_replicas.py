@@ -139,7 +139,13 @@ def _check(tmp_path: Path, world: int, budget: int, mode: str, address: str = ""
     owners = {row["block"]: row.get("owner_rank") for row in runs[0]["status"]}
     if mode == "embedded":
         assert len({owners[b] for b in extra}) >= 2, (owners, extra)
-    print(f"pulls (floor, extra) per block: {pulls[0]}; owners {owners}")
+    stats = runs[0]["stats"]
+    print(
+        f"pulls (floor, extra) per block: {pulls[0]}; owners {owners}; pulls registered "
+        f"{stats['agreement_pulls']}, of them held by all when reported "
+        f"{stats['agreement_pulls_held_by_all']}; forced rounds "
+        f"{stats['agreement_forced_rounds']}; held steps {stats['agreement_held_steps']}"
+    )
     losses = runs[0]["losses"]
     assert losses[-1] < 0.7 * losses[0]  # it learned: the comparison below is not vacuous
     # Within noise of one process with the global batch: the span between one process in
