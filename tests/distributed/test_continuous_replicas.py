@@ -174,12 +174,13 @@ def test_embedded_ddp_replicas_stay_bitwise_identical_on_the_continuous_schedule
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("budget", [1, 2])
+@pytest.mark.parametrize("world", [2, 4])
 def test_daemon_ddp_replicas_stay_bitwise_identical_on_the_continuous_schedule(
-    tmp_path: Path, budget: int, node_daemon: LaunchedDaemon
+    tmp_path: Path, world: int, budget: int, node_daemon: LaunchedDaemon
 ) -> None:
-    spawn(_replica, 2, str(tmp_path), "daemon", budget, node_daemon.target)
-    _check(tmp_path, 2, budget, "daemon", node_daemon.target)
-    for rank in range(2):  # each rank uploads the blocks it chooses, and expects the others
+    spawn(_replica, world, str(tmp_path), "daemon", budget, node_daemon.target)
+    _check(tmp_path, world, budget, "daemon", node_daemon.target)
+    for rank in range(world):  # each rank uploads the blocks it chooses, expects the others
         source = torch.load(tmp_path / f"replica{rank}.pt", weights_only=False)["stats"]["source"]
         assert source["snapshots_uploaded"] > 0 and source["snapshots_left_to_peers"] > 0
 
