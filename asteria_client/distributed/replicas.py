@@ -157,6 +157,10 @@ class NodeShareSource(PreconditionerSource):
         self.owners.plan(blocks)
         self.inner.plan_blocks(blocks)
 
+    def chooses(self, block: str, n: int) -> bool:
+        """The block's uploader chooses its continuous pulls (the others expect them)."""
+        return not self.shared(block) or self.owners.owner(block, n) == self.layout.rank
+
     def take(self, block: str) -> PreconditionerResult | None:
         return self.inner.take(block)
 
@@ -232,6 +236,28 @@ class ExchangeSource(PreconditionerSource):
         with self._cond:
             self.owners.plan(blocks)
         self.inner.plan_blocks(blocks)
+
+    def chooses(self, block: str, n: int) -> bool:
+        """The block's owner chooses its continuous pulls (the others expect them)."""
+        if not self.shared(block):
+            return True
+        with self._cond:
+            return self.owners.owner(block, n) == self.layout.rank
+
+    def expect(self, request: PreconditionerRequest) -> None:
+        """Another replica (the owner) submitted this version: wait for it from the exchange."""
+        if not self.shared(request.block):
+            return
+        with self._cond:
+            entry = self._entry(request.block)
+            entry.device = request.factor_device
+            entry.expected = max(entry.expected, request.version)
+
+    def credit(self) -> int | None:
+        return self.inner.credit()  # this rank's engine solves the blocks it owns
+
+    def seconds_per_n3(self) -> float:
+        return self.inner.seconds_per_n3()
 
     def _is_mine(self, block: str, n: int) -> bool:
         return bool(self.failed) or self.owners.owner(block, n) == self.layout.rank
@@ -474,11 +500,13 @@ def job_source(
     address: str | None,
     group: Any = None,
     share_shards: bool = False,
+    pulls: bool = False,
 ) -> tuple[PreconditionerSource, JobLayout | None]:
     """The embedded or daemon source of this rank of a ``torch.distributed`` job, sharing its
     blocks with the job's other replicas, and the job's layout. ``share_shards``: ``group`` is
     the replicas of this rank's shards (HSDP's replicate dim), so a shard's blocks (``@``) are
-    shared among it too. Collective: every rank of
+    shared among it too; ``pulls``: the continuous schedule pulls from it (a daemon source
+    then asks for the daemon's Credit messages). Collective: every rank of
     ``group`` calls it (the optimizer's constructor does). Outside a job (one process, or a
     world of one) it is the plain source, and the layout is None for a single process."""
     from asteria_client.runtime import Mode
@@ -499,6 +527,7 @@ def job_source(
         address=resolve_address(address),
         job=None if layout is None else layout.job_id,
         rank=0 if layout is None else layout.rank,
+        pulls=pulls,
     )
     if layout is None:
         return daemon, None

@@ -176,12 +176,6 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__} refreshes every precondition_frequency steps "
                 "(refresh='amortized')"
             )
-        if policy.continuous and mode is not Mode.NATIVE and distributed_job():
-            raise InvalidInputError(
-                "refresh='continuous' is not supported in a torch.distributed job yet: each rank "
-                "would pick the blocks to refresh by its own workers' timing, and data-parallel "
-                "replicas would end up with different bases — use refresh='amortized'"
-            )
         self.nonfinite: NonFinitePolicy = parse_enum(NonFinitePolicy, nonfinite, "nonfinite")
         check_range("max_preconditioner_dim", defaults["max_preconditioner_dim"], 1, math.inf)
         check_range("precondition_frequency", defaults["precondition_frequency"], 1, math.inf)
@@ -211,12 +205,17 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         #: the optimizer's group: every collective of its own runs on it or on one made from it
         self._process_group = process_group
         if source is None:
-            # Continuous refresh pulls by each rank's own credit, so replicas would snapshot
-            # different blocks: they compute their own (sharing is for the amortized schedule).
-            share = share_blocks and not policy.continuous
             source = self._make_source(
-                mode, engine_config, address, process_group, share, pulls=policy.continuous
+                mode, engine_config, address, process_group, share_blocks, pulls=policy.continuous
             )
+            nodes = 1 if self.layout is None else self.layout.num_nodes
+            if policy.continuous and mode is Mode.DAEMON and nodes > 1:
+                source.close()
+                raise InvalidInputError(
+                    "refresh='continuous' with daemons on several nodes is not supported yet "
+                    f"({nodes} nodes): each node's daemon would need the versions "
+                    "one rank chooses to pull; use refresh='amortized', or mode='embedded'"
+                )
         # Replicas that share their blocks install each result at one agreed step (see
         # asteria_client.runtime.agreement): collective, like the shared source.
         agreement = None
@@ -282,7 +281,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             return make_source(mode, engine_config, address=address, pulls=pulls)
         group, shards = self._replica_group(process_group)
         source, self.layout = job_source(
-            mode, engine_config, address=address, group=group, share_shards=shards
+            mode, engine_config, address=address, group=group, share_shards=shards, pulls=pulls
         )
         return source
 

@@ -23,8 +23,21 @@ steps are the same:
   the same one; if any could not (a timeout, a lost owner), every replica computes the block
   locally from its (identical) factor: the same fallback on every replica at the same step.
 
+- **continuous pulls** (``refresh="continuous"``): the schedule's extra pulls follow each
+  rank's own workers and hooks, so one replica alone chooses them for a block (its owner in
+  the source, :meth:`PreconditionerSource.chooses`). It snapshots and hands the block over but
+  does not register the version yet; the next step start's round carries, next to the held
+  versions, a MAX over every reportable block's pull (the chooser's version, -1 elsewhere),
+  and when it finishes every replica registers the pulled version as the block's newest
+  snapshot, at the same step (the others expect its result from the source); the round also
+  carries the versions each replica held of those blocks, so a result that every replica had
+  by then goes into use at once. Floor pulls
+  follow from the registered snapshots, so they are taken alike everywhere. An extra pull
+  taken after step t is registered at the start of step t + 2.
+
 Whether a block is pending, its version in use and its deadline follow from what was installed
-before, so they are equal on every replica by induction, and so is the sequence of collectives.
+and registered before, so they are equal on every replica by induction, and so is the sequence
+of collectives.
 A failed collective (a lost peer) ends the agreement with one warning: each rank installs on
 arrival from then on (drift is better than a stopped run).
 
@@ -63,13 +76,16 @@ class InstallAgreement:
         self._shared = shared
         #: block -> version -> (a result taken from the source and not in use, step taken)
         self._held: dict[str, dict[int, tuple[PreconditionerResult, int]]] = {}
-        #: the round started at the last step start: its blocks, and the call that finishes it
-        self._round: tuple[list[Any], Callable[[], list[int]]] | None = None
+        #: the round started at the last step start: its blocks, the blocks whose continuous
+        #: pulls it reports, and the call that finishes it
+        self._round: tuple[list[Any], list[Any], Callable[[], list[int]]] | None = None
         self.failed = ""  # why the agreement stopped ("" while it holds)
         self.rounds = 0  # collectives at step starts
         self.forced_rounds = 0  # collectives at deadlines
         self.agreed_fallbacks = 0  # blocks every replica computed locally together
         self.collective_s = 0.0  # training-thread seconds in the collectives (waits included)
+        self.pulls = 0  # continuous pulls reported by a chooser and registered by all
+        self.pulls_held = 0  # of those: held by every replica already when reported
         #: steps a result was held before it went into use -> how many results
         self.delays: dict[int, int] = {}
 
@@ -87,6 +103,9 @@ class InstallAgreement:
         """The newest version held for ``block`` (-1: none)."""
         held = self._held.get(block)
         return max(held) if held else -1
+
+    def holds(self, block: str, version: int) -> bool:
+        return version in self._held.get(block, {})
 
     def release(self, block: str, version: int, step: int) -> PreconditionerResult:
         """The held ``version`` of ``block``, to install at ``step``; older ones are dropped."""
@@ -126,40 +145,77 @@ class InstallAgreement:
         finally:
             self.collective_s += time.perf_counter() - start
 
-    def finish_round(self) -> list[tuple[Any, int]]:
+    def finish_round(self) -> tuple[list[tuple[Any, int]], list[tuple[Any, int, int]]]:
         """The round started at the last step start, finished (a wait only if a peer has not
         started it yet): ``(item, version)`` for each of its items whose newest held version was
-        the same on every replica. Collective in effect; empty when no round is open."""
+        the same on every replica, and ``(report, version, held)`` for each reported block that
+        one replica (its chooser) pulled at ``version``, with the version every replica held
+        of it then (-1: not the same everywhere; see :meth:`start_round`). Collective in
+        effect; both empty when no round is open."""
         if self._round is None:
-            return []
-        items, finish = self._round
+            return [], []
+        items, reports, finish = self._round
         self._round = None
         start = time.perf_counter()
         try:
             reduced = finish()
         except Exception as exc:  # a lost peer: drift is better than a stopped run
             self._failed(exc)
-            return []
+            return [], []
         finally:
             self.collective_s += time.perf_counter() - start
-        count = len(items)
-        lows, negated_highs = reduced[:count], reduced[count:]
-        return [
+        count, reported = len(items), len(reports)
+        lows, negated_highs = reduced[:count], reduced[count : 2 * count]
+        agreed = [
             (item, low)
             for item, low, neg in zip(items, lows, negated_highs, strict=True)
             if low == -neg and low >= 0
         ]
+        rest = reduced[2 * count :]
+        pulls, held_lows, held_negated = (
+            rest[:reported],
+            rest[reported : 2 * reported],
+            rest[2 * reported :],
+        )
+        pulled = [
+            (report, -low, held if held == -neg else -1)
+            for report, low, held, neg in zip(reports, pulls, held_lows, held_negated, strict=True)
+            if -low >= 0
+        ]
+        self.pulls += len(pulled)
+        self.pulls_held += sum(held >= version for _, version, held in pulled)
+        return agreed, pulled
 
-    def start_round(self, items: list[Any], versions: list[int]) -> None:
+    def start_round(
+        self,
+        items: list[Any],
+        versions: list[int],
+        reports: Sequence[Any] = (),
+        pulled: Sequence[int] = (),
+        held: Sequence[int] = (),
+    ) -> None:
         """Start the round of this step start over ``items`` (every replica: the same items in
         the same order) with the newest version held for each; :meth:`finish_round` at the next
-        step start says which every replica held."""
-        if not items or self.failed:
+        step start says which every replica held.
+
+        ``reports`` (the same on every replica too) are blocks of the continuous schedule,
+        ``pulled`` this replica's pull of each since its last report (-1: none) and ``held``
+        the newest version it holds of each: one replica alone chooses a block's extra pulls,
+        and the round's MAX over them tells every replica which version it took, so all of
+        them register it at the same step (and install it then, if all held its result)."""
+        if not (items or reports) or self.failed:
             return
         self.rounds += 1
         start = time.perf_counter()
+        values = [
+            *versions,
+            *(-v for v in versions),
+            *(-v for v in pulled),
+            *held,
+            *(-v for v in held),
+        ]
         try:
-            self._round = (items, self._collective.start_min(versions + [-v for v in versions]))
+            self._round = (items, list(reports), self._collective.start_min(values))
         except Exception as exc:  # a lost peer: drift is better than a stopped run
             self._failed(exc)
         finally:
@@ -192,6 +248,8 @@ class InstallAgreement:
             "agreement_rounds": self.rounds,
             "agreement_forced_rounds": self.forced_rounds,
             "agreement_fallbacks": self.agreed_fallbacks,
+            "agreement_pulls": self.pulls,
+            "agreement_pulls_held_by_all": self.pulls_held,
             "agreement_collective_s": self.collective_s,
             "agreement_held_steps": dict(sorted(self.delays.items())),
         }

@@ -129,6 +129,13 @@ class BlockRecord:
     #: precondition_frequency; None until the runtime has seen it)
     floor_steps: int | None = None
     floor_version: int = -1  # the version of the newest floor snapshot taken (-1: none)
+    #: replicas (see :mod:`.agreement`): whether this rank chooses the block's extra pulls
+    #: (its owner does; every rank for a block of its own)
+    chooser: bool = True
+    #: an extra snapshot this rank took of a replicated block, not registered yet: its
+    #: version (-1: none), and whether a step start's round has reported it to the replicas
+    claimed: int = -1
+    claim_reported: bool = False
 
     @property
     def tile(self) -> Any:
@@ -166,12 +173,13 @@ class BlockRecord:
         )
 
     def pullable(self) -> bool:
-        """Not in flight, and its factor is newer than every snapshot taken of it."""
+        """This rank chooses its pulls, it is not in flight (a claimed snapshot counts), and
+        its factor is newer than every snapshot taken of it."""
         tile = self.tile_ref()
-        if tile is None:
+        if tile is None or not self.chooser:
             return False
-        submitted = tile.submitted[self.dim]
-        return submitted <= tile.versions[self.dim] and self.offered > submitted
+        taken = max(tile.submitted[self.dim], self.claimed)
+        return taken <= tile.versions[self.dim] and self.offered > taken
 
     def priority(self) -> float:
         installed = self.version

@@ -212,10 +212,15 @@ class FreshnessRuntime:
         self._reuses_bases = source.reuses_bases()
         self.bases_left_home = 0  # eigenbasis requests sent without their basis
         self._continuous = (
-            ContinuousScheduler(seconds_per_n3=source.seconds_per_n3(), records=self.records)
+            ContinuousScheduler(
+                seconds_per_n3=source.seconds_per_n3(), records=self.records, chooses=self._chooses
+            )
             if policy.continuous
             else None
         )
+        #: continuous schedule, replicas: the blocks with an extra snapshot this rank took
+        #: and the replicas have not registered yet (see :meth:`begin_step`)
+        self._claims: dict[str, BlockRecord] = {}
         # The source is released when the runtime is collected, even without close(): the
         # finalizer holds the source, never the runtime or the optimizer.
         self._finalizer = weakref.finalize(self, source.close)
@@ -357,12 +362,17 @@ class FreshnessRuntime:
         request: RequestFn,
         *,
         deadline_step: int | None = None,
+        register: bool = True,
     ) -> PreconditionerRequest:
+        """Snapshot one block and hand it over (packed at the next flush); ``register``:
+        the tile's newest snapshot becomes ``version`` now (a replicated block's extra pull
+        is registered later, on every replica at once: :meth:`begin_step`)."""
         snapshot = request(dim, version)
         if deadline_step is not None:
             snapshot = dataclasses.replace(snapshot, deadline_step=deadline_step)
-        tile.submitted[dim] = version
-        self._changed(tile)
+        if register:
+            tile.submitted[dim] = version
+            self._changed(tile)
         if self._packer is None:  # native: solved now, on the factor's device
             self._hand_over(snapshot)
         else:
@@ -468,6 +478,7 @@ class FreshnessRuntime:
                 entry.request,
                 deadline_step=entry.offered + self.policy.budget_steps(frequency),
             )
+            entry.frequency = frequency  # its budget counts intervals (as in _sync_tile)
             scheduler.pulled(entry, snapshot, floor=True)
             self.refresh_log.record_pull(entry, entry.offered, floor=True)
             tiles[id(tile)] = tile
@@ -502,9 +513,16 @@ class FreshnessRuntime:
             for entry in chosen:
                 tile = entry.tile
                 assert entry.request is not None and tile is not None  # offered: pullable()
-                snapshot = self._submit_block(tile, entry.dim, entry.offered, entry.request)
+                if self._agreed(entry.name):  # replicas: registered by all of them at once
+                    snapshot = self._submit_block(
+                        tile, entry.dim, entry.offered, entry.request, register=False
+                    )
+                    entry.claimed, entry.claim_reported = entry.offered, False
+                    self._claims[entry.name] = entry
+                else:
+                    snapshot = self._submit_block(tile, entry.dim, entry.offered, entry.request)
+                    self.refresh_log.record_pull(entry, entry.offered)
                 scheduler.pulled(entry, snapshot)
-                self.refresh_log.record_pull(entry, entry.offered)
                 tiles[id(tile)] = tile
             self.flush()  # handed over before the source's credit is read again
             self._note_snapshot_cost(time.perf_counter() - start, len(chosen))
@@ -582,30 +600,125 @@ class FreshnessRuntime:
     def begin_step(self, tiles: Iterable[TileBlocks], step: int, install: InstallFn) -> None:
         """A step starts (every replica calls it, with the same tiles in the same order):
         finish the agreement round of the step before and install, on every replica, the
-        results that all of them held; then start this step's round over the replicated
-        blocks with a snapshot pending (none when there is none); see :mod:`.agreement`. A
-        no-op without an agreement, and at S = 0, where each block's barrier installs its
-        newest version."""
+        results that all of them held, and register the continuous pulls it reported; then
+        start this step's round over the replicated blocks with a snapshot pending and the
+        pulls taken since (none when there is neither); see :mod:`.agreement`. A no-op
+        without an agreement; at S = 0 each block's barrier installs its newest version, so
+        the round carries only the continuous pulls."""
         agreement = self.agreement
         self._step_now = step
-        if agreement is None or agreement.failed or self.policy.budget_intervals == 0:
+        if agreement is None:
+            return
+        if agreement.failed:
+            self._claims_lost()
+            return
+        if self.policy.budget_intervals == 0 and self._continuous is None:
             return
         self.source.pump()
         with torch.no_grad():
-            for (tile, dim, block), version in agreement.finish_round():
+            agreed, pulled = agreement.finish_round()
+            for (tile, dim, block), version in agreed:
                 if version > tile.versions[dim] and agreement.covers(block):
                     self._install(tile, dim, agreement.release(block, version, step), install)
-            self._agree_due(tiles, step, install)
-            pending = [
-                (tile, dim, block)
-                for tile in tiles
-                for dim, block in tile.preconditioned()
-                if tile.submitted[dim] > tile.versions[dim] and agreement.covers(block)
-            ]
-            for tile, dim, block in pending:
-                self._hold(block)
-                agreement.drop_older(block, tile.versions[dim])
-            agreement.start_round(pending, [agreement.held_version(b) for _, _, b in pending])
+            for (tile, dim, block), version, held in pulled:
+                self._register_pull(tile, dim, block, version)
+                # every replica held its result when the round started: into use now
+                if held >= version and held > tile.versions[dim] and agreement.holds(block, held):
+                    self._install(tile, dim, agreement.release(block, held, step), install)
+            if agreement.failed:
+                self._claims_lost()
+                return
+            pending = []
+            if self.policy.budget_intervals > 0:
+                self._agree_due(tiles, step, install)
+                pending = [
+                    (tile, dim, block)
+                    for tile in tiles
+                    for dim, block in tile.preconditioned()
+                    if tile.submitted[dim] > tile.versions[dim] and agreement.covers(block)
+                ]
+                for tile, dim, block in pending:
+                    self._hold(block)
+                    agreement.drop_older(block, tile.versions[dim])
+            reports, claims = self._pull_reports(tiles)
+            agreement.start_round(
+                pending,
+                [agreement.held_version(b) for _, _, b in pending],
+                reports,
+                claims,
+                [self._hold(b) for _, _, b in reports],
+            )
+
+    def _chooses(self, block: str, n: int) -> bool:
+        """Whether this rank chooses ``block``'s extra pulls: its own block, or one whose
+        replicas follow this rank (the source's owner of it)."""
+        return not self._agreed(block) or self.source.chooses(block, n)
+
+    def _pull_reports(self, tiles: Iterable[TileBlocks]) -> tuple[list[Any], list[int]]:
+        """The continuous blocks this step start's round reports on, the same on every
+        replica (the replicated ones offered to the schedule and not in flight: only those
+        can have been pulled since the last report), and for each the version this rank
+        pulled since (-1: none; see :mod:`.agreement`)."""
+        scheduler = self._continuous
+        if scheduler is None:
+            return [], []
+        agreement = self.agreement
+        assert agreement is not None
+        reports: list[Any] = []
+        claims: list[int] = []
+        for tile in tiles:
+            for dim, block in tile.preconditioned():
+                entry = scheduler.candidates.get(block)
+                if (
+                    entry is None
+                    or entry.tile is not tile
+                    or tile.submitted[dim] > tile.versions[dim]
+                    or not agreement.covers(block)
+                ):
+                    continue
+                reports.append((tile, dim, block))
+                claim = entry.claimed if not entry.claim_reported else -1
+                claims.append(claim)
+                if claim >= 0:
+                    entry.claim_reported = True
+        for entry in list(self._claims.values()):
+            if not entry.claim_reported:  # not reportable (its tile was replaced): dropped
+                self._drop_claim(entry)
+        return reports, claims
+
+    def _drop_claim(self, entry: BlockRecord) -> None:
+        entry.claimed, entry.claim_reported = -1, False
+        self._claims.pop(entry.name, None)
+
+    def _register_pull(self, tile: TileBlocks, dim: int, block: str, version: int) -> None:
+        """A replicated block's extra pull at ``version``, reported by its chooser: every
+        replica now takes it as the block's newest snapshot (unless a newer snapshot or
+        result came first: latest wins); the others than the chooser expect its result."""
+        record = self.records.at(tile, dim, block)
+        mine = record.claimed == version
+        if 0 <= record.claimed <= version:
+            self._drop_claim(record)
+        if version <= max(tile.submitted[dim], tile.versions[dim]):
+            return
+        tile.submitted[dim] = version
+        record.frequency = 1  # an extra snapshot: the budget counts steps
+        self._changed(tile)
+        self.refresh_log.record_pull(record, version)
+        if not mine:
+            assert record.request is not None  # offered before it was pulled
+            self.source.expect(record.request(dim, version))
+
+    def _claims_lost(self) -> None:
+        """The agreement stopped: this rank's unregistered pulls are its newest snapshots
+        (each rank installs on arrival from now on)."""
+        for entry in list(self._claims.values()):
+            tile = entry.tile
+            if tile is not None and entry.claimed > tile.submitted[entry.dim]:
+                tile.submitted[entry.dim] = entry.claimed
+                entry.frequency = 1
+                self._changed(tile)
+                self.refresh_log.record_pull(entry, entry.claimed)
+            self._drop_claim(entry)
 
     def _agree_due(self, tiles: Iterable[TileBlocks], step: int, install: InstallFn) -> None:
         """The replicated blocks that reach their deadline at this step (as the tiles stand

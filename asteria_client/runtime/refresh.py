@@ -59,6 +59,7 @@ something stopped extra pulls (:class:`ExtraLimits`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,6 +291,9 @@ class ContinuousScheduler:
     #: an installed result, and the copy (read by the first choice after it landed)
     reading: list[tuple[list[BlockRecord], int, PendingCopy]] = field(default_factory=list)
     transfer: DeviceTransfer = field(default_factory=DeviceTransfer)
+    #: ``(block, n) -> whether this rank chooses the block's extra pulls`` (replicas: its
+    #: owner alone; asked once per block, when first offered)
+    chooses: Callable[[str, int], bool] = field(default=lambda block, n: True)
 
     def offer(self, tile: Any, version: int, request: RequestFn) -> None:
         """The tile's factors now hold step ``version``: its blocks may be pulled."""
@@ -305,6 +309,8 @@ class ContinuousScheduler:
                 entry.drift_unread, entry.drift_reading = None, False
                 entry.pulled_version, entry.pulled_norm2 = -1, None
                 entry.floor_steps, entry.floor_version = None, -1
+                entry.chooser = self.chooses(block, n)
+                entry.claimed, entry.claim_reported = -1, False
                 self.candidates[block] = entry
             entry.request = request
             entry.offered = version

@@ -138,6 +138,17 @@ class PreconditionerSource(abc.ABC):
         """The blocks (name -> n) the optimizer will submit, told once at its construction: a
         source that shares blocks among replicas assigns their owners from the whole set."""
 
+    def chooses(self, block: str, n: int) -> bool:
+        """Whether this rank chooses the continuous schedule's extra snapshots of ``block``
+        (an n x n factor) for all its replicas: a source that shares blocks among replicas
+        says so for the blocks it owns (the other replicas follow its versions), and every
+        block of a source of one rank's own is its own."""
+        return True
+
+    def expect(self, request: PreconditionerRequest) -> None:  # noqa: B027 - optional
+        """Another replica hands this snapshot over (``request`` names the block, version and
+        device; its tensors are not read): count its result as in flight here."""
+
     def credit(self) -> int | None:
         """How many more snapshots this source would start promptly (the continuous schedule
         copies no more): free solver workers plus one, less the snapshots already waiting for

@@ -26,22 +26,26 @@ from tests.distributed.spawn import init, leave, spawn
 
 DIM = 8
 STEPS = 8
+CONTINUOUS_STEPS = 30
 BATCH = 16
 
 
-def _soap(params: Any, group: Any) -> SOAP:
+def _soap(params: Any, group: Any, refresh: str = "amortized") -> SOAP:
+    continuous = refresh == "continuous"
     return SOAP(
         params,
         lr=1e-2,
         mode="embedded",
-        precondition_frequency=2,
+        precondition_frequency=5 if continuous else 2,  # f = 5: room for extra pulls
         staleness_budget=1,
+        refresh=refresh,
+        refresh_overhead=0.5 if continuous else 0.04,
         process_group=group,
         engine_config=EngineConfig(num_workers=1, calibrate=False),
     )
 
 
-def _mesh_rank(rank: int, world: int, tmp: str) -> None:
+def _mesh_rank(rank: int, world: int, tmp: str, refresh: str = "amortized") -> None:
     init(rank, world, tmp)
     try:
         tp, dp = rank % 2, rank // 2
@@ -55,14 +59,17 @@ def _mesh_rank(rank: int, world: int, tmp: str) -> None:
         shard_ddp = torch.nn.parallel.DistributedDataParallel(shard, process_group=dp_group)
         head_ddp = torch.nn.parallel.DistributedDataParallel(head)
         if tp == 0:  # the slices build their optimizers in different orders
-            head_opt = _soap(head.named_parameters(), None)
-            shard_opt = _soap(shard.named_parameters(), dp_group)
+            head_opt = _soap(head.named_parameters(), None, refresh)
+            shard_opt = _soap(shard.named_parameters(), dp_group, refresh)
         else:
-            shard_opt = _soap(shard.named_parameters(), dp_group)
-            head_opt = _soap(head.named_parameters(), None)
+            shard_opt = _soap(shard.named_parameters(), dp_group, refresh)
+            head_opt = _soap(head.named_parameters(), None, refresh)
+        if refresh == "continuous":  # pulls at the hooks too: each rank's own timing
+            shard_opt.attach(shard)
+            head_opt.attach(head)
         g = torch.Generator().manual_seed(100 + tp)  # each slice its own data
         try:
-            for _ in range(STEPS):
+            for _ in range(STEPS if refresh == "amortized" else CONTINUOUS_STEPS):
                 x = torch.randn(2 * BATCH, DIM, generator=g)[dp * BATCH : (dp + 1) * BATCH]
                 shard_opt.zero_grad()
                 head_opt.zero_grad()
@@ -85,10 +92,13 @@ def _mesh_rank(rank: int, world: int, tmp: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("refresh", ["amortized", "continuous"])
 def test_a_2d_mesh_builds_its_groups_in_any_order_and_keeps_each_group_apart(
-    tmp_path: Path,
+    tmp_path: Path, refresh: str
 ) -> None:
-    spawn(_mesh_rank, 4, str(tmp_path))
+    """Continuous: each block's owner in its group chooses its extra pulls (tested here on
+    DP x TP 2 x 2 for 30 steps at S = 1), and the replicas stay bitwise equal all the same."""
+    spawn(_mesh_rank, 4, str(tmp_path), refresh)
     runs = [torch.load(tmp_path / f"mesh{r}.pt", weights_only=False) for r in range(4)]
     for run in runs:
         for which in ("shard", "head"):
@@ -103,3 +113,13 @@ def test_a_2d_mesh_builds_its_groups_in_any_order_and_keeps_each_group_apart(
         assert not torch.equal(runs[0]["shard"][key], runs[1]["shard"][key]), key
     for key in runs[0]["head"]:  # the world's head: one replica set of four
         assert all(torch.equal(runs[0]["head"][key], run["head"][key]) for run in runs[1:]), key
+    if refresh == "continuous":  # the schedule did pull extras, registered alike by replicas
+        for which in ("shard", "head"):
+            pulls = [
+                {b: r["extra_pulls"] for b, r in run["stats"][which]["refreshes"]["blocks"].items()}
+                for run in runs
+            ]
+            assert sum(pulls[0].values()) > 0, (which, pulls)
+            groups = [(0, 2), (1, 3)] if which == "shard" else [(0, 1, 2, 3)]
+            for group in groups:
+                assert all(pulls[r] == pulls[group[0]] for r in group), (which, pulls)

@@ -416,17 +416,25 @@ def test_refresh_argument_is_checked() -> None:
         Shampoo(model.named_parameters(), mode="native", refresh="continuous")
 
 
-def test_continuous_is_refused_in_a_distributed_job(tmp_path: Any) -> None:
-    """Ranks would pick blocks by their own workers' timing: refused, not silently divergent."""
+def test_continuous_runs_in_a_distributed_job(tmp_path: Any) -> None:
+    """No longer refused in a torch.distributed job: each replicated block's owner chooses
+    its extra pulls and the replicas register them together (the gloo tests in
+    tests/distributed/test_continuous_replicas.py check that they stay bitwise equal)."""
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
-        with pytest.raises(InvalidInputError, match=r"torch\.distributed"):
-            SOAP(_model().named_parameters(), mode="embedded", refresh="continuous")
-        # native continuous is deterministic on every rank (every block, every step)
+        model = _model()
+        opt = SOAP(model.named_parameters(), mode="embedded", refresh="continuous")
+        try:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(8, model[0].in_features)).square().mean().backward()
+                opt.step()
+        finally:
+            opt.close()
         SOAP(_model().named_parameters(), mode="native", refresh="continuous").close()
     finally:
         dist.destroy_process_group()
