@@ -980,6 +980,7 @@ class DaemonSource(PreconditionerSource):
                 "submits_rejected": sum(b.rejected for b in self._blocks.values()),
                 "transport": "shm" if self._segments.active else "grpc",
                 "shm_segments": len(self._segments),
+                "shm_mappings": self._segments.num_mappings,
                 "shm_rehandovers": self._segments.rehandovers,
                 "shm_refusals": self._segments.refusals,
                 "shm_blocks_refused": sum(bool(b.shm_error) for b in self._blocks.values()),

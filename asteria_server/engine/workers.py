@@ -99,6 +99,12 @@ def _note_death(died: set[int], token: int, _: object) -> None:
     died.add(token)
 
 
+def _where(segment: SharedSegment) -> tuple[int, int, int]:
+    """How a worker finds ``segment``: its mapping's token, its slot index there (-1: the whole
+    mapping) and its size."""
+    return (segment.token, segment.slot_index, segment.size_bytes)
+
+
 def _process_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped by a signal or a tracer (``/proc/<pid>/stat``)."""
     try:
@@ -517,8 +523,8 @@ class WorkerPool:
             "exponent": float(task.exponent),
             "epsilon": float(task.epsilon),
             "base_version": task.base_version,
-            "snapshot": (source.token, sequence, [(s.dtype.str, s.shape) for s in specs]),
-            "result": result_to.token,
+            "snapshot": (_where(source), sequence, [(s.dtype.str, s.shape) for s in specs]),
+            "result": _where(result_to),
             "release": release,
             "map": [(seg.token, seg.size_bytes) for seg in hand],  # their fds follow
             "fault": None if fault is None else fault.value,
@@ -543,8 +549,8 @@ class WorkerPool:
         """Which segments the worker should unmap (tokens) and which it must be handed (their
         descriptors follow the message), to use the segments ``using`` now."""
         handed, died = slot.handed, slot.died
-        hand = []
-        for seg in using:
+        hand: list[SharedSegment] = []
+        for seg in (s.mapping for s in using):  # an arena slot: its arena is what is mapped
             if seg.token in handed:
                 handed.move_to_end(seg.token)
             elif seg not in hand:

@@ -18,8 +18,22 @@ Every message is a UTF-8 JSON object of at most :data:`MAX_MESSAGE_BYTES` bytes 
                       ``snapshot`` (the client writes snapshots there) or ``result`` (the
                       daemon's solver writes block ``block``'s results there). Re-attaching an
                       id replaces the segment.
-``detach``            ``{"v", "op": "detach", "segment_id"}``: forget a segment.
+``detach``            ``{"v", "op": "detach", "segment_id"}``: forget a segment (an arena:
+                      and every slot bound in it).
+``attach`` an arena   ``{"v", "op": "attach", "segment_id", "size_bytes", "role": "arena",
+(+1 fd)               "slot_bytes"}``: map an arena (``protocol.shm.create_arena``) of slots of
+                      ``slot_bytes`` each; it holds nothing until slots are bound.
+``bind``              ``{"v", "op": "bind", "block", "slots": [[segment_id, arena_id, index,
+                      role], ...]}``: slot ``index`` of the session's arena ``arena_id`` is
+                      segment ``segment_id`` from now on (one or two per message: a block's
+                      snapshot and result slots), with ``role`` snapshot or result as for
+                      ``attach``. Rebinding an id or a slot replaces the old binding.
 ====================  =========================================================================
+
+Arenas and ``bind`` came later than the rest: a daemon that predates them refuses an arena's
+``attach`` (role) and ``bind`` (op) with an error, and its client goes back to one segment per
+block (see ``asteria_client.transport.segments``). Once bound, a slot is named in gRPC calls by
+its ``segment_id`` like any segment, so the gRPC side did not change.
 
 Reply: ``{"v", "ok": true}`` or ``{"v", "ok": false, "error": "..."}``. A message of another
 version is refused with an error naming both versions (and a reply the peer cannot decode as
@@ -47,6 +61,7 @@ class SegmentRole(enum.Enum):
 
     SNAPSHOT = "snapshot"
     RESULT = "result"
+    ARENA = "arena"  # many slots, each bound to a block's snapshot or result by Bind
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,26 @@ class Attach:
     size_bytes: int
     role: SegmentRole
     block: str = ""  # the block whose results a RESULT segment receives
+    slot_bytes: int = 0  # an ARENA's slot size
+
+
+@dataclass(frozen=True)
+class SlotBinding:
+    """Slot ``index`` of arena ``arena_id`` serves as segment ``segment_id`` (role SNAPSHOT or
+    RESULT)."""
+
+    segment_id: str
+    arena_id: str
+    index: int
+    role: SegmentRole
+
+
+@dataclass(frozen=True)
+class Bind:
+    """Bind ``block``'s slots (its snapshot and/or result slot) in arenas handed over before."""
+
+    block: str
+    slots: tuple[SlotBinding, ...]
 
 
 @dataclass(frozen=True)
@@ -73,7 +108,7 @@ class Detach:
     segment_id: str
 
 
-HandoverRequest = Hello | Attach | Detach
+HandoverRequest = Hello | Attach | Detach | Bind
 
 
 @dataclass(frozen=True)
@@ -122,15 +157,19 @@ def encode_request(request: HandoverRequest) -> bytes:
     if isinstance(request, Hello):
         return _encode({"op": "hello", "session_id": request.session_id})
     if isinstance(request, Attach):
-        return _encode(
-            {
-                "op": "attach",
-                "segment_id": request.segment_id,
-                "size_bytes": request.size_bytes,
-                "role": request.role.value,
-                "block": request.block,
-            }
-        )
+        fields = {
+            "op": "attach",
+            "segment_id": request.segment_id,
+            "size_bytes": request.size_bytes,
+            "role": request.role.value,
+            "block": request.block,
+        }
+        if request.role is SegmentRole.ARENA:
+            fields["slot_bytes"] = request.slot_bytes
+        return _encode(fields)
+    if isinstance(request, Bind):
+        slots = [[b.segment_id, b.arena_id, b.index, b.role.value] for b in request.slots]
+        return _encode({"op": "bind", "block": request.block, "slots": slots})
     return _encode({"op": "detach", "segment_id": request.segment_id})
 
 
@@ -142,8 +181,10 @@ def decode_request(data: bytes) -> HandoverRequest:
         return Hello(_str(message, "session_id"))
     if op == "detach":
         return Detach(_str(message, "segment_id"))
+    if op == "bind":
+        return _decode_bind(message)
     if op != "attach":
-        raise InvalidInputError(f"unknown handover op {op!r} (hello, attach or detach)")
+        raise InvalidInputError(f"unknown handover op {op!r} (hello, attach, bind or detach)")
     size = message.get("size_bytes")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InvalidInputError(f"handover attach needs size_bytes >= 1, got {size!r}")
@@ -151,10 +192,44 @@ def decode_request(data: bytes) -> HandoverRequest:
         role = SegmentRole(message.get("role"))
     except ValueError:
         raise InvalidInputError(
-            f"handover attach needs role snapshot or result, got {message.get('role')!r}"
+            f"handover attach needs role snapshot, result or arena, got {message.get('role')!r}"
         ) from None
     block = _str(message, "block", required=role is SegmentRole.RESULT)
-    return Attach(_str(message, "segment_id"), size, role, block)
+    slot_bytes: Any = 0
+    if role is SegmentRole.ARENA:
+        slot_bytes = message.get("slot_bytes")
+        if not isinstance(slot_bytes, int) or isinstance(slot_bytes, bool) or slot_bytes < 1:
+            raise InvalidInputError(
+                f"handover attach of an arena needs slot_bytes >= 1, got {slot_bytes!r}"
+            )
+    return Attach(_str(message, "segment_id"), size, role, block, slot_bytes)
+
+
+def _decode_bind(message: dict[str, Any]) -> Bind:
+    block = _str(message, "block")
+    slots = message.get("slots")
+    if not isinstance(slots, list) or not 1 <= len(slots) <= 2:
+        raise InvalidInputError(f"handover bind of block {block!r} needs one or two slots")
+    bindings = []
+    for entry in slots:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 4
+            and isinstance(entry[0], str)
+            and entry[0]
+            and isinstance(entry[1], str)
+            and entry[1]
+            and isinstance(entry[2], int)
+            and not isinstance(entry[2], bool)
+            and entry[2] >= 0
+            and entry[3] in (SegmentRole.SNAPSHOT.value, SegmentRole.RESULT.value)
+        ):
+            raise InvalidInputError(
+                f"handover bind of block {block!r}: each slot is [segment_id, arena_id, "
+                f"index >= 0, 'snapshot' or 'result'], got {entry!r}"
+            )
+        bindings.append(SlotBinding(entry[0], entry[1], entry[2], SegmentRole(entry[3])))
+    return Bind(block, tuple(bindings))
 
 
 def encode_reply(reply: Reply) -> bytes:
