@@ -191,10 +191,7 @@ class SegmentSet:
         for segment in list(self._segments.values()):
             if segment.arena is None:
                 self._attach_locked(segment)
-        for pair in list(self._pairs.values()):
-            if self._channel is None:
-                return
-            self._hand_over_pair_locked(pair)
+        self._hand_over_pairs_locked([p for p in self._pairs.values() if p[0].arena is not None])
 
     def _attach_locked(self, segment: ClientSegment) -> bool:
         """Attach a per-block segment; False when refused (the channel may have died)."""
@@ -213,28 +210,41 @@ class SegmentSet:
         """Hand a block's pair over: its arenas (those the daemon does not hold yet) and the
         binding of its slots, or its own segments. False when the daemon does not hold both
         afterwards (refused: the reason is logged once and counted)."""
-        channel = self._channel
-        if channel is None:
-            return False
         if pair[0].arena is None:
-            return all([self._attach_locked(segment) for segment in pair])
-        block = pair[0].block
+            return self._channel is not None and all(
+                [self._attach_locked(segment) for segment in pair]
+            )
+        return bool(self._hand_over_pairs_locked([pair]))
+
+    def _hand_over_pairs_locked(self, pairs: list[tuple[ClientSegment, ClientSegment]]) -> set[str]:
+        """Hand many blocks' slot pairs over: the arenas the daemon does not hold yet, then the
+        slots' bindings, a few hundred blocks a request. The blocks the daemon holds afterwards
+        (a refusal is logged once and counted; one of an arena by a daemon that predates them
+        sets ``_no_arenas``)."""
+        channel = self._channel
+        if channel is None or not pairs:
+            return set()
         try:
-            for slot in pair:
-                arena = slot.arena
-                assert arena is not None
-                if arena.segment_id not in self._attached:
-                    channel.attach_arena(arena)
-                    self._attached.add(arena.segment_id)
-            channel.bind(block, pair)
+            for pair in pairs:
+                for slot in pair:
+                    arena = slot.arena
+                    assert arena is not None
+                    if arena.segment_id not in self._attached:
+                        channel.attach_arena(arena)
+                        self._attached.add(arena.segment_id)
         except SharedMemoryUnavailableError as exc:
             if _NO_ARENAS in str(exc):
                 self._no_arenas = True  # create() goes over to segments per block
             else:
-                self._refused_once(f"segments of block {block} not handed over: {exc}")
-            return False
-        self._attached.update(slot.segment_id for slot in pair)
-        return True
+                self._refused_once(f"an arena of block {pairs[0][0].block} not handed over: {exc}")
+            return set()
+        bound, errors = channel.bind(pairs)
+        for error in errors:
+            self._refused_once(f"segments not handed over: {error}")
+        for pair in pairs:
+            if pair[0].block in bound:
+                self._attached.update(slot.segment_id for slot in pair)
+        return bound
 
     def _channel_alive_locked(self) -> bool:
         channel = self._channel
@@ -299,6 +309,35 @@ class SegmentSet:
             pair = self._new_segments_locked(task)
             self._hand_over_or_heal_locked(pair)
             return pair
+
+    def create_many(self, tasks: list[SolveTask]) -> dict[str, tuple[ClientSegment, ClientSegment]]:
+        """:meth:`create` for many blocks at once (the blocks of a first refresh), their slots
+        bound in a few requests instead of one a block; by block, the pairs made (handed over or
+        not: :meth:`is_attached` says). Blocks left out (this process's descriptor budget, no
+        channel, a daemon without arenas) are for :meth:`create` to try, one by one."""
+        if not self.enabled or self._channel is None or self.per_block:
+            return {}
+        with self._lock:
+            if self._channel is None or self.per_block:
+                return {}
+            pairs = []
+            for task in tasks:
+                try:
+                    pairs.append(self._new_slots_locked(task))
+                except SharedMemoryUnavailableError:
+                    break  # said once; create() raises it for each of the rest
+            if not pairs:
+                return {}
+            if not self._hand_over_pairs_locked(pairs) and self._channel is not None:
+                if self._no_arenas:
+                    for pair in pairs[1:]:
+                        self._forget_locked(pair)
+                        del self._pairs[pair[0].block]
+                    self._drop_pair_locked(pairs[0])
+                    return {}
+                if not self._channel_alive_locked():  # heals, and hands the pairs over
+                    self._reconnect_locked(why="a segment handover failed")
+            return {pair[0].block: pair for pair in pairs}
 
     def _new_slots_locked(self, task: SolveTask) -> tuple[ClientSegment, ClientSegment]:
         snapshot_bytes, result_bytes = slot_sizes(task)

@@ -35,9 +35,12 @@ import numpy as np
 from asteria_client.transport.peer import UntrustedDaemonError, check_peer
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.handover import (
+    MAX_BIND_BLOCKS,
+    MAX_BIND_BYTES,
     MAX_MESSAGE_BYTES,
     Attach,
     Bind,
+    BlockSlots,
     Detach,
     HandoverRequest,
     Hello,
@@ -63,6 +66,8 @@ from asteria_server.types import SolveTask
 
 #: The handover connection's timeout for each request.
 HANDOVER_TIMEOUT_S = 10.0
+#: Bytes a bind request's blocks may take (less room for its envelope).
+_BIND_ROOM = MAX_BIND_BYTES - 512
 
 
 @dataclass(eq=False)
@@ -133,7 +138,8 @@ class ClientArena:
             return None
         index = self.free.pop()
         slot = self.segment.slot(index, self.slot_bytes)
-        return ClientSegment(uuid.uuid4().hex, self.fd, slot, role, block, self)
+        # Named after the arena (unique per connection) and the slot: short, in every bind.
+        return ClientSegment(f"{self.segment_id[:16]}.{index}", self.fd, slot, role, block, self)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -208,21 +214,51 @@ class HandoverChannel:
         )
         self._request(request, [arena.fd])
 
-    def bind(self, block: str, slots: Sequence[ClientSegment]) -> None:
-        """Bind ``block``'s slots in arenas handed over before (one request for its snapshot
-        and result slots); raises SharedMemoryUnavailableError when refused."""
-        bindings = []
-        for slot in slots:
-            assert slot.arena is not None
-            bindings.append(
-                SlotBinding(
-                    slot.segment_id,
-                    slot.arena.segment_id,
-                    slot.segment.slot_index,
-                    SegmentRole(slot.role),
-                )
+    def bind(self, pairs: Sequence[Sequence[ClientSegment]]) -> tuple[set[str], list[str]]:
+        """Bind each block's slots (a pair of one block, in arenas handed over before), a few
+        hundred blocks a request; the blocks bound, and the daemon's refusals (a refused
+        request binds none of its blocks). Raises SharedMemoryUnavailableError when the
+        connection fails."""
+        bound: set[str] = set()
+        errors: list[str] = []
+        batch: list[BlockSlots] = []
+        size = 0
+        for pair in pairs:
+            entry = BlockSlots(
+                pair[0].block,
+                tuple(
+                    SlotBinding(
+                        s.segment_id,
+                        s.arena.segment_id if s.arena is not None else "",
+                        s.segment.slot_index,
+                        SegmentRole(s.role),
+                    )
+                    for s in pair
+                ),
             )
-        self._request(Bind(block, tuple(bindings)), [])
+            cost = (
+                len(entry.block.encode())
+                + sum(len(b.segment_id) + len(b.arena_id) + 32 for b in entry.slots)
+                + 8
+            )
+            if batch and (size + cost > _BIND_ROOM or len(batch) >= MAX_BIND_BLOCKS):
+                self._bind_batch(batch, bound, errors)
+                batch, size = [], 0
+            batch.append(entry)
+            size += cost
+        if batch:
+            self._bind_batch(batch, bound, errors)
+        return bound, errors
+
+    def _bind_batch(self, batch: list[BlockSlots], bound: set[str], errors: list[str]) -> None:
+        try:
+            self._request(Bind(tuple(batch)), [])
+        except SharedMemoryUnavailableError as exc:
+            if not self.alive():
+                raise
+            errors.append(str(exc))
+            return
+        bound.update(entry.block for entry in batch)
 
     def detach(self, seg: ClientSegment) -> None:
         self._request(Detach(seg.segment_id), [])

@@ -23,11 +23,13 @@ Every message is a UTF-8 JSON object of at most :data:`MAX_MESSAGE_BYTES` bytes 
 ``attach`` an arena   ``{"v", "op": "attach", "segment_id", "size_bytes", "role": "arena",
 (+1 fd)               "slot_bytes"}``: map an arena (``protocol.shm.create_arena``) of slots of
                       ``slot_bytes`` each; it holds nothing until slots are bound.
-``bind``              ``{"v", "op": "bind", "block", "slots": [[segment_id, arena_id, index,
-                      role], ...]}``: slot ``index`` of the session's arena ``arena_id`` is
-                      segment ``segment_id`` from now on (one or two per message: a block's
+``bind``              ``{"v", "op": "bind", "blocks": [[block, [[segment_id, arena_id, index,
+                      role], ...]], ...]}``: for each block, slot ``index`` of the session's arena
+                      ``arena_id`` is segment ``segment_id`` from now on (one or two a block: its
                       snapshot and result slots), with ``role`` snapshot or result as for
-                      ``attach``. Rebinding an id or a slot replaces the old binding.
+                      ``attach``. Many blocks a message (up to :data:`MAX_BIND_BYTES`), all
+                      checked before any is bound. Rebinding an id or a slot replaces the old
+                      binding.
 ====================  =========================================================================
 
 Arenas and ``bind`` came later than the rest: a daemon that predates them refuses an arena's
@@ -52,8 +54,14 @@ from asteria_server.errors import InvalidInputError
 
 #: The version of this sub-protocol; both ends send it in every message.
 HANDOVER_VERSION = 1
-#: Largest handover message, either way.
+#: Largest handover message, either way, but a bind.
 MAX_MESSAGE_BYTES = 4096
+#: Largest bind message (many blocks' slots: one message per few hundred blocks, not one a block,
+#: since a daemon's handover thread competes for the GIL with its event loop). A daemon reads
+#: requests of up to this many bytes.
+MAX_BIND_BYTES = 1 << 16
+#: Most blocks in one bind message.
+MAX_BIND_BLOCKS = 1024
 
 
 class SegmentRole(enum.Enum):
@@ -94,11 +102,18 @@ class SlotBinding:
 
 
 @dataclass(frozen=True)
-class Bind:
-    """Bind ``block``'s slots (its snapshot and/or result slot) in arenas handed over before."""
+class BlockSlots:
+    """A block's slots (its snapshot and/or result slot) in arenas handed over before."""
 
     block: str
     slots: tuple[SlotBinding, ...]
+
+
+@dataclass(frozen=True)
+class Bind:
+    """Bind many blocks' slots in one request."""
+
+    blocks: tuple[BlockSlots, ...]
 
 
 @dataclass(frozen=True)
@@ -119,9 +134,9 @@ class Reply:
     error: str = ""
 
 
-def _encode(fields: dict[str, Any]) -> bytes:
-    data = json.dumps({"v": HANDOVER_VERSION, **fields}).encode()
-    if len(data) > MAX_MESSAGE_BYTES:
+def _encode(fields: dict[str, Any], limit: int = MAX_MESSAGE_BYTES) -> bytes:
+    data = json.dumps({"v": HANDOVER_VERSION, **fields}, separators=(",", ":")).encode()
+    if len(data) > limit:
         raise InvalidInputError(
             f"handover message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES} (a block name "
             "that long cannot use shared memory)"
@@ -168,8 +183,11 @@ def encode_request(request: HandoverRequest) -> bytes:
             fields["slot_bytes"] = request.slot_bytes
         return _encode(fields)
     if isinstance(request, Bind):
-        slots = [[b.segment_id, b.arena_id, b.index, b.role.value] for b in request.slots]
-        return _encode({"op": "bind", "block": request.block, "slots": slots})
+        blocks = [
+            [entry.block, [[b.segment_id, b.arena_id, b.index, b.role.value] for b in entry.slots]]
+            for entry in request.blocks
+        ]
+        return _encode({"op": "bind", "blocks": blocks}, MAX_BIND_BYTES)
     return _encode({"op": "detach", "segment_id": request.segment_id})
 
 
@@ -206,30 +224,38 @@ def decode_request(data: bytes) -> HandoverRequest:
 
 
 def _decode_bind(message: dict[str, Any]) -> Bind:
-    block = _str(message, "block")
-    slots = message.get("slots")
+    blocks = message.get("blocks")
+    if not isinstance(blocks, list) or not 1 <= len(blocks) <= MAX_BIND_BLOCKS:
+        raise InvalidInputError(f"handover bind needs 1 to {MAX_BIND_BLOCKS} blocks")
+    return Bind(tuple(_decode_block_slots(entry) for entry in blocks))
+
+
+def _decode_block_slots(entry: Any) -> BlockSlots:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]):
+        raise InvalidInputError(f"handover bind: each block is [name, slots], got {entry!r:.200}")
+    block, slots = entry
     if not isinstance(slots, list) or not 1 <= len(slots) <= 2:
         raise InvalidInputError(f"handover bind of block {block!r} needs one or two slots")
     bindings = []
-    for entry in slots:
+    for slot in slots:
         if not (
-            isinstance(entry, list)
-            and len(entry) == 4
-            and isinstance(entry[0], str)
-            and entry[0]
-            and isinstance(entry[1], str)
-            and entry[1]
-            and isinstance(entry[2], int)
-            and not isinstance(entry[2], bool)
-            and entry[2] >= 0
-            and entry[3] in (SegmentRole.SNAPSHOT.value, SegmentRole.RESULT.value)
+            isinstance(slot, list)
+            and len(slot) == 4
+            and isinstance(slot[0], str)
+            and slot[0]
+            and isinstance(slot[1], str)
+            and slot[1]
+            and isinstance(slot[2], int)
+            and not isinstance(slot[2], bool)
+            and slot[2] >= 0
+            and slot[3] in (SegmentRole.SNAPSHOT.value, SegmentRole.RESULT.value)
         ):
             raise InvalidInputError(
                 f"handover bind of block {block!r}: each slot is [segment_id, arena_id, "
-                f"index >= 0, 'snapshot' or 'result'], got {entry!r}"
+                f"index >= 0, 'snapshot' or 'result'], got {slot!r:.200}"
             )
-        bindings.append(SlotBinding(entry[0], entry[1], entry[2], SegmentRole(entry[3])))
-    return Bind(block, tuple(bindings))
+        bindings.append(SlotBinding(slot[0], slot[1], slot[2], SegmentRole(slot[3])))
+    return BlockSlots(block, tuple(bindings))
 
 
 def encode_reply(reply: Reply) -> bytes:

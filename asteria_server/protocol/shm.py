@@ -218,6 +218,21 @@ class Segment:
     or the mapping never frees the memory while the other side still maps it.
     """
 
+    # A daemon holds one per arena slot, two per block: no __dict__ each.
+    __slots__ = (
+        "__weakref__",
+        "_arena",
+        "_fd",
+        "_fd_closer",
+        "_mmap",
+        "_words",
+        "base",
+        "is_arena",
+        "size_bytes",
+        "slot_index",
+        "token",
+    )
+
     def __init__(
         self,
         buffer: mmap.mmap,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import mmap
 import os
 import socket
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.handover import (
-    MAX_MESSAGE_BYTES,
+    MAX_BIND_BYTES,
     Attach,
     Bind,
     Detach,
@@ -45,6 +46,7 @@ from asteria_server.protocol.handover import (
     Hello,
     Reply,
     SegmentRole,
+    SlotBinding,
     decode_request,
     encode_reply,
 )
@@ -58,6 +60,9 @@ logger = logging.getLogger(__name__)
 #: Arena slots one connection may bind (each is a small object in the daemon; a training
 #: process has two per block over shared memory).
 MAX_SLOTS_PER_CONNECTION = 1 << 18
+#: A handover message renews its session's lease at most this often (each renewal is a call
+#: onto the event loop, and a client binding 20,000 blocks sends many messages).
+TOUCH_EVERY_S = 1.0
 
 
 @dataclass(eq=False)
@@ -86,6 +91,7 @@ class _Connection:
     results: dict[str, str] = field(default_factory=dict)  # block -> segment id
     result_of: dict[str, str] = field(default_factory=dict)  # segment id -> block
     mapped_bytes: int = 0
+    touched_at: float = -math.inf  # when a message last renewed the session's lease
 
     def forget(self, segment_id: str) -> tuple[list[Segment], int]:
         """Drop ``segment_id`` (a segment, an arena with every slot bound in it, or a slot):
@@ -292,7 +298,7 @@ class SegmentHandover:
         try:
             while True:
                 try:
-                    data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_MESSAGE_BYTES, 1)
+                    data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_BIND_BYTES, 1)
                 except OSError:
                     return
                 if not data and not fds:
@@ -344,7 +350,9 @@ class SegmentHandover:
             return
         if not conn.session_id:
             raise InvalidInputError("the first handover message must be hello with a session_id")
-        if self._touch is not None:
+        now = time.monotonic()
+        if self._touch is not None and now - conn.touched_at >= TOUCH_EVERY_S:
+            conn.touched_at = now  # a lease lasts far longer; one renewal a second is plenty
             self._touch(conn.session_id)
         if isinstance(request, Bind):
             self._bind(conn, request)
@@ -412,37 +420,24 @@ class SegmentHandover:
         conn.result_of[segment_id] = block
 
     def _bind(self, conn: _Connection, request: Bind) -> None:
-        """Bind a block's slots in arenas of this connection (checked before any is bound)."""
+        """Bind blocks' slots in arenas of this connection (all checked before any is bound)."""
         with self._lock:
             slots = []
-            for binding in request.slots:
-                arena = conn.arenas.get(binding.arena_id)
-                mapping = conn.mappings.get(binding.arena_id)
-                if arena is None or mapping is None:
-                    raise InvalidInputError(
-                        f"block {request.block!r}: arena {binding.arena_id!r} was not handed "
-                        "over on this connection; attach it first"
+            fresh = 0
+            for entry in request.blocks:
+                for binding in entry.slots:
+                    slots.append(
+                        (entry.block, binding, *self._slot_locked(conn, entry.block, binding))
                     )
-                if binding.segment_id in conn.mappings:
-                    raise InvalidInputError(
-                        f"block {request.block!r}: slot id {binding.segment_id!r} names a "
-                        "handed-over segment or arena"
-                    )
-                try:
-                    slot = mapping.slot(binding.index, arena.slot_bytes)
-                except InvalidInputError as exc:
-                    raise InvalidInputError(
-                        f"block {request.block!r}: arena {binding.arena_id!r}: {exc}"
-                    ) from None
-                slots.append((binding, arena, slot))
-            fresh = sum(binding.segment_id not in conn.slot_of for binding in request.slots)
+                    fresh += binding.segment_id not in conn.slot_of
             if len(conn.slot_of) + fresh > self._max_slots:
                 raise InvalidInputError(
-                    f"block {request.block!r}: this connection would bind more than "
-                    f"{self._max_slots} arena slots; send further blocks in chunks"
+                    f"block {request.blocks[0].block!r} and the rest of this bind: the connection "
+                    f"would bind more than {self._max_slots} arena slots; send further blocks in "
+                    "chunks"
                 )
             released: list[Segment] = []
-            for binding, arena, slot in slots:
+            for block, binding, arena, slot in slots:
                 released += conn._unbind(binding.segment_id)
                 previous = arena.bound.get(binding.index)
                 if previous is not None:
@@ -451,8 +446,29 @@ class SegmentHandover:
                 conn.slot_of[binding.segment_id] = (binding.arena_id, binding.index)
                 conn.segments[binding.segment_id] = slot
                 if binding.role is SegmentRole.RESULT:
-                    self._bind_result_locked(conn, request.block, binding.segment_id)
+                    self._bind_result_locked(conn, block, binding.segment_id)
         self._release(released)
+
+    @staticmethod
+    def _slot_locked(conn: _Connection, block: str, binding: SlotBinding) -> tuple[_Arena, Segment]:
+        """The arena and the checked slot ``binding`` names (InvalidInputError naming the block
+        otherwise)."""
+        arena = conn.arenas.get(binding.arena_id)
+        mapping = conn.mappings.get(binding.arena_id)
+        if arena is None or mapping is None:
+            raise InvalidInputError(
+                f"block {block!r}: arena {binding.arena_id!r} was not handed over on this "
+                "connection; attach it first"
+            )
+        if binding.segment_id in conn.mappings:
+            raise InvalidInputError(
+                f"block {block!r}: slot id {binding.segment_id!r} names a handed-over segment "
+                "or arena"
+            )
+        try:
+            return arena, mapping.slot(binding.index, arena.slot_bytes)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"block {block!r}: arena {binding.arena_id!r}: {exc}") from None
 
     def _release(self, segments: list[Segment]) -> None:
         if segments and self._on_release is not None:

@@ -25,7 +25,7 @@ import pytest
 
 from asteria_client.transport import DaemonConnection, DaemonSource
 from asteria_client.transport.shm import HandoverChannel
-from asteria_server.protocol.handover import Attach, Bind, SegmentRole, SlotBinding
+from asteria_server.protocol.handover import Attach, Bind, BlockSlots, SegmentRole, SlotBinding
 from asteria_server.protocol.shm import (
     HEADER_BYTES,
     ArraySpec,
@@ -123,19 +123,21 @@ def test_a_bad_arena_or_slot_is_refused_with_a_clear_error(daemon: Daemon) -> No
         channel._request(
             Attach("a", arena.size_bytes, SegmentRole.ARENA, slot_bytes=slot_bytes), [fd]
         )
-        past = Bind("blk", (SlotBinding("s9", "a", 4, SegmentRole.SNAPSHOT),))
+        past = Bind((BlockSlots("blk", (SlotBinding("s9", "a", 4, SegmentRole.SNAPSHOT),)),))
         error = _refusal(channel, past, [])
         assert "'blk'" in error and "slot 4" in error and "does not lie in the arena" in error
         words = np.frombuffer(arena._mmap, dtype="<u8")
         words[slot_base(2, slot_bytes) // 8] = 0  # slot 2's magic
-        broken = Bind("blk", (SlotBinding("s2", "a", 2, SegmentRole.RESULT),))
+        broken = Bind((BlockSlots("blk", (SlotBinding("s2", "a", 2, SegmentRole.RESULT),)),))
         error = _refusal(channel, broken, [])
         assert "slot 2 of the arena does not hold an Asteria segment header" in error
-        unknown = Bind("blk", (SlotBinding("s0", "nope", 0, SegmentRole.SNAPSHOT),))
+        unknown = Bind((BlockSlots("blk", (SlotBinding("s0", "nope", 0, SegmentRole.SNAPSHOT),)),))
         assert "arena 'nope' was not handed over" in _refusal(channel, unknown, [])
         del words
         # A good slot binds; a bad request never broke the connection.
-        channel._request(Bind("blk", (SlotBinding("s1", "a", 1, SegmentRole.SNAPSHOT),)), [])
+        channel._request(
+            Bind((BlockSlots("blk", (SlotBinding("s1", "a", 1, SegmentRole.SNAPSHOT),)),)), []
+        )
         assert channel.alive()
         os.close(fd)
     finally:
