@@ -420,16 +420,19 @@ class SegmentHandover:
         conn.result_of[segment_id] = block
 
     def _bind(self, conn: _Connection, request: Bind) -> None:
-        """Bind blocks' slots in arenas of this connection (all checked before any is bound)."""
+        """Bind blocks' slots in arenas of this connection (all checked before any is bound).
+
+        The slots are made and checked without the lock, which the event loop takes for every
+        announced snapshot: a bind of a thousand blocks must not hold it up. (Only this
+        connection's thread changes its arenas and bindings; a connection dropped meanwhile
+        is cleared again by that thread on its way out.)"""
+        slots = [
+            (entry.block, binding, *self._slot_of(conn, entry.block, binding))
+            for entry in request.blocks
+            for binding in entry.slots
+        ]
         with self._lock:
-            slots = []
-            fresh = 0
-            for entry in request.blocks:
-                for binding in entry.slots:
-                    slots.append(
-                        (entry.block, binding, *self._slot_locked(conn, entry.block, binding))
-                    )
-                    fresh += binding.segment_id not in conn.slot_of
+            fresh = sum(binding.segment_id not in conn.slot_of for _, binding, _, _ in slots)
             if len(conn.slot_of) + fresh > self._max_slots:
                 raise InvalidInputError(
                     f"block {request.blocks[0].block!r} and the rest of this bind: the connection "
@@ -438,6 +441,8 @@ class SegmentHandover:
                 )
             released: list[Segment] = []
             for block, binding, arena, slot in slots:
+                if conn.arenas.get(binding.arena_id) is not arena:
+                    continue  # the arena went meanwhile (detached, or the connection dropped)
                 released += conn._unbind(binding.segment_id)
                 previous = arena.bound.get(binding.index)
                 if previous is not None:
@@ -450,7 +455,7 @@ class SegmentHandover:
         self._release(released)
 
     @staticmethod
-    def _slot_locked(conn: _Connection, block: str, binding: SlotBinding) -> tuple[_Arena, Segment]:
+    def _slot_of(conn: _Connection, block: str, binding: SlotBinding) -> tuple[_Arena, Segment]:
         """The arena and the checked slot ``binding`` names (InvalidInputError naming the block
         otherwise)."""
         arena = conn.arenas.get(binding.arena_id)
