@@ -291,6 +291,7 @@ class WorkerPool:
     def __init__(self, config: PoolConfig | None = None) -> None:
         self.config = config if config is not None else PoolConfig()
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_pending = False  # a wakeup byte was written and not drained yet
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._slots = [_Slot(i) for i in range(self.config.num_workers)]
@@ -397,6 +398,9 @@ class WorkerPool:
         """Interrupt a :meth:`poll` in progress (thread-safe, never blocks)."""
         if self._closed:
             return
+        if self._wake_pending:
+            return  # a byte is in the pipe: poll wakes anyway (one write, not one a submit)
+        self._wake_pending = True
         with contextlib.suppress(OSError):  # BlockingIOError: a wakeup is already pending
             os.write(self._wake_w, b"!")
 
@@ -599,6 +603,9 @@ class WorkerPool:
                     pass
             except BlockingIOError:
                 pass
+            # After the drain: a wakeup between the two wrote nothing, but its work is seen by
+            # the caller's look at the queue after this poll returns.
+            self._wake_pending = False
         for slot in list(self._slots):
             conn, process = slot.conn, slot.process
             if conn is not None and process is not None:
