@@ -100,9 +100,22 @@ class SubmitOutcome(enum.Enum):
 class SharedSegment(Protocol):
     """A shared-memory segment as the engine hands it on (``protocol.shm.Segment`` is one)."""
 
-    #: unique in this process while the segment lives (a descriptor number is reused, this not)
+    #: unique in this process while its mapping lives (a descriptor number is reused, this
+    #: not); an arena's slots share the arena's
     token: int
     size_bytes: int
+    #: the slot's index in its arena (-1: a whole segment)
+    slot_index: int
+
+    @property
+    def mapping(self) -> SharedSegment:
+        """What is mapped (and handed to a worker): a slot's arena, else the segment itself."""
+        ...
+
+    @property
+    def map_bytes(self) -> int:
+        """The size of :attr:`mapping`."""
+        ...
 
     def fileno(self) -> int:
         """A descriptor of the segment, open while this object lives."""

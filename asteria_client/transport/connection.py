@@ -38,6 +38,9 @@ from asteria_server.types import (
 
 #: Largest gRPC message this client sends or accepts (a 1 MiB chunk plus framing fits).
 MAX_MESSAGE_BYTES = 8 << 20
+#: Snapshots announced per AnnounceSnapshots call: a first refresh of 20,000 blocks in one call
+#: took the daemon longer than a call's deadline while other clients did the same.
+ANNOUNCE_BATCH = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,6 +270,11 @@ class DaemonConnection:
         daemon that does not know the call gets one :meth:`submit` per snapshot instead."""
         if not snapshots:
             return []
+        if len(snapshots) > ANNOUNCE_BATCH:  # each call within its deadline, whatever the model
+            out: list[SubmitOutcome | AsteriaError] = []
+            for start in range(0, len(snapshots), ANNOUNCE_BATCH):
+                out += self.announce(session, snapshots[start : start + ANNOUNCE_BATCH])
+            return out
         if not self._announce_supported:
             return self._announce_one_by_one(session, snapshots)
         request = pb.AnnounceSnapshotsRequest(
@@ -285,15 +293,15 @@ class DaemonConnection:
                 f"the daemon answered {len(reply.snapshots)} of {len(snapshots)} announced "
                 "snapshots"
             )
-        out: list[SubmitOutcome | AsteriaError] = []
+        answers: list[SubmitOutcome | AsteriaError] = []
         for answer in reply.snapshots:
             got = convert.announced_from_proto(answer)
             if isinstance(got, tuple):
                 code = _STATUS_CODES.get(got[0], grpc.StatusCode.UNKNOWN)
-                out.append(from_status(code, got[1]))
+                answers.append(from_status(code, got[1]))
             else:
-                out.append(got)
-        return out
+                answers.append(got)
+        return answers
 
     def _announce_one_by_one(
         self, session: SessionInfo, snapshots: list[tuple[SolveTask, SegmentRef]]

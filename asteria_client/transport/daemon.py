@@ -475,6 +475,7 @@ class DaemonSource(PreconditionerSource):
             return
         announced: list[tuple[_Block, SolveTask, SegmentRef]] = []
         chunked: list[tuple[_Block, SolveTask]] = []
+        self._create_many_segments(session, batch)
         for block, task in batch:
             if task.n > session.max_matrix_n:
                 self._reject(task, f"n={task.n} exceeds the daemon's max_matrix_n")
@@ -574,6 +575,28 @@ class DaemonSource(PreconditionerSource):
             return None
         ref = segment.write_snapshot(task)
         return ref if self._segments.is_attached(segment) else None
+
+    def _create_many_segments(
+        self, session: SessionInfo, batch: list[tuple[_Block, SolveTask]]
+    ) -> None:
+        """Give the batch's blocks that have none their segments at once (sender thread): a
+        first refresh of thousands of blocks hands them over in a few requests. Each block's
+        snapshot is written by ``_wire_form`` afterwards, on this thread (its only writer)."""
+        fresh = [
+            (block, task)
+            for block, task in batch
+            if block.snapshot_seg is None and not block.shm_error and task.n <= session.max_matrix_n
+        ]
+        if len(fresh) < 2:
+            return
+        made = self._segments.create_many([task for _, task in fresh])
+        if not made:
+            return
+        with self._lock:
+            for block, task in fresh:
+                pair = made.get(task.block)
+                if pair is not None:
+                    block.snapshot_seg, block.result_seg = pair
 
     def _create_segments(self, block: _Block, task: SolveTask) -> SegmentRef | None:
         """Give ``block`` its snapshot and result segments and hand them over (sender thread);
@@ -980,6 +1003,7 @@ class DaemonSource(PreconditionerSource):
                 "submits_rejected": sum(b.rejected for b in self._blocks.values()),
                 "transport": "shm" if self._segments.active else "grpc",
                 "shm_segments": len(self._segments),
+                "shm_mappings": self._segments.num_mappings,
                 "shm_rehandovers": self._segments.rehandovers,
                 "shm_refusals": self._segments.refusals,
                 "shm_blocks_refused": sum(bool(b.shm_error) for b in self._blocks.values()),

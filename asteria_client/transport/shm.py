@@ -1,7 +1,10 @@
 """The client's side of the shared-memory transport: its segments and the handover connection.
 
 When the daemon is on this host (``unix://`` address) and offers a handover socket in its
-``OpenSession`` answer, the daemon source gives every block two segments (``protocol.shm``):
+``OpenSession`` answer, the daemon source gives every block two segments (``protocol.shm``),
+each a slot of an arena (:class:`ClientArena`: many blocks' slots of one size in one memfd, so
+that 20,000 blocks take a few descriptors, not 80,000), or, with a daemon that predates arenas,
+a memfd of its own:
 
 - a **snapshot segment**, which the daemon source's sender thread (its only writer) fills
   under the seqlock from the pinned host buffer a step's snapshots were packed into
@@ -32,20 +35,27 @@ import numpy as np
 from asteria_client.transport.peer import UntrustedDaemonError, check_peer
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.handover import (
+    MAX_BIND_BLOCKS,
+    MAX_BIND_BYTES,
     MAX_MESSAGE_BYTES,
     Attach,
+    Bind,
+    BlockSlots,
     Detach,
     HandoverRequest,
     Hello,
     SegmentRole,
+    SlotBinding,
     decode_reply,
     encode_request,
 )
 from asteria_server.protocol.shm import (
+    HEADER_BYTES,
     ArraySpec,
     Segment,
     SegmentRef,
     SharedMemoryUnavailableError,
+    create_arena,
     create_segment,
     result_layout,
     segment_bytes,
@@ -56,17 +66,21 @@ from asteria_server.types import SolveTask
 
 #: The handover connection's timeout for each request.
 HANDOVER_TIMEOUT_S = 10.0
+#: Bytes a bind request's blocks may take (less room for its envelope).
+_BIND_ROOM = MAX_BIND_BYTES - 512
 
 
 @dataclass(eq=False)
 class ClientSegment:
-    """A segment this client created: its id, descriptor, mapping and purpose."""
+    """A segment this client created, or a slot of one of its arenas: its id, descriptor,
+    mapping and purpose."""
 
     segment_id: str
-    fd: int
+    fd: int  # a slot's is its arena's (the arena owns it)
     segment: Segment
     role: str  # "snapshot" or "result"
     block: str  # the block's name on the daemon
+    arena: ClientArena | None = None  # set for a slot
 
     @classmethod
     def create(cls, role: str, block: str, specs: Sequence[ArraySpec]) -> ClientSegment:
@@ -89,9 +103,58 @@ class ClientSegment:
         return SegmentRef(self.segment_id, sequence)
 
     def close(self) -> None:
+        if self.arena is not None:  # a slot: back to its arena, whose descriptor stays
+            self.segment.close()
+            self.arena.free.append(self.segment.slot_index)
+            return
         with contextlib.suppress(OSError):
             os.close(self.fd)
         self.segment.close()
+
+
+@dataclass(eq=False)
+class ClientArena:
+    """An arena this client created (``protocol.shm.create_arena``): many blocks' slots of one
+    size in one memfd, handed over once. ``free`` lists the slots no block holds."""
+
+    segment_id: str
+    fd: int
+    segment: Segment
+    slot_bytes: int
+    free: list[int]
+
+    @classmethod
+    def create(cls, slot_bytes: int, num_slots: int) -> ClientArena:
+        fd, segment = create_arena(slot_bytes, num_slots)
+        return cls(uuid.uuid4().hex, fd, segment, slot_bytes, list(range(num_slots - 1, -1, -1)))
+
+    @property
+    def num_slots(self) -> int:
+        return (self.segment.size_bytes - HEADER_BYTES) // self.slot_bytes
+
+    def take(self, role: str, block: str) -> ClientSegment | None:
+        """A free slot as a segment for ``block`` (its id made here), or None when full."""
+        if not self.free:
+            return None
+        index = self.free.pop()
+        slot = self.segment.slot(index, self.slot_bytes)
+        # Named after the arena (unique per connection) and the slot: short, in every bind.
+        return ClientSegment(f"{self.segment_id[:16]}.{index}", self.fd, slot, role, block, self)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.segment.close()
+
+
+def slot_sizes(task: SolveTask) -> tuple[int, int]:
+    """The sizes of ``task``'s block's snapshot and result segments (or slots): the largest
+    snapshot at the dtype of its arrays, and the largest result of its kind."""
+    itemsize = max(a.dtype.itemsize for a in (task.matrix, task.basis) if a is not None)
+    return (
+        segment_bytes(snapshot_layout(task.n, task.kind, itemsize)),
+        segment_bytes(result_layout(task.n, task.kind)),
+    )
 
 
 def segments_for(task: SolveTask) -> tuple[ClientSegment, ClientSegment]:
@@ -139,6 +202,63 @@ class HandoverChannel:
         """Hand ``seg`` over (again); raises SharedMemoryUnavailableError when refused."""
         request = Attach(seg.segment_id, seg.segment.size_bytes, SegmentRole(seg.role), seg.block)
         self._request(request, [seg.fd])
+
+    def attach_arena(self, arena: ClientArena) -> None:
+        """Hand ``arena`` over (again); raises SharedMemoryUnavailableError when refused (a
+        daemon that predates arenas refuses the role)."""
+        request = Attach(
+            arena.segment_id,
+            arena.segment.size_bytes,
+            SegmentRole.ARENA,
+            slot_bytes=arena.slot_bytes,
+        )
+        self._request(request, [arena.fd])
+
+    def bind(self, pairs: Sequence[Sequence[ClientSegment]]) -> tuple[set[str], list[str]]:
+        """Bind each block's slots (a pair of one block, in arenas handed over before), a few
+        hundred blocks a request; the blocks bound, and the daemon's refusals (a refused
+        request binds none of its blocks). Raises SharedMemoryUnavailableError when the
+        connection fails."""
+        bound: set[str] = set()
+        errors: list[str] = []
+        batch: list[BlockSlots] = []
+        size = 0
+        for pair in pairs:
+            entry = BlockSlots(
+                pair[0].block,
+                tuple(
+                    SlotBinding(
+                        s.segment_id,
+                        s.arena.segment_id if s.arena is not None else "",
+                        s.segment.slot_index,
+                        SegmentRole(s.role),
+                    )
+                    for s in pair
+                ),
+            )
+            cost = (
+                len(entry.block.encode())
+                + sum(len(b.segment_id) + len(b.arena_id) + 32 for b in entry.slots)
+                + 8
+            )
+            if batch and (size + cost > _BIND_ROOM or len(batch) >= MAX_BIND_BLOCKS):
+                self._bind_batch(batch, bound, errors)
+                batch, size = [], 0
+            batch.append(entry)
+            size += cost
+        if batch:
+            self._bind_batch(batch, bound, errors)
+        return bound, errors
+
+    def _bind_batch(self, batch: list[BlockSlots], bound: set[str], errors: list[str]) -> None:
+        try:
+            self._request(Bind(tuple(batch)), [])
+        except SharedMemoryUnavailableError as exc:
+            if not self.alive():
+                raise
+            errors.append(str(exc))
+            return
+        bound.update(entry.block for entry in batch)
 
     def detach(self, seg: ClientSegment) -> None:
         self._request(Detach(seg.segment_id), [])

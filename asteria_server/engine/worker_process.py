@@ -67,18 +67,27 @@ def _map_handed(conn: Connection, msg: dict[str, Any], cache: dict[int, Segment]
     fds = receive_segment_fds(conn, len(entries))
     for (token, size), fd in zip(entries, fds, strict=True):
         try:
-            cache[token] = map_segment(fd, size)  # checks seals, size and header
+            cache[token] = map_segment(fd, size, arena=None)  # checks seals, size and header
         except Exception:
             cache.pop(token, None)  # the task that needs it reports the error
         finally:
             os.close(fd)
 
 
-def _segment(cache: dict[int, Segment], token: int) -> Segment:
+def _segment(cache: dict[int, Segment], where: tuple[int, int, int]) -> Segment:
+    """The segment ``where`` names: a whole mapping, or a slot of a mapped arena."""
+    token, index, size = where
     segment = cache.get(token)
     if segment is None:
         raise SolverError("its shared-memory segment could not be mapped (not a sealed segment)")
-    return segment
+    if index < 0:
+        if segment.is_arena:
+            raise SolverError("its shared-memory segment is an arena, but no slot was named")
+        return segment
+    try:
+        return segment.slot(index, size)
+    except InvalidInputError as exc:
+        raise SolverError(str(exc)) from None
 
 
 def _snapshot_specs(msg: dict[str, Any]) -> list[ArraySpec]:
@@ -149,9 +158,9 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment])
     faults.inject_before_solve(fault)
     job = msg["job"]
     try:
-        token, sequence, _ = msg["snapshot"]
+        where, sequence, _ = msg["snapshot"]
         specs = _snapshot_specs(msg)
-        segment = _segment(cache, token)
+        segment = _segment(cache, where)
 
         def read(views: list[np.ndarray]) -> tuple[SolveTask, CheckedInput]:
             # The task names the segment's views; the solver reads them once, here, into its

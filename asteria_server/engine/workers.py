@@ -99,6 +99,12 @@ def _note_death(died: set[int], token: int, _: object) -> None:
     died.add(token)
 
 
+def _where(segment: SharedSegment) -> tuple[int, int, int]:
+    """How a worker finds ``segment``: its mapping's token, its slot index there (-1: the whole
+    mapping) and its size."""
+    return (segment.token, segment.slot_index, segment.size_bytes)
+
+
 def _process_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped by a signal or a tracer (``/proc/<pid>/stat``)."""
     try:
@@ -285,6 +291,7 @@ class WorkerPool:
     def __init__(self, config: PoolConfig | None = None) -> None:
         self.config = config if config is not None else PoolConfig()
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_pending = False  # a wakeup byte was written and not drained yet
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._slots = [_Slot(i) for i in range(self.config.num_workers)]
@@ -391,6 +398,9 @@ class WorkerPool:
         """Interrupt a :meth:`poll` in progress (thread-safe, never blocks)."""
         if self._closed:
             return
+        if self._wake_pending:
+            return  # a byte is in the pipe: poll wakes anyway (one write, not one a submit)
+        self._wake_pending = True
         with contextlib.suppress(OSError):  # BlockingIOError: a wakeup is already pending
             os.write(self._wake_w, b"!")
 
@@ -517,8 +527,8 @@ class WorkerPool:
             "exponent": float(task.exponent),
             "epsilon": float(task.epsilon),
             "base_version": task.base_version,
-            "snapshot": (source.token, sequence, [(s.dtype.str, s.shape) for s in specs]),
-            "result": result_to.token,
+            "snapshot": (_where(source), sequence, [(s.dtype.str, s.shape) for s in specs]),
+            "result": _where(result_to),
             "release": release,
             "map": [(seg.token, seg.size_bytes) for seg in hand],  # their fds follow
             "fault": None if fault is None else fault.value,
@@ -543,8 +553,8 @@ class WorkerPool:
         """Which segments the worker should unmap (tokens) and which it must be handed (their
         descriptors follow the message), to use the segments ``using`` now."""
         handed, died = slot.handed, slot.died
-        hand = []
-        for seg in using:
+        hand: list[SharedSegment] = []
+        for seg in (s.mapping for s in using):  # an arena slot: its arena is what is mapped
             if seg.token in handed:
                 handed.move_to_end(seg.token)
             elif seg not in hand:
@@ -593,6 +603,9 @@ class WorkerPool:
                     pass
             except BlockingIOError:
                 pass
+            # After the drain: a wakeup between the two wrote nothing, but its work is seen by
+            # the caller's look at the queue after this poll returns.
+            self._wake_pending = False
         for slot in list(self._slots):
             conn, process = slot.conn, slot.process
             if conn is not None and process is not None:

@@ -18,7 +18,22 @@ Every message is a UTF-8 JSON object of at most :data:`MAX_MESSAGE_BYTES` bytes 
                       ``snapshot`` (the client writes snapshots there) or ``result`` (the
                       daemon's solver writes block ``block``'s results there). Re-attaching an
                       id replaces the segment.
-``detach``            ``{"v", "op": "detach", "segment_id"}``: forget a segment.
+
+Reply: ``{"v", "ok": true}`` (``ticket`` added for a ticket) or ``{"v", "ok": false, "error":
+"..."}``. A message of another
+=======
+``detach``            ``{"v", "op": "detach", "segment_id"}``: forget a segment (an arena:
+                      and every slot bound in it).
+``attach`` an arena   ``{"v", "op": "attach", "segment_id", "size_bytes", "role": "arena",
+(+1 fd)               "slot_bytes"}``: map an arena (``protocol.shm.create_arena``) of slots of
+                      ``slot_bytes`` each; it holds nothing until slots are bound.
+``bind``              ``{"v", "op": "bind", "blocks": [[block, [[segment_id, arena_id, index,
+                      role], ...]], ...]}``: for each block, slot ``index`` of the session's arena
+                      ``arena_id`` is segment ``segment_id`` from now on (one or two a block: its
+                      snapshot and result slots), with ``role`` snapshot or result as for
+                      ``attach``. Many blocks a message (up to :data:`MAX_BIND_BYTES`), all
+                      checked before any is bound. Rebinding an id or a slot replaces the old
+                      binding.
 ``ticket``            ``{"v", "op": "ticket"}``: a caller ticket (before ``hello``, or without
                       one). The daemon reads the connecting process's credentials
                       (``SO_PEERCRED``) and answers ``{"v", "ok": true, "ticket"}``; the client
@@ -28,6 +43,11 @@ Every message is a UTF-8 JSON object of at most :data:`MAX_MESSAGE_BYTES` bytes 
                       guesses cannot lock another tenant's processes out. A daemon that
                       predates it refuses the op; the client then goes without.
 ====================  =========================================================================
+
+Arenas and ``bind`` came later than the rest: a daemon that predates them refuses an arena's
+``attach`` (role) and ``bind`` (op) with an error, and its client goes back to one segment per
+block (see ``asteria_client.transport.segments``). Once bound, a slot is named in gRPC calls by
+its ``segment_id`` like any segment, so the gRPC side did not change.
 
 Reply: ``{"v", "ok": true}`` (``ticket`` added for a ticket) or ``{"v", "ok": false, "error":
 "..."}``. A message of another
@@ -47,8 +67,14 @@ from asteria_server.errors import InvalidInputError
 
 #: The version of this sub-protocol; both ends send it in every message.
 HANDOVER_VERSION = 1
-#: Largest handover message, either way.
+#: Largest handover message, either way, but a bind.
 MAX_MESSAGE_BYTES = 4096
+#: Largest bind message (many blocks' slots: one message per few hundred blocks, not one a block,
+#: since a daemon's handover thread competes for the GIL with its event loop). A daemon reads
+#: requests of up to this many bytes.
+MAX_BIND_BYTES = 1 << 16
+#: Most blocks in one bind message.
+MAX_BIND_BLOCKS = 1024
 
 
 class SegmentRole(enum.Enum):
@@ -56,6 +82,7 @@ class SegmentRole(enum.Enum):
 
     SNAPSHOT = "snapshot"
     RESULT = "result"
+    ARENA = "arena"  # many slots, each bound to a block's snapshot or result by Bind
 
 
 @dataclass(frozen=True)
@@ -73,6 +100,33 @@ class Attach:
     size_bytes: int
     role: SegmentRole
     block: str = ""  # the block whose results a RESULT segment receives
+    slot_bytes: int = 0  # an ARENA's slot size
+
+
+@dataclass(frozen=True)
+class SlotBinding:
+    """Slot ``index`` of arena ``arena_id`` serves as segment ``segment_id`` (role SNAPSHOT or
+    RESULT)."""
+
+    segment_id: str
+    arena_id: str
+    index: int
+    role: SegmentRole
+
+
+@dataclass(frozen=True)
+class BlockSlots:
+    """A block's slots (its snapshot and/or result slot) in arenas handed over before."""
+
+    block: str
+    slots: tuple[SlotBinding, ...]
+
+
+@dataclass(frozen=True)
+class Bind:
+    """Bind many blocks' slots in one request."""
+
+    blocks: tuple[BlockSlots, ...]
 
 
 @dataclass(frozen=True)
@@ -87,7 +141,7 @@ class Ticket:
     """Ask for a caller ticket (see the module)."""
 
 
-HandoverRequest = Hello | Attach | Detach | Ticket
+HandoverRequest = Hello | Attach | Detach | Bind | Ticket
 
 
 @dataclass(frozen=True)
@@ -99,9 +153,9 @@ class Reply:
     ticket: str = ""  # the answer to a Ticket request
 
 
-def _encode(fields: dict[str, Any]) -> bytes:
-    data = json.dumps({"v": HANDOVER_VERSION, **fields}).encode()
-    if len(data) > MAX_MESSAGE_BYTES:
+def _encode(fields: dict[str, Any], limit: int = MAX_MESSAGE_BYTES) -> bytes:
+    data = json.dumps({"v": HANDOVER_VERSION, **fields}, separators=(",", ":")).encode()
+    if len(data) > limit:
         raise InvalidInputError(
             f"handover message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES} (a block name "
             "that long cannot use shared memory)"
@@ -137,15 +191,22 @@ def encode_request(request: HandoverRequest) -> bytes:
     if isinstance(request, Hello):
         return _encode({"op": "hello", "session_id": request.session_id})
     if isinstance(request, Attach):
-        return _encode(
-            {
-                "op": "attach",
-                "segment_id": request.segment_id,
-                "size_bytes": request.size_bytes,
-                "role": request.role.value,
-                "block": request.block,
-            }
-        )
+        fields = {
+            "op": "attach",
+            "segment_id": request.segment_id,
+            "size_bytes": request.size_bytes,
+            "role": request.role.value,
+            "block": request.block,
+        }
+        if request.role is SegmentRole.ARENA:
+            fields["slot_bytes"] = request.slot_bytes
+        return _encode(fields)
+    if isinstance(request, Bind):
+        blocks = [
+            [entry.block, [[b.segment_id, b.arena_id, b.index, b.role.value] for b in entry.slots]]
+            for entry in request.blocks
+        ]
+        return _encode({"op": "bind", "blocks": blocks}, MAX_BIND_BYTES)
     if isinstance(request, Ticket):
         return _encode({"op": "ticket"})
     return _encode({"op": "detach", "segment_id": request.segment_id})
@@ -159,10 +220,14 @@ def decode_request(data: bytes) -> HandoverRequest:
         return Hello(_str(message, "session_id"))
     if op == "detach":
         return Detach(_str(message, "segment_id"))
+    if op == "bind":
+        return _decode_bind(message)
     if op == "ticket":
         return Ticket()
     if op != "attach":
-        raise InvalidInputError(f"unknown handover op {op!r} (hello, attach, detach or ticket)")
+        raise InvalidInputError(
+            f"unknown handover op {op!r} (hello, attach, bind, detach or ticket)"
+        )
     size = message.get("size_bytes")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InvalidInputError(f"handover attach needs size_bytes >= 1, got {size!r}")
@@ -170,10 +235,52 @@ def decode_request(data: bytes) -> HandoverRequest:
         role = SegmentRole(message.get("role"))
     except ValueError:
         raise InvalidInputError(
-            f"handover attach needs role snapshot or result, got {message.get('role')!r}"
+            f"handover attach needs role snapshot, result or arena, got {message.get('role')!r}"
         ) from None
     block = _str(message, "block", required=role is SegmentRole.RESULT)
-    return Attach(_str(message, "segment_id"), size, role, block)
+    slot_bytes: Any = 0
+    if role is SegmentRole.ARENA:
+        slot_bytes = message.get("slot_bytes")
+        if not isinstance(slot_bytes, int) or isinstance(slot_bytes, bool) or slot_bytes < 1:
+            raise InvalidInputError(
+                f"handover attach of an arena needs slot_bytes >= 1, got {slot_bytes!r}"
+            )
+    return Attach(_str(message, "segment_id"), size, role, block, slot_bytes)
+
+
+def _decode_bind(message: dict[str, Any]) -> Bind:
+    blocks = message.get("blocks")
+    if not isinstance(blocks, list) or not 1 <= len(blocks) <= MAX_BIND_BLOCKS:
+        raise InvalidInputError(f"handover bind needs 1 to {MAX_BIND_BLOCKS} blocks")
+    return Bind(tuple(_decode_block_slots(entry) for entry in blocks))
+
+
+def _decode_block_slots(entry: Any) -> BlockSlots:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]):
+        raise InvalidInputError(f"handover bind: each block is [name, slots], got {entry!r:.200}")
+    block, slots = entry
+    if not isinstance(slots, list) or not 1 <= len(slots) <= 2:
+        raise InvalidInputError(f"handover bind of block {block!r} needs one or two slots")
+    bindings = []
+    for slot in slots:
+        if not (
+            isinstance(slot, list)
+            and len(slot) == 4
+            and isinstance(slot[0], str)
+            and slot[0]
+            and isinstance(slot[1], str)
+            and slot[1]
+            and isinstance(slot[2], int)
+            and not isinstance(slot[2], bool)
+            and slot[2] >= 0
+            and slot[3] in (SegmentRole.SNAPSHOT.value, SegmentRole.RESULT.value)
+        ):
+            raise InvalidInputError(
+                f"handover bind of block {block!r}: each slot is [segment_id, arena_id, "
+                f"index >= 0, 'snapshot' or 'result'], got {slot!r:.200}"
+            )
+        bindings.append(SlotBinding(slot[0], slot[1], slot[2], SegmentRole(slot[3])))
+    return BlockSlots(block, tuple(bindings))
 
 
 def encode_reply(reply: Reply) -> bytes:

@@ -41,6 +41,18 @@ writer that rewrites the header cannot make a reader look past the mapping. The 
 and written as an aligned 8-byte word, which x86-64 and AArch64 load and store atomically; the
 copies around it are separate calls into C, so neither compiler nor CPU (x86's total store order)
 moves them across.
+
+**Arenas: many blocks, one descriptor.** A segment per block costs descriptors (a memfd and its
+mapping's duplicate, on both sides) and a mapping, so a training process of 20,000 blocks could not
+give every block its own pair: the descriptor limits sent most of them over gRPC. An *arena* is one
+memfd that holds many *slots* of one size: ``arena header | slot 0 | slot 1 | ...``, where the arena
+header (one page, :data:`ARENA_MAGIC`, the capacity after it and the slot size) is followed by
+equal slots, and every slot has exactly the layout of a segment above (its own magic, capacity and
+seqlock word, then its arrays). :meth:`Segment.slot` gives slot ``i`` as a :class:`Segment` that
+views only its own bytes of the arena's one mapping: everything that reads or writes a segment works
+on a slot unchanged, and a slot's views are bounded by its own size (checked against the mapping
+when the slot is made), so a slot never reaches into its neighbour's bytes. Slots of one arena
+share its mapping, its descriptor and its :attr:`Segment.token`.
 """
 
 from __future__ import annotations
@@ -64,8 +76,10 @@ import numpy as np
 from asteria_server.errors import AsteriaError, InvalidInputError
 from asteria_server.types import SolveKind, SolveResult, SolveTask
 
-#: "ASTSHM01" as a little-endian u64: the first word of every segment.
+#: "ASTSHM01" as a little-endian u64: the first word of every segment (and of every arena slot).
 MAGIC = int.from_bytes(b"ASTSHM01", "little")
+#: "ASTARN01": the first word of an arena (a segment of many slots).
+ARENA_MAGIC = int.from_bytes(b"ASTARN01", "little")
 #: Bytes before the first array: one page, so the arrays start page-aligned.
 HEADER_BYTES = 4096
 #: Every array starts at a multiple of this many bytes.
@@ -73,6 +87,7 @@ ARRAY_ALIGN = 64
 #: The seals a segment must carry before the daemon maps it.
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _MAGIC_AT, _SEQUENCE_AT, _CAPACITY_AT = 0, 1, 2  # u64 word indices in the header
+_SLOT_BYTES_AT = 3  # an arena's header: the size of each of its slots
 T = TypeVar("T")
 
 
@@ -196,25 +211,98 @@ def private_result(result: SolveResult) -> SolveResult | None:
 
 
 class Segment:
-    """A mapped segment: its sequence word and views of its arrays.
+    """A mapped segment, or one slot of a mapped arena: its sequence word and views of its arrays.
 
-    Create one with :func:`create_segment` (client) or :func:`map_segment` (daemon). Closing the
-    descriptor or the mapping never frees the memory while the other side still maps it.
+    Create one with :func:`create_segment` / :func:`create_arena` (client) or
+    :func:`map_segment` (daemon), and an arena's slots with :meth:`slot`. Closing the descriptor
+    or the mapping never frees the memory while the other side still maps it.
     """
 
-    def __init__(self, buffer: mmap.mmap, size_bytes: int, fd: int | None = None) -> None:
+    # A daemon holds one per arena slot, two per block: no __dict__ each.
+    __slots__ = (
+        "__weakref__",
+        "_arena",
+        "_fd",
+        "_fd_closer",
+        "_mmap",
+        "_words",
+        "base",
+        "is_arena",
+        "size_bytes",
+        "slot_index",
+        "token",
+    )
+
+    def __init__(
+        self,
+        buffer: mmap.mmap,
+        size_bytes: int,
+        fd: int | None = None,
+        *,
+        base: int = 0,
+        arena: Segment | None = None,
+    ) -> None:
         self._mmap = buffer
+        #: This segment's bytes (a slot's own, never its arena's): what bounds every view.
         self.size_bytes = size_bytes
-        self._words = np.frombuffer(buffer, dtype="<u8", count=3)
-        #: Unique in this process while the segment lives: how a solver worker's cache of
-        #: mappings names it (a descriptor number can be reused, this cannot).
-        self.token = next(_TOKENS)
+        #: Where this segment starts in its mapping (0, or a slot's offset in its arena).
+        self.base = base
+        self._words = np.frombuffer(buffer, dtype="<u8", count=4 if base == 0 else 3, offset=base)
+        self._arena = arena  # a slot keeps its arena (and so the mapping) alive
+        #: The slot's index in its arena; -1 for a whole segment (or an arena itself).
+        self.slot_index = -1
+        self.is_arena = False
+        #: Unique in this process while the mapping lives: how a solver worker's cache of
+        #: mappings names it (a descriptor number can be reused, this cannot). Slots share
+        #: their arena's.
+        self.token: int = next(_TOKENS) if arena is None else arena.token
         self._fd = fd
         if fd is not None:  # closed with the segment, or when the last reference goes
             self._fd_closer = weakref.finalize(self, _close_fd, fd)
 
+    @property
+    def mapping(self) -> Segment:
+        """The segment whose mapping this one views: its arena for a slot, else itself."""
+        return self if self._arena is None else self._arena
+
+    @property
+    def map_bytes(self) -> int:
+        """The size of the whole mapping (an arena's for a slot)."""
+        return self.mapping.size_bytes
+
+    def slot(self, index: int, slot_bytes: int) -> Segment:
+        """Slot ``index`` of this arena, whose slots are ``slot_bytes`` each, as a segment of its
+        own; InvalidInputError (the client's fault) when this is no arena of such slots, the slot
+        lies outside it, or it holds no segment header."""
+        if not self.is_arena:
+            raise InvalidInputError("a slot was named in a segment that is not an arena")
+        base = slot_base(index, slot_bytes)
+        if (
+            index < 0
+            or slot_bytes < HEADER_BYTES
+            or slot_bytes % mmap.PAGESIZE
+            or base + slot_bytes > self.size_bytes
+        ):
+            raise InvalidInputError(
+                f"slot {index} of {slot_bytes} bytes does not lie in the arena of "
+                f"{self.size_bytes} bytes"
+            )
+        slot = Segment(self._mmap, slot_bytes, base=base, arena=self)
+        slot.slot_index = index
+        if int(slot._words[_MAGIC_AT]) != MAGIC or int(slot._words[_CAPACITY_AT]) != (
+            slot_bytes - HEADER_BYTES
+        ):
+            raise InvalidInputError(
+                f"slot {index} of the arena does not hold an Asteria segment header (magic and "
+                f"capacity {slot_bytes - HEADER_BYTES})"
+            )
+        return slot
+
     def fileno(self) -> int:
-        """A descriptor of the segment this object holds open (to pass it to a solver worker)."""
+        """A descriptor of the segment this object holds open (to pass it to a solver worker);
+        a slot's is its arena's."""
+        if self._arena is not None:
+            return self._arena.fileno()
         if self._fd is None:
             raise ValueError("this segment was mapped without keeping a descriptor")
         return self._fd
@@ -237,8 +325,9 @@ class Segment:
                 f"the arrays need {needed} bytes but the shared-memory segment holds "
                 f"{self.capacity_bytes}; the client must hand over a larger segment"
             )
+        base = self.base
         return [
-            np.frombuffer(self._mmap, dtype=spec.dtype, count=count, offset=offset).reshape(
+            np.frombuffer(self._mmap, dtype=spec.dtype, count=count, offset=base + offset).reshape(
                 spec.shape
             )
             for spec, (offset, count) in zip(specs, places, strict=True)
@@ -304,7 +393,12 @@ class Segment:
         return value
 
     def close(self) -> None:
-        """Drop this side's mapping once no view of it is left (NumPy views keep it alive)."""
+        """Drop this side's mapping once no view of it is left (NumPy views keep it alive). A
+        slot drops only its hold on its arena, which goes with its last slot and owner."""
+        if self._arena is not None:
+            del self._words
+            self._arena = None
+            return
         if self._fd is not None:
             self._fd_closer()
         del self._words
@@ -312,16 +406,18 @@ class Segment:
             self._mmap.close()
 
 
-def create_segment(
-    size_bytes: int, *, name: str = "asteria", own_fd: bool = False
-) -> tuple[int, Segment]:
-    """A new sealed, reserved, pre-faulted segment of ``size_bytes`` (whole pages) and its fd.
-    With ``own_fd`` the segment closes the fd when it is closed or collected (its
-    :meth:`Segment.fileno`); else the caller owns it.
+def slot_base(index: int, slot_bytes: int) -> int:
+    """Where slot ``index`` of an arena of ``slot_bytes`` slots starts: after the arena's header."""
+    return HEADER_BYTES + index * slot_bytes
 
-    Raises :class:`SharedMemoryUnavailableError` with the reason when this host cannot provide
-    it (no memfd, out of memory, a file-size limit, ...): the caller should fall back to gRPC.
-    """
+
+def arena_bytes(slot_bytes: int, num_slots: int) -> int:
+    """The size of an arena of ``num_slots`` slots of ``slot_bytes`` (whole pages) each."""
+    return slot_base(num_slots, slot_bytes)
+
+
+def _memfd(size_bytes: int, name: str) -> tuple[int, mmap.mmap]:
+    """A sealed, reserved, pre-faulted memfd of ``size_bytes`` and its mapping."""
     if size_bytes < HEADER_BYTES or size_bytes % mmap.PAGESIZE:
         raise InvalidInputError(
             f"a segment must be whole pages of at least {HEADER_BYTES} bytes, got {size_bytes}"
@@ -350,18 +446,63 @@ def create_segment(
     except BaseException:
         os.close(fd)
         raise
+    return fd, buffer
+
+
+def create_segment(
+    size_bytes: int, *, name: str = "asteria", own_fd: bool = False
+) -> tuple[int, Segment]:
+    """A new sealed, reserved, pre-faulted segment of ``size_bytes`` (whole pages) and its fd.
+    With ``own_fd`` the segment closes the fd when it is closed or collected (its
+    :meth:`Segment.fileno`); else the caller owns it.
+
+    Raises :class:`SharedMemoryUnavailableError` with the reason when this host cannot provide
+    it (no memfd, out of memory, a file-size limit, ...): the caller should fall back to gRPC.
+    """
+    fd, buffer = _memfd(size_bytes, name)
     segment = Segment(buffer, size_bytes, fd if own_fd else None)
     segment._words[_CAPACITY_AT] = size_bytes - HEADER_BYTES
     segment._words[_MAGIC_AT] = MAGIC
     return fd, segment
 
 
-def map_segment(fd: int, size_bytes: int, *, keep_fd: bool = False) -> Segment:
+def create_arena(
+    slot_bytes: int, num_slots: int, *, name: str = "asteria-arena"
+) -> tuple[int, Segment]:
+    """A new arena of ``num_slots`` slots of ``slot_bytes`` (whole pages) each, sealed, reserved
+    and pre-faulted, every slot's header written; and its fd, which the caller owns. Raises
+    :class:`SharedMemoryUnavailableError` as :func:`create_segment` does."""
+    if num_slots < 1 or slot_bytes < HEADER_BYTES or slot_bytes % mmap.PAGESIZE:
+        raise InvalidInputError(
+            f"an arena needs at least one slot of whole pages >= {HEADER_BYTES} bytes, got "
+            f"{num_slots} of {slot_bytes}"
+        )
+    size_bytes = arena_bytes(slot_bytes, num_slots)
+    fd, buffer = _memfd(size_bytes, name)
+    words = np.frombuffer(buffer, dtype="<u8")
+    stride = slot_bytes // 8
+    first = HEADER_BYTES // 8
+    words[first + _CAPACITY_AT :: stride] = slot_bytes - HEADER_BYTES  # every slot's header
+    words[first + _MAGIC_AT :: stride] = MAGIC
+    del words
+    arena = Segment(buffer, size_bytes)
+    arena.is_arena = True
+    arena._words[_SLOT_BYTES_AT] = slot_bytes
+    arena._words[_CAPACITY_AT] = size_bytes - HEADER_BYTES
+    arena._words[_MAGIC_AT] = ARENA_MAGIC
+    return fd, arena
+
+
+def map_segment(
+    fd: int, size_bytes: int, *, keep_fd: bool = False, arena: bool | None = False
+) -> Segment:
     """Map a segment received from a client, after checking it cannot be resized under us.
 
-    Raises InvalidInputError (the client's fault) when the descriptor is not a sealed memfd of
-    ``size_bytes`` bytes holding a segment. Does not close ``fd``; with ``keep_fd`` the segment
-    holds a duplicate of it (:meth:`Segment.fileno`) until it is closed or collected.
+    ``arena``: False maps a segment, True an arena (:func:`create_arena`), None either (what its
+    header says). Raises InvalidInputError (the client's fault) when the descriptor is not a
+    sealed memfd of ``size_bytes`` bytes holding such a header. Does not close ``fd``; with
+    ``keep_fd`` the segment holds a duplicate of it (:meth:`Segment.fileno`) until it is closed
+    or collected.
     """
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -382,9 +523,11 @@ def map_segment(fd: int, size_bytes: int, *, keep_fd: bool = False) -> Segment:
         )
     buffer = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
     segment = Segment(buffer, size_bytes, os.dup(fd) if keep_fd else None)
-    if int(segment._words[_MAGIC_AT]) != MAGIC or int(segment._words[_CAPACITY_AT]) != (
-        size_bytes - HEADER_BYTES
-    ):
+    magic = int(segment._words[_MAGIC_AT])
+    wanted = {False: (MAGIC,), True: (ARENA_MAGIC,), None: (MAGIC, ARENA_MAGIC)}[arena]
+    if magic not in wanted or int(segment._words[_CAPACITY_AT]) != (size_bytes - HEADER_BYTES):
         segment.close()
-        raise InvalidInputError("the handed-over segment does not hold an Asteria segment header")
+        what = "an Asteria arena" if arena else "an Asteria segment"
+        raise InvalidInputError(f"the handed-over segment does not hold {what} header")
+    segment.is_arena = magic == ARENA_MAGIC
     return segment

@@ -3,7 +3,12 @@
 The sub-protocol spoken there (messages, versions) is specified in
 :mod:`asteria_server.protocol.handover`; this module serves it. A client on the same host connects,
 names its gRPC session (``Hello``), then hands over memfd segments (``Attach``, one descriptor each)
-and may ``Detach`` them. ``protocol.shm.map_segment`` checks each segment's seals and size before
+and may ``Detach`` them. Most clients hand over *arenas* instead (``Attach`` with role ``arena``):
+one memfd of many slots, each then *bound* (``Bind``) to a block's snapshot or result and named by
+the gRPC calls like a segment. A mapping (segment or arena) holds two descriptors and counts
+against ``max_segments``; a slot holds none (it views its arena's mapping) and counts against
+:data:`MAX_SLOTS_PER_CONNECTION`, so a client's 20,000 blocks take a few dozen mappings.
+``protocol.shm.map_segment`` checks each segment's seals and size before
 it is mapped, and the mapping keeps a descriptor of it: the solver workers are handed that
 descriptor and read snapshots from, and write results into, the client's segments themselves.
 
@@ -21,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
+import mmap
 import os
 import socket
 import struct
@@ -32,18 +39,20 @@ from pathlib import Path
 
 from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.handover import (
-    MAX_MESSAGE_BYTES,
+    MAX_BIND_BYTES,
     Attach,
+    Bind,
     Detach,
     HandoverRequest,
     Hello,
     Reply,
     SegmentRole,
+    SlotBinding,
     Ticket,
     decode_request,
     encode_reply,
 )
-from asteria_server.protocol.shm import Segment, map_segment
+from asteria_server.protocol.shm import HEADER_BYTES, Segment, map_segment
 from asteria_server.service.descriptors import SEGMENT_FDS
 from asteria_server.service.limits import CallerTickets, FdBudget
 
@@ -53,16 +62,79 @@ logger = logging.getLogger(__name__)
 _UCRED = struct.Struct("3i")
 
 
+#: Arena slots one connection may bind (each is a small object in the daemon; a training
+#: process has two per block over shared memory).
+MAX_SLOTS_PER_CONNECTION = 1 << 18
+#: A handover message renews its session's lease at most this often (each renewal is a call
+#: onto the event loop, and a client binding 20,000 blocks sends many messages).
+TOUCH_EVERY_S = 1.0
+
+
+@dataclass(eq=False)
+class _Arena:
+    """An arena a connection handed over: its slot size and which slot ids are bound where."""
+
+    slot_bytes: int
+    bound: dict[int, str] = field(default_factory=dict)  # slot index -> segment id
+
+
 @dataclass(eq=False)
 class _Connection:
-    """One client's handover connection and the segments it handed over."""
+    """One client's handover connection and the segments it handed over.
+
+    ``mappings`` are what the daemon maps (segments and arenas: each holds descriptors and
+    counts against ``max_segments``); ``segments`` are what calls name (segments and arena
+    slots bound to a block)."""
 
     sock: socket.socket
     session_id: str = ""
     tenant: str | None = None  # charged for the connection's descriptors once it said hello
+    mappings: dict[str, Segment] = field(default_factory=dict)
+    arenas: dict[str, _Arena] = field(default_factory=dict)
     segments: dict[str, Segment] = field(default_factory=dict)
+    slot_of: dict[str, tuple[str, int]] = field(default_factory=dict)  # slot id -> arena, index
     results: dict[str, str] = field(default_factory=dict)  # block -> segment id
+    result_of: dict[str, str] = field(default_factory=dict)  # segment id -> block
     mapped_bytes: int = 0
+    touched_at: float = -math.inf  # when a message last renewed the session's lease
+
+    def forget(self, segment_id: str) -> tuple[list[Segment], int]:
+        """Drop ``segment_id`` (a segment, an arena with every slot bound in it, or a slot):
+        the segments no longer served, and how many mappings went. Under the handover's lock."""
+        released: list[Segment] = []
+        mapping = self.mappings.pop(segment_id, None)
+        if mapping is not None:
+            self.mapped_bytes -= mapping.size_bytes
+            arena = self.arenas.pop(segment_id, None)
+            if arena is not None:
+                for slot_id in list(arena.bound.values()):
+                    released += self._unbind(slot_id)
+        released += self._unbind(segment_id)
+        return released, int(mapping is not None)
+
+    def _unbind(self, segment_id: str) -> list[Segment]:
+        segment = self.segments.pop(segment_id, None)
+        where = self.slot_of.pop(segment_id, None)
+        if where is not None:
+            arena = self.arenas.get(where[0])
+            if arena is not None and arena.bound.get(where[1]) == segment_id:
+                del arena.bound[where[1]]
+        block = self.result_of.pop(segment_id, None)
+        if block is not None and self.results.get(block) == segment_id:
+            del self.results[block]
+        return [] if segment is None else [segment]
+
+    def clear(self) -> tuple[list[Segment], int]:
+        """Drop everything: the segments no longer served and the mappings that went."""
+        released, mappings = list(self.segments.values()), len(self.mappings)
+        self.mappings.clear()
+        self.arenas.clear()
+        self.segments.clear()
+        self.slot_of.clear()
+        self.results.clear()
+        self.result_of.clear()
+        self.mapped_bytes = 0
+        return released, mappings
 
 
 class SegmentHandover:
@@ -71,7 +143,9 @@ class SegmentHandover:
     Args:
         path: the socket path (its directory exists, mode 0700).
         is_session: whether a session id names an open session.
-        max_segments: segments one connection may hold (each is one mapping in the daemon).
+        max_segments: segments and arenas one connection may hold (each is one mapping and two
+            descriptors in the daemon); an arena's slots count only against
+            :data:`MAX_SLOTS_PER_CONNECTION`.
         max_mapped_bytes: bytes one connection may have mapped.
         mode: the socket's file mode (0600; 0660 when the daemon's group may connect).
         on_release: told the segments the daemon stops serving (detached, replaced, or their
@@ -92,6 +166,7 @@ class SegmentHandover:
         is_session: Callable[[str], bool],
         max_segments: int = 4096,
         max_mapped_bytes: int = 64 << 30,
+        max_slots: int = MAX_SLOTS_PER_CONNECTION,
         mode: int = 0o600,
         on_release: Callable[[list[Segment]], None] | None = None,
         tenant_of: Callable[[str], str | None] | None = None,
@@ -110,6 +185,7 @@ class SegmentHandover:
         self._is_session = is_session
         self._max_segments = max_segments
         self._max_mapped_bytes = max_mapped_bytes
+        self._max_slots = max_slots
         self._lock = threading.Lock()
         self._by_session: dict[str, _Connection] = {}
         self._connections: set[_Connection] = set()
@@ -177,13 +253,10 @@ class SegmentHandover:
         """Forget the session's segments (CloseSession); its connection is closed."""
         with self._lock:
             conn = self._by_session.pop(session_id, None)
-            released = [] if conn is None else list(conn.segments.values())
-            if conn is not None:
-                conn.segments.clear()
-                conn.results.clear()
+            released, mappings = ([], 0) if conn is None else conn.clear()
         self._release(released)
         if conn is not None:
-            self.fds.release(conn.tenant, len(released) * SEGMENT_FDS)
+            self.fds.release(conn.tenant, mappings * SEGMENT_FDS)
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
 
@@ -192,7 +265,8 @@ class SegmentHandover:
             return {
                 "descriptors": self.fds.used,
                 "connections": len(self._connections),
-                "segments": sum(len(c.segments) for c in self._connections),
+                "segments": sum(len(c.mappings) for c in self._connections),
+                "slots": sum(len(c.slot_of) for c in self._connections),
                 "mapped_bytes": sum(c.mapped_bytes for c in self._connections),
             }
 
@@ -232,7 +306,7 @@ class SegmentHandover:
         try:
             while True:
                 try:
-                    data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_MESSAGE_BYTES, 1)
+                    data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_BIND_BYTES, 1)
                 except OSError:
                     return
                 if not data and not fds:
@@ -258,11 +332,9 @@ class SegmentHandover:
                 self._connections.discard(conn)
                 if self._by_session.get(conn.session_id) is conn:
                     del self._by_session[conn.session_id]
-                released = list(conn.segments.values())
-                conn.segments.clear()  # the mappings go with the last reference
-                conn.results.clear()
+                released, mappings = conn.clear()  # the mappings go with the last reference
             self._release(released)
-            self.fds.release(conn.tenant, len(released) * SEGMENT_FDS)
+            self.fds.release(conn.tenant, mappings * SEGMENT_FDS)
             conn.sock.close()
             self.fds.release(conn.tenant)  # the connection's own descriptor
             logger.debug("handover connection of session %s closed", conn.session_id or "-")
@@ -280,7 +352,7 @@ class SegmentHandover:
         return Reply(True)
 
     def _handle_segments(
-        self, conn: _Connection, request: Hello | Attach | Detach, fds: list[int]
+        self, conn: _Connection, request: Hello | Attach | Detach | Bind, fds: list[int]
     ) -> None:
         if isinstance(request, Hello):
             if conn.session_id or not self._is_session(request.session_id):
@@ -299,26 +371,38 @@ class SegmentHandover:
             return
         if not conn.session_id:
             raise InvalidInputError("the first handover message must be hello with a session_id")
-        if self._touch is not None:
+        now = time.monotonic()
+        if self._touch is not None and now - conn.touched_at >= TOUCH_EVERY_S:
+            conn.touched_at = now  # a lease lasts far longer; one renewal a second is plenty
             self._touch(conn.session_id)
+        if isinstance(request, Bind):
+            self._bind(conn, request)
+            return
         segment_id = request.segment_id
         if isinstance(request, Detach):
             with self._lock:
-                segment = conn.segments.pop(segment_id, None)
-                if segment is not None:
-                    conn.mapped_bytes -= segment.size_bytes
-                conn.results = {b: s for b, s in conn.results.items() if s != segment_id}
-            self._release([segment] if segment is not None else [])
-            if segment is not None:
-                self.fds.release(conn.tenant, SEGMENT_FDS)
+                released, mappings = conn.forget(segment_id)
+            self._release(released)
+            self.fds.release(conn.tenant, mappings * SEGMENT_FDS)
             return
         assert isinstance(request, Attach)
         if len(fds) != 1:
             raise InvalidInputError("attach needs exactly one descriptor (SCM_RIGHTS)")
         size = request.size_bytes
+        arena = request.role is SegmentRole.ARENA
+        if arena and (
+            request.slot_bytes < HEADER_BYTES
+            or request.slot_bytes % mmap.PAGESIZE
+            or (size - HEADER_BYTES) % request.slot_bytes
+            or size <= HEADER_BYTES
+        ):
+            raise InvalidInputError(
+                f"arena {segment_id!r} of {size} bytes cannot hold whole slots of "
+                f"{request.slot_bytes} bytes (whole pages, after a {HEADER_BYTES}-byte header)"
+            )
         with self._lock:
-            old = conn.segments.get(segment_id)
-            held = len(conn.segments) - (old is not None)
+            old = conn.mappings.get(segment_id)
+            held = len(conn.mappings) - (old is not None)
             mapped = conn.mapped_bytes - (old.size_bytes if old is not None else 0)
         if held + 1 > self._max_segments or mapped + size > self._max_mapped_bytes:
             raise InvalidInputError(
@@ -329,23 +413,88 @@ class SegmentHandover:
         if why is not None:
             raise InvalidInputError(f"segment {segment_id!r} refused: {why}")
         try:
-            segment = map_segment(fds[0], size, keep_fd=True)
+            segment = map_segment(fds[0], size, keep_fd=True, arena=arena)
         except BaseException as exc:
             self.fds.release(conn.tenant, SEGMENT_FDS)
             if isinstance(exc, OSError):
                 raise InvalidInputError(_map_failure(segment_id, exc)) from None
             raise
         with self._lock:
-            old = conn.segments.pop(segment_id, None)
-            if old is not None:
-                conn.mapped_bytes -= old.size_bytes
-            conn.segments[segment_id] = segment
+            released, mappings = conn.forget(segment_id)
+            conn.mappings[segment_id] = segment
             conn.mapped_bytes += segment.size_bytes
-            if request.role is SegmentRole.RESULT:
-                conn.results[request.block] = segment_id
-        self._release([old] if old is not None else [])
+            if arena:
+                conn.arenas[segment_id] = _Arena(request.slot_bytes)
+            else:
+                conn.segments[segment_id] = segment
+                if request.role is SegmentRole.RESULT:
+                    self._bind_result_locked(conn, request.block, segment_id)
+        self._release(released)
+        self.fds.release(conn.tenant, mappings * SEGMENT_FDS)
+
+    @staticmethod
+    def _bind_result_locked(conn: _Connection, block: str, segment_id: str) -> None:
+        old = conn.results.get(block)
         if old is not None:
-            self.fds.release(conn.tenant, SEGMENT_FDS)
+            conn.result_of.pop(old, None)
+        conn.results[block] = segment_id
+        conn.result_of[segment_id] = block
+
+    def _bind(self, conn: _Connection, request: Bind) -> None:
+        """Bind blocks' slots in arenas of this connection (all checked before any is bound).
+
+        The slots are made and checked without the lock, which the event loop takes for every
+        announced snapshot: a bind of a thousand blocks must not hold it up. (Only this
+        connection's thread changes its arenas and bindings; a connection dropped meanwhile
+        is cleared again by that thread on its way out.)"""
+        slots = [
+            (entry.block, binding, *self._slot_of(conn, entry.block, binding))
+            for entry in request.blocks
+            for binding in entry.slots
+        ]
+        with self._lock:
+            fresh = sum(binding.segment_id not in conn.slot_of for _, binding, _, _ in slots)
+            if len(conn.slot_of) + fresh > self._max_slots:
+                raise InvalidInputError(
+                    f"block {request.blocks[0].block!r} and the rest of this bind: the connection "
+                    f"would bind more than {self._max_slots} arena slots; send further blocks in "
+                    "chunks"
+                )
+            released: list[Segment] = []
+            for block, binding, arena, slot in slots:
+                if conn.arenas.get(binding.arena_id) is not arena:
+                    continue  # the arena went meanwhile (detached, or the connection dropped)
+                released += conn._unbind(binding.segment_id)
+                previous = arena.bound.get(binding.index)
+                if previous is not None:
+                    released += conn._unbind(previous)
+                arena.bound[binding.index] = binding.segment_id
+                conn.slot_of[binding.segment_id] = (binding.arena_id, binding.index)
+                conn.segments[binding.segment_id] = slot
+                if binding.role is SegmentRole.RESULT:
+                    self._bind_result_locked(conn, block, binding.segment_id)
+        self._release(released)
+
+    @staticmethod
+    def _slot_of(conn: _Connection, block: str, binding: SlotBinding) -> tuple[_Arena, Segment]:
+        """The arena and the checked slot ``binding`` names (InvalidInputError naming the block
+        otherwise)."""
+        arena = conn.arenas.get(binding.arena_id)
+        mapping = conn.mappings.get(binding.arena_id)
+        if arena is None or mapping is None:
+            raise InvalidInputError(
+                f"block {block!r}: arena {binding.arena_id!r} was not handed over on this "
+                "connection; attach it first"
+            )
+        if binding.segment_id in conn.mappings:
+            raise InvalidInputError(
+                f"block {block!r}: slot id {binding.segment_id!r} names a handed-over segment "
+                "or arena"
+            )
+        try:
+            return arena, mapping.slot(binding.index, arena.slot_bytes)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"block {block!r}: arena {binding.arena_id!r}: {exc}") from None
 
     def _release(self, segments: list[Segment]) -> None:
         if segments and self._on_release is not None:

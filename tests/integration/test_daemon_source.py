@@ -36,7 +36,7 @@ def test_a_lost_handover_connection_is_noticed_and_the_segments_handed_over_agai
         before = source.stats()
         assert before["transport"] == "shm" and before["shm_snapshots"] == 1
         mapped = len(memfd_maps(daemon.proc.pid))
-        assert mapped >= 2
+        assert mapped >= 1  # the block's two segments: slots of one arena
 
         # Break the connection under the client (as a daemon-side close or a reset would).
         channel = source._segments._channel  # the one place this test reaches inside

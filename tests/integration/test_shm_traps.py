@@ -187,14 +187,16 @@ def test_status_shows_the_segments_and_the_upload_budget(
         capsys.readouterr()
         assert main(["status", "--address", daemon.target, "--json"]) == 0
         transport = json.loads(capsys.readouterr().out)["transport"]
-        assert transport["shm_connections"] == 1 and transport["shm_segments"] == 2
+        # The block's snapshot and result segments are two slots of one arena: one mapping.
+        assert len(source.segments()) == 2 and source.stats()["shm_mappings"] == 1
+        assert transport["shm_connections"] == 1 and transport["shm_segments"] == 1
         assert transport["shm_mapped_bytes"] == sum(
-            seg.segment.size_bytes for seg in source.segments().values()
+            arena.segment.size_bytes for arena in source._segments.arenas()
         )
         assert transport["upload_budget_bytes"] == 2 << 30
         assert transport["upload_bytes_in_flight"] == 0 and transport["uploads_waiting"] == 0
         assert main(["status", "--address", daemon.target]) == 0
-        assert "shared memory: 1 clients, 2 segments" in capsys.readouterr().out
+        assert "shared memory: 1 clients, 1 segments" in capsys.readouterr().out
     finally:
         source.close()
 
@@ -296,7 +298,8 @@ def test_a_client_killed_with_sigkill_leaves_no_mapping_in_the_daemon(daemon: Da
     )
     try:
         assert client.stdout is not None and client.stdout.readline().strip() == "ready"
-        assert len(memfd_maps(daemon.proc.pid)) >= len(before) + 8  # 4 blocks x 2 segments
+        # 4 blocks x 2 segments, slots of the client's arenas (one per slot size): 2 mappings
+        assert len(memfd_maps(daemon.proc.pid)) >= len(before) + 2
         client.send_signal(signal.SIGKILL)
         client.wait()
     finally:

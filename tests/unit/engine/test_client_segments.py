@@ -120,7 +120,11 @@ def test_a_bad_snapshot_is_that_tasks_error_and_the_pool_keeps_serving(pool: Wor
     own.close()
 
     class Unsealed:
-        token, size_bytes = 10**9, snap.size_bytes
+        token, size_bytes, slot_index = 10**9, snap.size_bytes, -1
+
+        @property
+        def mapping(self) -> Unsealed:
+            return self
 
         def fileno(self) -> int:
             return fd
