@@ -136,6 +136,11 @@ class BlockRecord:
     #: version (-1: none), and whether a step start's round has reported it to the replicas
     claimed: int = -1
     claim_reported: bool = False
+    #: the floor's phase: its floor snapshots fall on the steps t with (t - 1) % f == floor_phase
+    #: (None: not assigned yet), for f = floor_phase_steps (see ContinuousScheduler.floor_due)
+    floor_phase: int | None = None
+    floor_phase_steps: int = 0
+    size: int = 0  # n of the n x n factor (what the floor's phases balance: n³ per phase)
 
     @property
     def tile(self) -> Any:
@@ -155,15 +160,31 @@ class BlockRecord:
 
     # -- the continuous schedule's questions
     def floor_due(self) -> bool:
-        """Its factor is newer than its newest snapshot, which is ``floor_steps`` old or more
-        (or there is none): the amortized schedule would snapshot it now. In flight or not
-        (latest wins, as on the amortized schedule)."""
+        """Its factor is newer than its newest snapshot, and there is none yet, or the newest
+        is ``f`` steps old or more (in flight or not: latest wins, as on the amortized
+        schedule), or this is a step of its phase (``(offered - 1) % f == floor_phase``)
+        unless its newest snapshot is a floor one still in flight. One step of its phase
+        falls in every f consecutive steps, so a block is snapshotted at least every f steps,
+        as on the amortized schedule, but not all blocks at the same step. The exception is
+        for the first f steps: every block's step-1 snapshot is in one burst, and a block
+        whose phase comes before its result would only replace it in the queue (a copy
+        spent, and one install fewer); it is snapshotted f steps after, and at its phase's
+        steps once a result is in."""
         last = self.submitted
         if self.offered <= last:
             return False
-        return last < 0 or (
-            self.floor_steps is not None and self.offered - last >= self.floor_steps
-        )
+        if last < 0:
+            return True
+        frequency = self.floor_steps
+        if frequency is None:
+            return False
+        if self.offered - last >= frequency:
+            return True
+        phase = (self.offered - 1) % frequency
+        if self.floor_phase_steps != frequency or phase != self.floor_phase:
+            return False
+        floor_in_flight = self.floor_version == last and self.version < last
+        return not floor_in_flight
 
     def drift_stale(self) -> bool:
         """The estimate is of another basis, or DRIFT_INTERVAL_STEPS old."""

@@ -14,7 +14,7 @@ the rules of DESIGN.md "The runtime":
 - **hooks** — forward/backward hooks pump results into place while the model computes;
 - **continuous refresh** — with ``refresh="continuous"`` the optimizer *offers* its tiles after
   each step instead of submitting them every f steps, and the runtime *pulls* at each step end
-  every block whose floor is due (the amortized schedule's f), then the blocks that need a new
+  every block whose floor is due (at its phase of the amortized f), then the blocks that need a new
   basis most, as many as the source has credit for (see :mod:`.refresh`).
 
 The optimizer describes each block through two callbacks, so the runtime never knows the math:

@@ -10,13 +10,23 @@ factor is copied only when a worker will take it, and nothing queues behind a bu
 **The floor.** Those pulls alone can starve: without the model's hooks (``attach``) the only pull
 point is the step end, where the credit lets one worker take two snapshots, so a model of 38
 blocks had each refreshed every ~19 steps where the amortized schedule at f = 5 refreshes every
-5 (issue 30). So every block also has a floor, the amortized schedule's own rule: at the step
-end, each block whose newest snapshot is ``precondition_frequency`` (f) steps old or more (or
-that has none yet) is snapshotted whatever the credit, as the amortized schedule publishes every
-due block at once. Such a *floor* snapshot may then be in flight S*f steps, the amortized
-budget; an *extra* one (by credit and priority, as above) S steps. Floor snapshots come first
-and take the credit they use; extra ones get what is left, so continuous refresh never refreshes
-a block less often than amortized at the same f, and extra refreshes come on top.
+5 (issue 30). So every block also has a floor, the amortized schedule's rate: at the step end,
+each block is snapshotted whatever the credit when it has no snapshot yet (step 1: every block,
+as the amortized schedule's first step) and then at every step of its *phase* ``p`` — the steps
+t with ``(t - 1) % f == p``, f its ``precondition_frequency`` (phase 0: the amortized
+schedule's own steps 1, 1 + f, …) — or whenever its newest snapshot is f steps old. One step of
+a phase falls in every f consecutive steps, so each block is snapshotted at least every f
+steps. Unlike the amortized schedule's, the floor's blocks do not all come due at once: their
+phases spread its solve work evenly over the f steps (the largest blocks first, each to the
+phase with the least work so far: :func:`assign_floor_phases`). A burst of every block every f
+steps kept one worker busy for several steps, the burst's last results came late, and extra
+refreshes found no credit in ~90% of the steps (issue 30's train-shape runs); spread, a step's
+share of the floor is meant to be solved within about a step, leaving the worker free for
+extras between. Such a *floor* snapshot may be in flight S*f steps, the amortized budget; an
+*extra* one (by credit and priority, as above) S steps. Floor snapshots come first and take
+the credit they use; extra ones get what is left, so continuous refresh never refreshes a
+block less often than amortized at the same f, and extra refreshes come on top (an extra does
+not move the block's phase: its next floor snapshot comes at its phase's next step).
 
 Each refresh costs the training thread a snapshot copy and, when its result is installed, a
 rotation of the moments. A fast worker would otherwise let refreshes eat the step it was meant
@@ -59,7 +69,7 @@ something stopped extra pulls (:class:`ExtraLimits`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +91,10 @@ DRIFT_PROBES = 4
 #: throughput` measured 3-6 ms of result overhead per solve at n = 256-512. Without it a tiny
 #: block would look hundreds of times cheaper than it is and crowd out the large ones.
 SOLVE_OVERHEAD_S = 3e-3
+#: The floor's phases weigh a block's work as n³ plus this, SOLVE_OVERHEAD_S in units of n³
+#: (an n = 512 eigh took ~30 ms on these machines, so 3 ms is the n³ of n ≈ 240): without it
+#: a phase would take dozens of small blocks for each large one, and their copies and hand-overs.
+FLOOR_BASE_N3 = 240.0**3
 
 
 class DeviceGenerators:
@@ -274,6 +288,55 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def assign_floor_phases(new: list[BlockRecord], every: Iterable[BlockRecord]) -> None:
+    """Give each of ``new`` a floor phase in ``[0, f)`` (f: its ``floor_steps``), so that the
+    solve work of the floor's snapshots is spread evenly over the f steps: each block, largest
+    first (ties by name), goes to the phase of its f with the least work assigned so far
+    (:func:`_lightest_phase`). A block's work is ``n³ + FLOOR_BASE_N3``: a fixed stand-in for
+    the solve's cost that every rank computes alike (the calibrated cost is measured, so it
+    differs between ranks). The blocks of ``every`` already phased for that f count too.
+
+    What it depends on — the blocks' names, sizes and f, and which blocks came at which step
+    — is the same on every replica of a model, so every rank picks the same phases (nothing
+    here is timed, calibrated or hashed by Python's randomized ``hash``)."""
+    loads: dict[int, list[float]] = {}
+    for entry in every:
+        frequency = entry.floor_steps
+        if frequency is None or entry.floor_phase is None or entry.floor_phase_steps != frequency:
+            continue
+        load = loads.setdefault(frequency, [0.0] * frequency)
+        load[entry.floor_phase] += _floor_weight(entry)
+    for entry in sorted(new, key=lambda e: (-e.size, e.name)):
+        frequency = entry.floor_steps
+        assert frequency is not None and frequency >= 1
+        load = loads.setdefault(frequency, [0.0] * frequency)
+        phase = _lightest_phase(load)
+        load[phase] += _floor_weight(entry)
+        entry.floor_phase, entry.floor_phase_steps = phase, frequency
+
+
+def _floor_weight(entry: BlockRecord) -> float:
+    return float(entry.size) ** 3 + FLOOR_BASE_N3
+
+
+def _lightest_phase(load: list[float]) -> int:
+    """The phase with the least load; among several, the one farthest (around the cycle) from
+    every phase loaded more, then the lowest: phase 0 (the amortized schedule's steps) first,
+    then f/2, f/4, 3f/4, …, so a few blocks of a large f are spread over it, not crowded into
+    its first steps."""
+    frequency = len(load)
+    least = min(load)
+    ties = [p for p in range(frequency) if load[p] == least]
+    above = [p for p in range(frequency) if load[p] > least]
+    if not above:
+        return ties[0]
+
+    def distance(p: int) -> int:
+        return min(min((p - q) % frequency, (q - p) % frequency) for q in above)
+
+    return min(ties, key=lambda p: (-distance(p), p))
+
+
 @dataclass
 class ContinuousScheduler:
     """Picks the blocks to snapshot when the source has credit (see the module docstring).
@@ -311,6 +374,7 @@ class ContinuousScheduler:
                 entry.floor_steps, entry.floor_version = None, -1
                 entry.chooser = self.chooses(block, n)
                 entry.claimed, entry.claim_reported = -1, False
+                entry.floor_phase, entry.floor_phase_steps, entry.size = None, 0, n
                 self.candidates[block] = entry
             entry.request = request
             entry.offered = version
@@ -320,7 +384,15 @@ class ContinuousScheduler:
         return version >= 0 and entry.floor_version == version
 
     def floor_due(self) -> list[BlockRecord]:
-        """The blocks whose floor is due (see :meth:`BlockRecord.floor_due`), by name."""
+        """The blocks whose floor is due (see :meth:`BlockRecord.floor_due`), by name; blocks
+        without a phase for their f get one first (:func:`assign_floor_phases`)."""
+        unphased = [
+            c
+            for c in self.candidates.values()
+            if c.floor_steps is not None and c.floor_phase_steps != c.floor_steps
+        ]
+        if unphased:
+            assign_floor_phases(unphased, self.candidates.values())
         return sorted((c for c in self.candidates.values() if c.floor_due()), key=lambda c: c.name)
 
     def pullable(self) -> int:

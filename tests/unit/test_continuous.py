@@ -132,13 +132,24 @@ class DelayedSource(NativeSource):
         return max(versions) if versions else None
 
 
-def is_floor_snapshot(snapshots: list[int], version: int, frequency: int) -> bool:
+def is_floor_snapshot(
+    snapshots: list[int], version: int, frequency: int, phase: int | None
+) -> bool:
     """Whether the snapshot at ``version`` in a block's ``snapshots`` (versions in order) is
-    one the amortized schedule at ``frequency`` would take: the block's first, or
-    ``frequency`` steps or more after the one before (an extra pull never takes one such: the
-    step end's floor comes first). Worked out here, apart from the runtime's own record."""
+    one the floor at ``frequency`` takes: the block's first, one at a step of its ``phase``
+    (``(version - 1) % frequency == phase``), or one ``frequency`` steps or more after the one
+    before (an extra pull never takes one such: the step end's floor comes first). Worked
+    out here from the source's log, apart from the runtime's record of which were floor."""
     index = snapshots.index(version)
-    return index == 0 or version - snapshots[index - 1] >= frequency
+    if index == 0 or version - snapshots[index - 1] >= frequency:
+        return True
+    return phase is not None and (version - 1) % frequency == phase
+
+
+def floor_phase(opt: Any, block: str, frequency: int) -> int | None:
+    """The block's floor phase for ``frequency`` as the runtime assigned it (None: none)."""
+    record = opt.runtime.records[block]
+    return record.floor_phase if record.floor_phase_steps == frequency else None
 
 
 class CheckedSOAP(SOAP):
@@ -162,7 +173,8 @@ class CheckedSOAP(SOAP):
         log = self.source.snapshots  # type: ignore[attr-defined]
         for dim, block in tile.preconditioned():
             newest, used = tile.submitted[dim], tile.versions[dim]
-            if newest > used and is_floor_snapshot(log[block], newest, frequency):
+            phase = floor_phase(self, block, frequency)
+            if newest > used and is_floor_snapshot(log[block], newest, frequency, phase):
                 budget = self.staleness.budget_intervals * frequency
             if newest > used and step - newest > budget:
                 self.violations.append(
@@ -261,7 +273,11 @@ def test_continuous_keeps_budget_versions_credit_and_floor(
         assert versions == sorted(set(versions)), f"{block}: installs {versions}"
     assert source.submits > 0
     for block, version in source.without_credit:
-        assert is_floor_snapshot(source.snapshots[block], version, frequency), (block, version)
+        phase = floor_phase(opt, block, frequency)
+        assert is_floor_snapshot(source.snapshots[block], version, frequency, phase), (
+            block,
+            version,
+        )
     assert len(source.snapshots) == 4
     for block, versions in source.snapshots.items():
         gaps = [b - a for a, b in itertools.pairwise(versions)]
@@ -292,6 +308,54 @@ def test_no_extra_snapshot_is_taken_while_every_worker_is_busy() -> None:
         assert source.submits == submits, frequency
         stats = opt.refresh_stats()
         assert all(r["extra_pulls"] == 0 for r in stats["blocks"].values())
+
+
+def test_floor_snapshots_are_spread_over_the_f_steps() -> None:
+    """24 blocks of one size at f = 5 on one worker that keeps up (each solve done by the next
+    step): after step 1 (every block, the first basis) no step end takes more floor snapshots
+    than its share, ceil(24 / 5) = 5 (the amortized schedule's rule took all 24 every 5th
+    step and none between), and each block is still snapshotted by the floor at least every
+    f steps, to the last step."""
+    frequency, steps, layers = 5, 31, 12
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(layers)))
+    source = DelayedSource(1, [0])
+    opt = SOAP(
+        model.named_parameters(),
+        source=source,
+        refresh="continuous",
+        staleness_budget=1,
+        precondition_frequency=frequency,
+        refresh_overhead=1e-6,
+    )
+    gen = torch.Generator().manual_seed(3)
+    counts: list[int] = []  # floor snapshots per step
+    floor_steps: dict[str, list[int]] = {}  # block -> the steps its floor snapshotted it
+    before: dict[str, int] = {}
+    for step in range(1, steps + 1):
+        source.tick()
+        opt.zero_grad()
+        model(torch.randn(8, 6, generator=gen)).square().mean().backward()
+        opt.step()
+        rows = opt.refresh_stats()["blocks"]
+        taken = 0
+        for block, row in rows.items():
+            new = row["floor_pulls"] - before.get(block, 0)
+            before[block] = row["floor_pulls"]
+            taken += new
+            if new:
+                floor_steps.setdefault(block, []).append(step)
+        counts.append(taken)
+    blocks = 2 * layers
+    assert len(floor_steps) == blocks
+    assert counts[0] == blocks, counts
+    share = -(-blocks // frequency)
+    assert max(counts[1:]) <= share, counts
+    assert sum(counts[1 : 1 + frequency]) == blocks, counts  # each block once in steps 2-6
+    for block, taken_at in floor_steps.items():
+        gaps = [b - a for a, b in itertools.pairwise(taken_at)]
+        assert taken_at[0] == 1 and max(gaps) <= frequency, (block, taken_at)
+        assert steps - taken_at[-1] < frequency, (block, taken_at)
 
 
 def test_unchecked_source_would_have_copied() -> None:
