@@ -9,7 +9,7 @@ different steps (the issue measured 0.0028 of 0.067 after 40 steps); these tests
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +59,30 @@ def _optimizer(model: torch.nn.Module, mode: str, budget: int, address: str) -> 
     return cls(model.named_parameters(), lr=1e-2, **kwargs)
 
 
-def _replica(rank: int, world: int, tmp: str, mode: str, budget: int, address: str) -> None:
+#: makes a replica's optimizer: ``(model, mode, budget, address)`` -> the optimizer
+MakeOptimizer = Callable[[torch.nn.Module, str, int, str], Any]
+
+
+def _replica(
+    rank: int,
+    world: int,
+    tmp: str,
+    mode: str,
+    budget: int,
+    address: str,
+    make: MakeOptimizer | None = None,
+    attach: bool = False,
+) -> None:
+    """One DDP rank: 30 steps on its slice of the batch; saves its parameters, losses, runtime
+    stats and status. ``make`` (default: this module's SOAP) builds the optimizer; ``attach``
+    hooks it to the model (pulls during forward and backward too)."""
     init(rank, world, tmp)
     try:
         model = _model()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = _optimizer(ddp.module, mode, budget, address)
+        opt = (make or _optimizer)(ddp.module, mode, budget, address)
+        if attach:
+            opt.attach(ddp.module)
         losses = []
         try:
             for batch in _batches(world):
@@ -77,10 +95,11 @@ def _replica(rank: int, world: int, tmp: str, mode: str, budget: int, address: s
                 dist.all_reduce(value)
                 losses.append(float(value) / world)
             stats = opt.runtime_stats()
+            status = opt.preconditioner_status()
         finally:
             opt.close()
         torch.save(
-            {"params": model.state_dict(), "losses": losses, "stats": stats},
+            {"params": model.state_dict(), "losses": losses, "stats": stats, "status": status},
             f"{tmp}/replica{rank}.pt",
         )
         del ddp, opt
@@ -89,12 +108,21 @@ def _replica(rank: int, world: int, tmp: str, mode: str, budget: int, address: s
         dist.destroy_process_group()
 
 
-def _one_process(world: int, mode: str, budget: int, address: str) -> list[float]:
+def _one_process(
+    world: int,
+    mode: str,
+    budget: int,
+    address: str,
+    make: MakeOptimizer | None = None,
+    attach: bool = False,
+) -> list[float]:
     """One process with the global batch, in the same mode at the same budget: the reference
     (its lags follow its own timing, so it is equal to the replicas only within noise)."""
     torch.set_num_threads(1)
     model = _model()
-    opt = _optimizer(model, mode, budget, address)
+    opt = (make or _optimizer)(model, mode, budget, address)
+    if attach and mode != "native":
+        opt.attach(model)
     losses = []
     try:
         for batch in _batches(world):
@@ -120,8 +148,17 @@ def node_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedDa
 
 
 def _check(
-    tmp_path: Path, world: int, budget: int, mode: str, address: str = ""
+    tmp_path: Path,
+    world: int,
+    budget: int,
+    mode: str,
+    address: str = "",
+    make: MakeOptimizer | None = None,
+    frequency: int = FREQUENCY,
 ) -> list[dict[str, Any]]:
+    """The replicas' files: bitwise-equal parameters, agreement, no rank past its budget, and
+    the loss within noise of one process (``make`` and ``frequency``: the replicas' optimizer
+    and its precondition_frequency, if not this module's)."""
     runs = [torch.load(tmp_path / f"replica{r}.pt", weights_only=False) for r in range(world)]
     first = runs[0]["params"]
     for rank, run in enumerate(runs[1:], start=1):
@@ -134,14 +171,15 @@ def _check(
     for run in runs:
         stats = run["stats"]
         assert stats["agreement_failed"] == "" and stats["agreement_rounds"] > 0
-        assert stats["max_lag_steps"] <= budget * FREQUENCY  # no rank past its budget
+        assert stats["max_lag_steps"] <= budget * frequency  # no rank past its budget
     # Within noise of one process with the global batch. On this small model the step at
     # which each basis lands moves the curve by up to ~15% (native, every basis in step, ends
     # highest; S = 2 lowest: the first steps run in the identity basis longer), so the noise is
     # the span between one process in native mode and one at this budget, 5% either side.
     native_mode = "shampoo-native" if mode.startswith("shampoo-") else "native"
-    native = _tail(_one_process(world, native_mode, 0, ""))
-    stale = _tail(_one_process(world, mode, budget, address))
+    attach = make is not None  # another module's optimizer: attached, as its replicas were
+    native = _tail(_one_process(world, native_mode, 0, "", make, attach))
+    stale = _tail(_one_process(world, mode, budget, address, make, attach))
     losses = runs[0]["losses"]
     assert losses[-1] < 0.7 * losses[0]  # it learned: the comparison below is not vacuous
     low, high = min(native, stale), max(native, stale)
@@ -186,7 +224,17 @@ def test_daemon_ddp_replicas_stay_bitwise_identical(
 # --------------------------------------------------------------------------- HSDP
 
 
-def _hsdp_replica(rank: int, world: int, tmp: str, mode: str, budget: int, address: str) -> None:
+def _hsdp_replica(
+    rank: int,
+    world: int,
+    tmp: str,
+    mode: str,
+    budget: int,
+    address: str,
+    make: MakeOptimizer | None = None,
+    attach: bool = False,
+) -> None:
+    """One rank of HSDP 2 x 2 (``make`` and ``attach`` as for :func:`_replica`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from tests.distributed import spawn as ranks
@@ -197,7 +245,9 @@ def _hsdp_replica(rank: int, world: int, tmp: str, mode: str, budget: int, addre
         # rows 0:12 of every weight, ranks 1 and 3 rows 12:24
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         net = ranks.shard(ranks.model(), mesh=mesh)
-        opt = _optimizer(net, mode, budget, address)
+        opt = (make or _optimizer)(net, mode, budget, address)
+        if attach:
+            opt.attach(net)
         try:
             losses = ranks.train(net, opt, ranks.batches(STEPS, world * BATCH), rank, world)
             stats = opt.runtime_stats()
