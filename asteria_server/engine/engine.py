@@ -51,6 +51,7 @@ from asteria_server.engine.workers import (
 )
 from asteria_server.errors import EngineUnavailableError
 from asteria_server.protocol.shm import private_result
+from asteria_server.ratelog import RefusalLog
 from asteria_server.types import (
     DEFAULT_TENANT,
     ArrivalOrder,
@@ -309,7 +310,7 @@ class PreconditionerEngine:
         self._spill_backlog_bytes = max(
             SPILL_BACKLOG_MIN_BYTES, self.config.cache_memory_bytes or 0
         )
-        self._spill_dropped_at = (-math.inf, 0)  # (last logged, dropped since) for the log
+        self._spill_refusals = RefusalLog(logger)  # a line every 10 s while the disk is behind
         self._spiller: threading.Thread | None = None
         if self.config.spill_dir is not None:
             self._spiller = threading.Thread(
@@ -899,26 +900,15 @@ class PreconditionerEngine:
                 # client resubmits), so memory stays within the budget plus this backlog.
                 self._tiers.drop((tenant, block))
                 self._coord.drop_result(tenant, block)
-                self._spill_behind()
+                self._spill_refusals.refused(
+                    "a result spill (the disk is behind; the result is dropped and its client "
+                    "resubmits)",
+                    f"{self._tiers.leaving_bytes} bytes of results already wait for the spill "
+                    "directory's disk",
+                )
             else:
                 path = self._tiers.begin_spill((tenant, block), result)
                 self._spills.put(((tenant, block), path))
-
-    def _spill_behind(self) -> None:
-        """One warning every 10 s at most while results are dropped for a slow spill disk."""
-        logged_at, quiet = self._spill_dropped_at
-        now = time.monotonic()
-        if now - logged_at < 10.0:
-            self._spill_dropped_at = (logged_at, quiet + 1)
-            return
-        logger.warning(
-            "dropped a result instead of spilling it: %d bytes of results already wait for "
-            "the spill directory's disk (%d more dropped since the last line); their clients "
-            "resubmit",
-            self._tiers.leaving_bytes,
-            quiet,
-        )
-        self._spill_dropped_at = (now, 0)
 
     def _spill_loop(self) -> None:
         """The spill thread: writes the files :meth:`_enforce_cache` asked for, one at a time,

@@ -29,6 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from asteria_server.errors import DaemonBusyError, UnknownSessionError
+from asteria_server.ratelog import RefusalLog
+
+__all__ = ["RefusalLog"]  # it lived here first: importers of it from here keep working
 
 #: Ended sessions remembered with the reason they ended (for an accurate NOT_FOUND).
 ENDED_SESSIONS_KEPT = 4096
@@ -241,36 +244,6 @@ class AuthThrottle:
         self._peers.move_to_end(peer)
         while len(self._peers) > AUTH_PEERS_KEPT:
             self._peers.popitem(last=False)
-
-
-class RefusalLog:
-    """One log line per class of refused attempt (``"wrong job token"``, ...) and ``every_s``:
-    the first refusal of a class is logged at once, later ones are counted and summed up in the
-    next line, so a flood of guesses costs a few lines, never one per guess."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        *,
-        every_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._logger = logger
-        self.every_s = every_s
-        self._clock = clock
-        #: class -> (when last logged, refusals not logged since)
-        self._classes: dict[str, tuple[float, int]] = {}
-
-    def refused(self, what: str, detail: str) -> None:
-        """One refusal of class ``what``; ``detail`` (never a token) names the latest one."""
-        now = self._clock()
-        logged_at, quiet = self._classes.get(what, (-math.inf, 0))
-        if now - logged_at < self.every_s:
-            self._classes[what] = (logged_at, quiet + 1)
-            return
-        more = f" (and {quiet} more since the last line)" if quiet else ""
-        self._logger.warning("refused %s: %s%s", what, detail, more)
-        self._classes[what] = (now, 0)
 
 
 #: The settings a refusal names, as they appear in its message (the ``limit`` label of
