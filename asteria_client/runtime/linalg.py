@@ -16,7 +16,7 @@ then keeps the last good result, so a bad root never reaches the weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -230,6 +230,93 @@ def _orthonormal_ok(basis: torch.Tensor) -> torch.Tensor:
     return (basis.T @ basis - eye).abs().max().double() <= ORTHOGONALITY_TOL
 
 
+def symmetrized(
+    matrix: torch.Tensor, compute_dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The matrix an unchecked eigh-based solve decomposes, in ``compute_dtype``, and the flag
+    of the checked path's input checks. Raises SolverError for what the host sees (not square,
+    empty): the checked path then names the block."""
+    return _symmetrized(matrix, compute_dtype)
+
+
+def _batches_exactly(a: torch.Tensor) -> bool:
+    """Whether ``a`` in a batch of its shape rounds as a single eigh of it (see below)."""
+    n = a.shape[-1]
+    return n % 2 == 0 and (a.device.type != "cuda" or n > 32)
+
+
+def batched_eigh(
+    matrices: Sequence[torch.Tensor],
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """``torch.linalg.eigh`` of each matrix, with the same bits as one call per matrix, in one
+    call per group of equal shape, dtype and device where a batch rounds as single calls do: on
+    a GPU the host then waits once per group (ATen's info check, above), not once per matrix.
+    None for the matrices of a call that raised (LAPACK did not converge on one of them): their
+    caller solves each alone, checked, and so names the bad one.
+
+    Why not every shape: native results must not depend on which blocks share a step, because
+    a first-step factor is rank-deficient and its null space's basis is whatever the rounding
+    picks (a last-bit change there changes the trajectory, by 0.09 in ``test_reference``'s
+    tiled case). ATen copies a batch into one dense buffer and solves each matrix in place. On
+    CPU, MKL's rounding depends on whether a matrix starts 16-byte aligned, which every matrix
+    of even order does in float64 and every other one of odd order does not (measured; kept by
+    ``test_native_checks``), so odd orders are solved alone. On CUDA a batch of order <= 32 goes
+    to cuSOLVER's Jacobi solver (``syevjBatched``) where a single matrix goes to ``syevd``, so
+    those are solved alone too; larger ones loop ``syevd`` over the batch."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(matrices)
+    groups: dict[object, list[int]] = {}
+    for i, a in enumerate(matrices):
+        key = (a.shape, a.dtype, a.device) if _batches_exactly(a) else i
+        groups.setdefault(key, []).append(i)
+    for indices in groups.values():
+        if len(indices) == 1:
+            batch = matrices[indices[0]]
+        else:
+            batch = torch.stack([matrices[i] for i in indices])
+        try:
+            eigenvalues, vectors = torch.linalg.eigh(batch)
+        except RuntimeError:
+            continue
+        if len(indices) == 1:
+            out[indices[0]] = (eigenvalues, vectors)
+            continue
+        for j, i in enumerate(indices):
+            out[i] = (eigenvalues[j], vectors[j])
+    return out
+
+
+def inverse_root_from_eigh(
+    matrix: torch.Tensor,
+    ok: torch.Tensor,
+    eigenvalues: torch.Tensor,
+    vectors: torch.Tensor,
+    exponent: float,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`inverse_root_unchecked` from the eigh of ``symmetrized(matrix)`` (flag ``ok``)."""
+    ok = ok & _eigh_ok(eigenvalues, vectors)
+    lam = eigenvalues.clamp(min=0.0) + epsilon
+    ok = ok & (lam > 0).all()
+    root = (vectors * lam.pow(-exponent)) @ vectors.T
+    ok = ok & torch.isfinite(root).all()
+    return root.to(device=matrix.device, dtype=matrix.dtype), ok
+
+
+def eigenbasis_from_eigh(
+    matrix: torch.Tensor, ok: torch.Tensor, eigenvalues: torch.Tensor, vectors: torch.Tensor
+) -> tuple[Eigenbasis, torch.Tensor]:
+    """:func:`eigenbasis_unchecked` from the eigh of ``symmetrized(matrix)`` (flag ``ok``)."""
+    ok = ok & _eigh_ok(eigenvalues, vectors)
+    order = torch.argsort(-eigenvalues, stable=True)
+    basis = fix_signs(vectors[:, order])
+    ok = ok & _orthonormal_ok(basis)
+    result = Eigenbasis(
+        basis=basis.to(device=matrix.device, dtype=matrix.dtype),
+        eigenvalues=eigenvalues[order].to(device=matrix.device, dtype=matrix.dtype),
+    )
+    return result, ok
+
+
 def inverse_root_unchecked(
     matrix: torch.Tensor,
     exponent: float,
@@ -240,12 +327,7 @@ def inverse_root_unchecked(
     """:func:`inverse_root`'s first attempt and the flag of its checks (see above)."""
     a, ok = _symmetrized(matrix, compute_dtype)
     eigenvalues, vectors = torch.linalg.eigh(a)
-    ok = ok & _eigh_ok(eigenvalues, vectors)
-    lam = eigenvalues.clamp(min=0.0) + epsilon
-    ok = ok & (lam > 0).all()
-    root = (vectors * lam.pow(-exponent)) @ vectors.T
-    ok = ok & torch.isfinite(root).all()
-    return root.to(device=matrix.device, dtype=matrix.dtype), ok
+    return inverse_root_from_eigh(matrix, ok, eigenvalues, vectors, exponent, epsilon)
 
 
 def eigenbasis_unchecked(
@@ -254,15 +336,7 @@ def eigenbasis_unchecked(
     """:func:`eigenbasis` and the flag of its checks (see above)."""
     a, ok = _symmetrized(matrix, compute_dtype)
     eigenvalues, vectors = torch.linalg.eigh(a)
-    ok = ok & _eigh_ok(eigenvalues, vectors)
-    order = torch.argsort(-eigenvalues, stable=True)
-    basis = fix_signs(vectors[:, order])
-    ok = ok & _orthonormal_ok(basis)
-    result = Eigenbasis(
-        basis=basis.to(device=matrix.device, dtype=matrix.dtype),
-        eigenvalues=eigenvalues[order].to(device=matrix.device, dtype=matrix.dtype),
-    )
-    return result, ok
+    return eigenbasis_from_eigh(matrix, ok, eigenvalues, vectors)
 
 
 def refresh_eigenbasis_unchecked(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,19 +261,68 @@ def compute_unchecked(request: PreconditionerRequest) -> tuple[PreconditionerRes
     return _result(request, matrix, eigenvalues, permutation, rotation, start), ok
 
 
-class NativeSource(PreconditionerSource):
-    """Synchronous torch.linalg on the parameter's device: results are ready when submit returns.
+def _needs_eigh(request: PreconditionerRequest) -> bool:
+    return request.kind is SolveKind.INVERSE_ROOT or request.basis is None
 
-    Each block is solved in ``submit``, as it comes, but its checks stay on the device: the
-    results of a step wait, with their flags, until the first ``take`` (or status read) after
-    them reads every flag at once: one host read per step and device, not one per check and
-    block. A block whose flag says a check failed is solved again by the checked path
-    (:func:`compute_locally`), which raises the SolverError that is recorded, or finds the
-    epsilon retry that succeeds: results, failures and messages are those of solving each
-    block checked in ``submit``. A request's tensors are the optimizer's own factor and basis,
-    so they must not change between its ``submit`` and the next ``take`` (the runtime takes
-    a step's results before it installs any, and the optimizer updates factors only before
-    it submits them).
+
+def compute_unchecked_many(
+    requests: Sequence[PreconditionerRequest],
+) -> list[tuple[PreconditionerResult, torch.Tensor] | None]:
+    """:func:`compute_unchecked` of each request, with the eighs of those that need one
+    (inverse roots, first eigenbases) batched by :func:`.linalg.batched_eigh`: one host wait
+    per group of equal shape on a GPU, not one per block. None where the host saw a failure
+    (the caller solves that request checked, as after :func:`compute_unchecked` raising). A
+    result's ``solve_time_s`` is its share of its batch's time plus its own."""
+    out: list[tuple[PreconditionerResult, torch.Tensor] | None] = [None] * len(requests)
+    start = time.perf_counter()
+    prepared: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    for i, request in enumerate(requests):
+        if not _needs_eigh(request):
+            continue
+        try:
+            a, ok = linalg.symmetrized(request.matrix)
+        except SolverError:
+            continue
+        prepared.append((i, a, ok))
+    eighs = linalg.batched_eigh([a for _, a, _ in prepared])
+    share = (time.perf_counter() - start) / max(1, len(prepared))
+    for (i, _, ok), eigh in zip(prepared, eighs, strict=True):
+        if eigh is None:
+            continue
+        request = requests[i]
+        begun = time.perf_counter() - share
+        if request.kind is SolveKind.INVERSE_ROOT:
+            matrix, ok = linalg.inverse_root_from_eigh(
+                request.matrix, ok, *eigh, request.exponent, request.epsilon
+            )
+            out[i] = _result(request, matrix, None, None, None, begun), ok
+        else:
+            basis, ok = linalg.eigenbasis_from_eigh(request.matrix, ok, *eigh)
+            out[i] = _result(request, basis.basis, basis.eigenvalues, None, None, begun), ok
+    for i, request in enumerate(requests):
+        if _needs_eigh(request):
+            continue
+        try:
+            out[i] = compute_unchecked(request)
+        except (SolverError, RuntimeError):
+            continue
+    return out
+
+
+class NativeSource(PreconditionerSource):
+    """Synchronous torch.linalg on the parameter's device: results are ready at the next take.
+
+    The blocks submitted since the last ``take`` (or status read) are solved there, together
+    (:func:`compute_unchecked_many`: one batched eigh per shape of even order, so a GPU waits
+    once per shape, not once per block), and their checks stay on the device until one host
+    read of every flag. A block whose flag says a check failed, or whose solve the host saw
+    fail, is solved again by the checked path (:func:`compute_locally`), which raises the
+    SolverError that is recorded, or finds the epsilon retry that succeeds. Results, failures
+    and messages are those of solving each block checked, bitwise: a batch is made only where
+    it rounds as single calls (:func:`.linalg.batched_eigh`). A request's tensors are the
+    optimizer's own factor and basis, so they must not change between its ``submit`` and the
+    next ``take`` (the runtime takes a step's results before it installs any, and the
+    optimizer updates factors only before it submits them).
     """
 
     synchronous = True
@@ -281,31 +330,26 @@ class NativeSource(PreconditionerSource):
     def __init__(self) -> None:
         self._ready: dict[str, PreconditionerResult] = {}
         self._records: dict[str, SourceRecord] = {}
-        #: solved, not yet checked: (request, result, flag) in submit order
-        self._unchecked: list[tuple[PreconditionerRequest, PreconditionerResult, torch.Tensor]]
-        self._unchecked = []
+        #: submitted, not yet solved, in submit order
+        self._queued: list[PreconditionerRequest] = []
 
     def submit(self, request: PreconditionerRequest) -> None:
         rec = self._records.setdefault(request.block, SourceRecord())
         rec.submitted_version = max(rec.submitted_version, request.version)
-        try:
-            result, ok = compute_unchecked(request)
-        except (SolverError, RuntimeError):
-            self._settle()  # failures are recorded in submit order
-            self._solve_checked(request)
-            return
-        self._unchecked.append((request, result, ok))
+        self._queued.append(request)
 
     def _settle(self) -> None:
-        """Read the flags of every block solved since the last read (one host read), and
-        solve again, checked, those that failed."""
-        unchecked, self._unchecked = self._unchecked, []
-        if not unchecked:
+        """Solve every block submitted since the last call, read their flags (one host read),
+        and solve again, checked, those that failed."""
+        queued, self._queued = self._queued, []
+        if not queued:
             return
-        passed = linalg.read_flags([ok for _, _, ok in unchecked])
-        for (request, result, _), ok in zip(unchecked, passed, strict=True):
-            if ok:
-                self._accept(result)
+        solved = compute_unchecked_many(queued)
+        flags = [pair[1] for pair in solved if pair is not None]
+        passed = iter(linalg.read_flags(flags))
+        for request, pair in zip(queued, solved, strict=True):
+            if pair is not None and next(passed):
+                self._accept(pair[0])
             else:
                 self._solve_checked(request)
 
@@ -343,7 +387,7 @@ class NativeSource(PreconditionerSource):
         return dict(self._records)
 
     def close(self) -> None:
-        self._unchecked = []
+        self._queued = []
 
 
 def result_from_engine(

@@ -13,7 +13,8 @@
 - **close() with a copy in flight**: the copy completes before close() returns;
 - **bf16**: a bfloat16 model trains in every mode;
 - **native busy steps**: a native SOAP step syncs once for its solver checks and once per
-  ``torch.linalg.eigh`` (ATen reads its info on the host), at 2 and at 6 blocks.
+  batched ``torch.linalg.eigh`` (ATen reads its info on the host; native mode batches a step's
+  eighs by shape), at 2 and at 6 blocks; a batch keeps the bits of single calls.
 
 The finite check runs on the device since ``_check_on_device`` (a step's updates are masked by
 its flag, read on the host a step later), so the quiet-step cases expect no sync at all; they
@@ -317,14 +318,35 @@ def _native_step_syncs(layers: int) -> list[tuple[int, int]]:
     return out
 
 
-def test_native_busy_steps_sync_per_eigh_and_once_for_the_checks() -> None:
+def test_native_busy_steps_sync_once_per_eigh_batch_and_once_for_the_checks() -> None:
     """Native mode's solver checks are read once per step (runtime/linalg.py's deferred
-    checks); torch.linalg.eigh waits for the device once per call (ATen reads its info on the
-    host), which the CPU audit counts for that reason. At 2 and 6 blocks: the QR refresh
-    step's syncs and the eigh step's other syncs stay the same, and the eigh step makes one
-    sync per block (if this fails with 0, eigh no longer syncs: update the audit)."""
+    checks), and its eighs are batched per shape; torch.linalg.eigh waits for the device once
+    per call (ATen reads its info on the host), which the CPU audit counts for that reason. At
+    2 and 6 blocks, all 64x64: the QR refresh step's syncs and the eigh step's other syncs stay
+    the same, and the eigh step makes one eigh sync (if this fails with 0, eigh no longer
+    syncs: update the audit)."""
     small, large = _native_step_syncs(2), _native_step_syncs(6)
     assert small[3] == large[3], (small, large)  # QR refresh: no eigh, nothing per block
     assert small[3][0] == 0, small
     assert small[0][1] == large[0][1], (small, large)  # first bases: the checks, once
-    assert (small[0][0], large[0][0]) == (2 * 2, 2 * 6), (small, large)  # one per eigh
+    assert (small[0][0], large[0][0]) == (1, 1), (small, large)  # one batch of one shape
+
+
+@pytest.mark.parametrize("n", [16, 33, 64, 128])
+def test_a_batched_eigh_on_cuda_keeps_the_bits_of_single_calls(n: int) -> None:
+    """``linalg.batched_eigh`` on the GPU batches only even orders above 32 (a batch of order
+    <= 32 would go to cuSOLVER's Jacobi solver), which ATen solves by syevd per matrix, as it
+    solves a single one: every matrix's values and vectors are a single call's, bit for bit
+    (if this fails for 64 or 128 only, cuSOLVER rounds by alignment as MKL does for odd
+    orders: batch those alone too)."""
+    from asteria_client.runtime import linalg
+
+    gen = torch.Generator().manual_seed(n)
+    matrices = []
+    for _ in range(5):
+        g = torch.randn(n, n // 2, generator=gen, dtype=torch.float64)
+        matrices.append((g @ g.T / n).to(CUDA))  # rank-deficient, as first factors are
+    for a, pair in zip(matrices, linalg.batched_eigh(matrices), strict=True):
+        assert pair is not None
+        values, vectors = torch.linalg.eigh(a)
+        assert torch.equal(pair[0], values) and torch.equal(pair[1], vectors)

@@ -1,9 +1,10 @@
 """Native mode's solver checks, read once per step: the same results and the same failures as
 checking each block when it is solved, with one host read for all of a step's blocks.
 
-``NativeSource`` solves each block in ``submit`` with the unchecked functions of
-``runtime/linalg.py`` (the checks as device flags) and reads the flags at the next ``take``;
-a block whose flag failed is solved again by the checked path. These tests hold both halves
+``NativeSource`` solves the blocks submitted since the last ``take`` there, together, with the
+unchecked functions of ``runtime/linalg.py`` (the checks as device flags, the eighs batched by
+shape) and reads the flags at once; a block whose flag failed is solved again by the checked
+path. These tests hold both halves
 to the checked path: bitwise equal results where every check passes, the checked path's
 epsilon retry where the first attempt fails, and its SolverError, recorded with its message,
 where every attempt fails.
@@ -83,8 +84,9 @@ def test_results_are_bitwise_those_of_the_checked_path() -> None:
 
 
 def test_a_step_reads_its_flags_once_whatever_the_number_of_blocks() -> None:
-    """The only host read besides torch.linalg.eigh's own info check (one per eigh, counted
-    apart) is one read of all the flags; the checked path reads several per block."""
+    """The only host reads are torch.linalg.eigh's own info check, once for all the blocks of
+    one shape (their eighs are batched), and one read of all the flags; the checked path
+    reads several per block."""
     counts = {}
     for blocks in (3, 12):
         requests = _requests(8, blocks)
@@ -95,8 +97,7 @@ def test_a_step_reads_its_flags_once_whatever_the_number_of_blocks() -> None:
                 source.submit(request)
             for request in requests:
                 assert source.take(request.block) is not None
-        eighs = audit.counts.pop("linalg_eigh", 0)
-        assert eighs == sum(r.basis is None for r in requests)
+        assert audit.counts.pop("linalg_eigh", 0) == 1  # every block is 8x8: one batch
         counts[blocks] = dict(audit.counts)
     assert counts[3] == counts[12] == {"tolist": 1}, counts
     checked = HostSyncAudit("cpu")
@@ -156,3 +157,56 @@ def test_a_failed_block_is_recorded_with_the_checked_paths_message(
     assert record.last_error == str(info.value)
     for request in good:
         assert source.take(request.block) is not None
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 13, 24, 33, 64])
+def test_a_batched_eigh_has_the_bits_of_single_calls(n: int) -> None:
+    """Native results must not depend on which blocks share a step (a rank-deficient factor's
+    null-space basis is whatever the rounding picks). Even orders make one batch, which on CPU
+    rounds as single calls do; odd orders are solved one by one, because MKL rounds the
+    matrices of a batch that start off a 16-byte boundary differently (in float64, every
+    other one of odd order)."""
+    matrices = [_factor(n, seed=s, dtype=torch.float64, rank=max(1, n // 2)) for s in range(4)]
+    matrices.append(torch.eye(n, dtype=torch.float64))  # repeated eigenvalues
+    audit = HostSyncAudit("cpu")
+    with audit:
+        batched = linalg.batched_eigh(matrices)
+    assert audit.counts.get("linalg_eigh") == (1 if n % 2 == 0 else len(matrices))
+    for a, pair in zip(matrices, batched, strict=True):
+        assert pair is not None
+        values, vectors = torch.linalg.eigh(a)
+        assert torch.equal(pair[0], values) and torch.equal(pair[1], vectors)
+
+
+def test_a_batched_eigh_groups_by_shape_and_a_failed_group_is_left_to_the_caller() -> None:
+    """Mixed shapes make one batch each; where torch raises for a batch (here: a NaN matrix,
+    which LAPACK rejects), that batch's matrices come back None and the other shape's are
+    solved."""
+    good = [_factor(6, seed=s, dtype=torch.float64) for s in range(3)]
+    bad = [
+        _factor(4, seed=9, dtype=torch.float64),
+        torch.full((4, 4), float("nan"), dtype=torch.float64),
+    ]
+    audit = HostSyncAudit("cpu")
+    with audit:
+        out = linalg.batched_eigh([good[0], bad[0], good[1], bad[1], good[2]])
+    assert audit.counts.get("linalg_eigh") == 2
+    assert [pair is None for pair in out] == [False, True, False, True, False]
+
+
+def test_a_bad_block_in_a_batch_of_its_shape_fails_alone() -> None:
+    """A NaN factor of the same shape as its neighbours: their batch fails or flags it, and
+    each block then takes the checked path's way: the neighbours' results are delivered,
+    bitwise those of the checked path, and the bad one is recorded with its message."""
+    good = _requests(8, 4)
+    request = PreconditionerRequest(
+        block="bad", version=2, kind=SolveKind.INVERSE_ROOT, matrix=torch.full((8, 8), float("nan"))
+    )
+    source = NativeSource()
+    for r in [good[0], good[1], request, good[2], good[3]]:
+        source.submit(r)
+    assert source.take("bad") is None
+    assert "NaN or Inf" in (source.record("bad").last_error or "")
+    for r in good:
+        got = source.take(r.block)
+        assert got is not None and torch.equal(got.matrix, compute_locally(r).matrix), r.block
