@@ -192,6 +192,11 @@ class SolveTask:
             daemon's same-host path): nobody but the solver worker reads them, under the seqlock
             at ``shm_source.sequence``; a newer write there supersedes this task.
         shm_result: the client's segment that receives this task's result, if it has one.
+        shm_basis: EIGENBASIS only, with ``basis`` None: the basis to refresh is the block's
+            result of ``base_version``, which lies in a client's result segment (written with
+            ``shm_basis.sequence``); the solver worker reads it there (it never crosses this
+            process), and where it was overwritten since, makes a full eigendecomposition
+            instead (its result's ``base_version`` is then -1).
     """
 
     block: str
@@ -206,6 +211,7 @@ class SolveTask:
     tenant: str = DEFAULT_TENANT
     shm_source: SharedArrays | None = None
     shm_result: SharedArrays | None = None
+    shm_basis: SharedArrays | None = None
 
     def __post_init__(self) -> None:
         block = self.block
@@ -232,6 +238,12 @@ class SolveTask:
             m = _check_square(block, "basis", self.basis)
             if m != n:
                 raise _fail(block, "basis", f"must be {n}x{n} like matrix, got {self.basis.shape}")
+        if self.shm_basis is not None and (
+            self.kind is not SolveKind.EIGENBASIS or self.basis is not None or self.base_version < 0
+        ):
+            raise _fail(
+                block, "shm_basis", "needs an EIGENBASIS task without basis, base_version >= 0"
+            )
 
     @property
     def n(self) -> int:
@@ -246,7 +258,7 @@ class SolveTask:
     @property
     def is_refresh(self) -> bool:
         """True for an EIGENBASIS task that refreshes a given basis with one QR step."""
-        return self.basis is not None
+        return self.basis is not None or self.shm_basis is not None
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -531,6 +531,10 @@ def job_source(
     )
     if layout is None:
         return daemon, None
+    # Across synced daemons a block's results can come from another node's daemon, and its
+    # refresh from them is not checked there (tests/integration/test_bases_stay_home.py is
+    # one node): bases travel with their refreshes in a job on several nodes.
+    daemon.bases_home = layout.num_nodes == 1
     register_job(daemon, layout, group)
     if layout.local_world_size == 1:
         return daemon, layout

@@ -280,6 +280,8 @@ class DaemonSource(PreconditionerSource):
         #: the warning logged for the job's last refused registration (logged once per reason)
         self._job_refused: str | None = None
         self._results_epoch = 0  # results received so far: lets the runtime skip idle scans
+        #: whether a refresh may name its basis by version (see reuses_bases)
+        self.bases_home = True
         #: the blocks by the epoch their results became ready at (for results_since)
         self._ready_order = ArrivalOrder()
         #: Seconds from ``submit`` to the result's arrival, newest last (results of every block).
@@ -817,6 +819,15 @@ class DaemonSource(PreconditionerSource):
             staged, record.ready_staged = record.ready_staged, None
             device = record.device
         return self._to_torch(result, device, staged)
+
+    def reuses_bases(self) -> bool:
+        """A refresh names the basis in use by its version and the daemon refreshes from its
+        own result of it (read by the solver worker from this client's result segment), so the
+        basis stays on the device; where the daemon no longer holds that result (a newer one,
+        a restart, or one that predates this) it makes a full eigendecomposition instead.
+        Off (``bases_home``) for a job on several nodes, whose blocks' results may come from
+        another node's daemon."""
+        return self.bases_home
 
     def results_epoch(self) -> int | None:
         return self._results_epoch  # an int read: no lock needed

@@ -36,7 +36,9 @@ def result_problem(task: SolveTask, result: SolveResult) -> str | None:
     if task.kind is SolveKind.EIGENBASIS:
         if result.eigenvalues is None or result.eigenvalues.shape != (n,):
             return "eigenbasis result lacks its n eigenvalue estimates"
-        if task.is_refresh and (result.permutation is None or result.permutation.shape != (n,)):
+        # (a basis read from a segment that was overwritten since gave a full decomposition)
+        refreshed = task.basis is not None or (task.is_refresh and result.base_version >= 0)
+        if refreshed and (result.permutation is None or result.permutation.shape != (n,)):
             return "QR refresh result lacks its permutation"
     if result.shm is None and not result.is_finite():
         # A result in a client's segment was checked by the worker before it wrote it; reading

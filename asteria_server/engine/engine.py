@@ -346,20 +346,26 @@ class PreconditionerEngine:
         """A refresh that names its basis by version (``basis`` None, ``base_version`` v: the
         basis this engine delivered as v, which the client kept home): from that result's
         matrix while it is the block's newest, else a full eigendecomposition whose result says
-        it continues no basis (``base_version`` -1). Called with ``_cond`` held."""
-        if task.shm_source is None:  # (a segment's task reads its arrays from the segment)
-            self._bring_back(task.tenant, task.block)
-            held = self._coord.registry.latest_result(task.tenant, task.block)
-            if held is not None and held.shm is not None:
-                held = private_result(held)
-            if (
-                held is not None
-                and held.version == task.base_version
-                and held.kind is SolveKind.EIGENBASIS
-                and held.matrix.shape == task.matrix.shape
-            ):
+        it continues no basis (``base_version`` -1). A result that lies in a client's result
+        segment is not copied here: the task names it (``shm_basis``) and the solver worker
+        reads it. Called with ``_cond`` held."""
+        self._bring_back(task.tenant, task.block)
+        held = self._coord.registry.latest_result(task.tenant, task.block)
+        if (
+            held is None
+            or held.version != task.base_version
+            or held.kind is not SolveKind.EIGENBASIS
+            or held.matrix.shape != task.matrix.shape
+        ):
+            return dataclasses.replace(task, base_version=-1)
+        if held.shm is not None and task.shm_source is not None:
+            self.bases_reused += 1
+            return dataclasses.replace(task, shm_basis=held.shm)
+        if task.shm_source is None:  # (a segment's task reads its arrays from segments)
+            private = private_result(held) if held.shm is not None else held
+            if private is not None:
                 self.bases_reused += 1
-                return dataclasses.replace(task, basis=held.matrix)
+                return dataclasses.replace(task, basis=private.matrix)
         return dataclasses.replace(task, base_version=-1)
 
     def take_result(self, block: str, tenant: str = DEFAULT_TENANT) -> SolveResult | None:

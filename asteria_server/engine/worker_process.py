@@ -153,6 +153,20 @@ class _ResultTarget:
             self._segment.end_write()
 
 
+def _basis_from(msg: dict[str, Any], cache: dict[int, Segment]) -> tuple[np.ndarray | None, int]:
+    """The basis a refresh names in a client's result segment (``basis_from``: the block's
+    previous result there), copied, and the base version; (None, -1) where that result was
+    overwritten since: the task becomes a full eigendecomposition. Read before the new result
+    is written, which may go to the same segment."""
+    if msg.get("basis_from") is None:
+        return None, msg["base_version"]
+    where, sequence, (dtype, shape) = msg["basis_from"]
+    copies = _segment(cache, where).read([ArraySpec(np.dtype(dtype), tuple(shape))], sequence)
+    if copies is None:
+        return None, -1
+    return copies[0], msg["base_version"]
+
+
 def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment]) -> tuple[Any, ...]:
     fault = faults.Fault(msg["fault"]) if msg["fault"] else None
     faults.inject_before_solve(fault)
@@ -161,6 +175,7 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment])
         where, sequence, _ = msg["snapshot"]
         specs = _snapshot_specs(msg)
         segment = _segment(cache, where)
+        basis, base_version = _basis_from(msg, cache)
 
         def read(views: list[np.ndarray]) -> tuple[SolveTask, CheckedInput]:
             # The task names the segment's views; the solver reads them once, here, into its
@@ -172,8 +187,8 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment])
                 matrix=views[0],
                 exponent=msg["exponent"],
                 epsilon=msg["epsilon"],
-                basis=views[1] if len(views) > 1 else None,
-                base_version=msg["base_version"],
+                basis=views[1] if len(views) > 1 else basis,
+                base_version=base_version,
                 tenant=msg["tenant"],
             )
             return task, solver.checked_input(task)
@@ -205,6 +220,7 @@ def _run_job(msg: dict[str, Any], solver: EighSolver, cache: dict[int, Segment])
             if getattr(result, name) is not None
         ],
         "sequence": written,
+        "base_version": task.base_version,
     }
     return ("done", job, meta)
 

@@ -515,7 +515,17 @@ class WorkerPool:
         if task.shm_result is not None and self._fits(task.shm_result.segment, task):
             result_to = task.shm_result.segment
         job.result_to = result_to
-        release, hand = self._hand_plan(slot, [source, result_to])
+        using = [source, result_to]
+        basis_from = None
+        if task.shm_basis is not None:  # the basis: the block's last result, in a client's segment
+            using.append(task.shm_basis.segment)
+            spec = result_field_spec("matrix", n)
+            basis_from = (
+                _where(task.shm_basis.segment),
+                task.shm_basis.sequence,
+                (spec.dtype.str, spec.shape),
+            )
+        release, hand = self._hand_plan(slot, using)
         fault = faults.fault_for(task.block, self.config.test_fault_prefix, job.runs)
         msg = {
             "job": job.job_id,
@@ -529,6 +539,7 @@ class WorkerPool:
             "base_version": task.base_version,
             "snapshot": (_where(source), sequence, [(s.dtype.str, s.shape) for s in specs]),
             "result": _where(result_to),
+            "basis_from": basis_from,
             "release": release,
             "map": [(seg.token, seg.size_bytes) for seg in hand],  # their fds follow
             "fault": None if fault is None else fault.value,
@@ -758,7 +769,7 @@ class WorkerPool:
             eigenvalues=by_name.get("eigenvalues"),
             permutation=by_name.get("permutation"),
             rotation=by_name.get("rotation"),
-            base_version=task.base_version,
+            base_version=int(meta.get("base_version", task.base_version)),
             epsilon_used=float(meta["epsilon_used"]),
             solve_time_s=float(meta["solve_time_s"]),
             attempts=int(meta["attempts"]) + job.runs - 1,

@@ -105,6 +105,41 @@ def test_an_overwritten_snapshot_is_neither_solved_nor_a_failure(pool: WorkerPoo
     assert event.overwritten and event.result is None and event.error is None
 
 
+def test_a_refresh_reads_its_basis_from_the_clients_result_segment(pool: WorkerPool) -> None:
+    """A refresh naming its basis by the block's previous result (``shm_basis``): the worker
+    reads that basis from the client's result segment, then writes the new result there; the
+    result is the QR refresh of exactly that basis. Once the segment was written again (a
+    newer result), the basis is gone: the task becomes a full decomposition, base_version -1,
+    and is delivered, not rejected for lacking a refresh's permutation."""
+    kind = SolveKind.EIGENBASIS
+    snap, res = client_segments(kind)
+    first = run(pool, 10, shm_task(kind, snap, res, 1))
+    assert first.result is not None and first.result.shm is not None
+    basis = private_result(first.result)
+    assert basis is not None
+    task = dataclasses.replace(
+        shm_task(kind, snap, res, 2), base_version=1, shm_basis=first.result.shm
+    )
+    expected = solve(
+        dataclasses.replace(
+            task, matrix=spd(N, 2), shm_source=None, shm_basis=None, basis=basis.matrix
+        )
+    )
+    event = run(pool, 11, task)
+    assert event.result is not None and event.error is None, event.error
+    assert event.result.base_version == 1 and event.result.permutation is not None
+    got = private_result(event.result)
+    assert got is not None
+    np.testing.assert_array_equal(got.matrix, expected.matrix)
+
+    stale = dataclasses.replace(
+        shm_task(kind, snap, res, 3), base_version=1, shm_basis=first.result.shm
+    )  # version 1's result was overwritten by version 2's
+    event = run(pool, 12, stale)
+    assert event.result is not None and event.error is None, event.error
+    assert event.result.base_version == -1 and event.result.permutation is None
+
+
 def test_a_bad_snapshot_is_that_tasks_error_and_the_pool_keeps_serving(pool: WorkerPool) -> None:
     snap, res = client_segments(SolveKind.INVERSE_ROOT)
     task = shm_task(SolveKind.INVERSE_ROOT, snap, res, 1)
