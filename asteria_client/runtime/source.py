@@ -331,17 +331,17 @@ class NativeSource(PreconditionerSource):
         self._ready: dict[str, PreconditionerResult] = {}
         self._records: dict[str, SourceRecord] = {}
         #: submitted, not yet solved, in submit order
-        self._queued: list[PreconditionerRequest] = []
+        self._to_solve: list[PreconditionerRequest] = []
 
     def submit(self, request: PreconditionerRequest) -> None:
         rec = self._records.setdefault(request.block, SourceRecord())
         rec.submitted_version = max(rec.submitted_version, request.version)
-        self._queued.append(request)
+        self._to_solve.append(request)
 
     def _settle(self) -> None:
         """Solve every block submitted since the last call, read their flags (one host read),
         and solve again, checked, those that failed."""
-        queued, self._queued = self._queued, []
+        queued, self._to_solve = self._to_solve, []
         if not queued:
             return
         solved = compute_unchecked_many(queued)
@@ -387,7 +387,7 @@ class NativeSource(PreconditionerSource):
         return dict(self._records)
 
     def close(self) -> None:
-        self._queued = []
+        self._to_solve = []
 
 
 def result_from_engine(
