@@ -6,6 +6,7 @@ from asteria_client.distributed.replicas import (
     BlockOwners,
     ExchangeSource,
     NodeShareSource,
+    PullChoosers,
     job_source,
     replica_agreement,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "ExchangeSource",
     "JobLayout",
     "NodeShareSource",
+    "PullChoosers",
     "discover_layout",
     "distributed_job",
     "job_source",

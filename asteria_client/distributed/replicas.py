@@ -133,6 +133,9 @@ class NodeShareSource(PreconditionerSource):
         #: whether a block is shared among the group's ranks (else this rank's alone)
         self.shared = _shared if shared is None else shared
         self.owners = BlockOwners(layout.local_ranks, self.shared)
+        #: in a job on several nodes, the one rank of the job that chooses each block's
+        #: continuous pulls (None: one node, where the block's uploader chooses them)
+        self.choosers: PullChoosers | None = None
         self.uploaded = 0  # snapshots this rank handed to the daemon
         self.left_to_peers = 0  # snapshots another local rank uploads
         self.uploaded_bytes = 0  # their bytes (factor, and basis when sent)
@@ -155,10 +158,15 @@ class NodeShareSource(PreconditionerSource):
 
     def plan_blocks(self, blocks: Mapping[str, int]) -> None:
         self.owners.plan(blocks)
+        if self.choosers is not None:
+            self.choosers.plan(blocks)
         self.inner.plan_blocks(blocks)
 
     def chooses(self, block: str, n: int) -> bool:
-        """The block's uploader chooses its continuous pulls (the others expect them)."""
+        """The block's uploader chooses its continuous pulls (the others expect them); on
+        several nodes only the uploader on the node whose daemon owns it (:class:`PullChoosers`)."""
+        if self.choosers is not None:
+            return self.choosers.chooses(block, n)
         return not self.shared(block) or self.owners.owner(block, n) == self.layout.rank
 
     def take(self, block: str) -> PreconditionerResult | None:
@@ -182,6 +190,62 @@ class NodeShareSource(PreconditionerSource):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+class PullChoosers:
+    """The one rank of a job on several nodes that chooses each replicated block's continuous
+    pulls: the rank that uploads the block on the node whose daemon owns it.
+
+    Each node's daemon solves only the blocks it owns among the job's daemons and pushes the
+    results to the others (:mod:`asteria_server.sync.manager`), so the credit that says when a
+    pull would be solved promptly is the owner daemon's, and the rank that hands that daemon
+    the block is the one whose credit it is. Every other rank, on every node, follows its
+    versions through the step-start agreement round and expects their results: a node whose
+    daemon does not own the block gets them by the owner's push, and its daemon is never handed
+    a snapshot of such a pull (its own floor snapshots keep the block in its block list).
+
+    The daemon owner is the daemons' base map (every daemon alive) by the shared rule, over the
+    planned blocks under the names the daemons see (``job:block``); each node's uploader is
+    that node's :class:`BlockOwners` over its local ranks, planned alike on every rank. All
+    ranks plan the same blocks, so all of them compute the same chooser without talking. When
+    a daemon dies its blocks move but their chooser does not: the agreement keeps the replicas
+    identical whoever solves, and a block whose result never comes is computed locally by every
+    replica at its deadline."""
+
+    def __init__(
+        self,
+        layout: JobLayout,
+        member_of_node: Sequence[int],
+        namespace: str,
+        shared: Callable[[str], bool],
+        local: BlockOwners | None = None,
+    ) -> None:
+        self.layout = layout
+        self.shared = shared
+        self._prefix = f"{namespace}:"
+        #: the lowest node each daemon (member) serves: its uploader uploads the owned blocks
+        self._node_of_member: dict[int, int] = {}
+        for node, member in enumerate(member_of_node):
+            self._node_of_member.setdefault(member, node)
+        self._daemons = BlockOwners(sorted(self._node_of_member), shared)
+        self._uploaders = [
+            local if local is not None and node == layout.node_rank else BlockOwners(ranks, shared)
+            for node, ranks in enumerate(layout.ranks_by_node)
+        ]
+
+    def plan(self, blocks: Mapping[str, int]) -> None:
+        """As :meth:`BlockOwners.plan`, for the daemons and every node's uploaders."""
+        self._daemons.plan({self._prefix + b: n for b, n in blocks.items()})
+        for owners in self._uploaders:  # the local one (the source's) keeps what it planned
+            owners.plan(blocks)
+
+    def chooser(self, block: str, n: int) -> int:
+        """The rank that chooses ``block``'s pulls (a shared block's; n: its size)."""
+        member = self._daemons.owner(self._prefix + block, n)
+        return self._uploaders[self._node_of_member[member]].owner(block, n)
+
+    def chooses(self, block: str, n: int) -> bool:
+        return not self.shared(block) or self.chooser(block, n) == self.layout.rank
 
 
 @_delegate_rest
@@ -535,15 +599,25 @@ def job_source(
     # refresh from them is not checked there (tests/integration/test_bases_stay_home.py is
     # one node): bases travel with their refreshes in a job on several nodes.
     daemon.bases_home = layout.num_nodes == 1
-    register_job(daemon, layout, group)
-    if layout.local_world_size == 1:
+    member_of_node = register_job(daemon, layout, group)
+    # On one node a rank alone on it chooses its own pulls; on several one rank per block
+    # chooses them for the whole job (PullChoosers), so even a node of one rank follows.
+    across = pulls and layout.num_nodes > 1
+    if layout.local_world_size == 1 and not across:
         return daemon, layout
-    return NodeShareSource(daemon, layout, shared), layout
+    source = NodeShareSource(daemon, layout, shared)
+    if across:
+        source.choosers = PullChoosers(
+            layout, member_of_node, daemon.namespace, shared, local=source.owners
+        )
+    return source, layout
 
 
-def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> None:
+def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> list[int]:
     """Tell every node's daemon the job's layout: each rank's daemon address and incarnation
-    are gathered (collective), and the lowest rank of each node registers the whole.
+    are gathered (collective), and the lowest rank of each node registers the whole. Returns
+    each node's daemon as the daemons number them (members: the distinct daemon addresses in
+    node order; nodes that share a daemon are one member), on every rank alike.
 
     Rank 0's random run nonce travels in the same gather and every node leader registers it:
     the daemons bind the job's peer-call token to it, so each run of a job id (a restart
@@ -576,3 +650,13 @@ def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> 
                 run_nonce=run_nonce,
             )
         )
+    return _members(nodes)
+
+
+def _members(nodes: Sequence[Any]) -> list[int]:
+    """Each node's member number, as :class:`asteria_server.sync.manager.JobSync` gives it."""
+    addresses: list[str] = []
+    for node in nodes:
+        if node.daemon_address not in addresses:
+            addresses.append(node.daemon_address)
+    return [addresses.index(node.daemon_address) for node in nodes]

@@ -69,6 +69,10 @@ class RunSpec:
     #: seconds a rank waits after its last step before it closes its optimizer, so that its
     #: last snapshots reach its daemon (a closing client drops what it has not sent)
     drain_s: float = 1.0
+    #: the optimizer's schedule; "continuous" attaches it to the model (pulls in forward and
+    #: backward too) with ``refresh_overhead``
+    refresh: str = "amortized"
+    refresh_overhead: float = 0.5
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -103,6 +107,9 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(net) if spec.ddp else net
         g = torch.Generator().manual_seed(7)
         data = [torch.randn(16 * world, 32, generator=g) for _ in range(spec.steps)]
+        continuous: dict[str, Any] = (
+            {"refresh_overhead": spec.refresh_overhead} if spec.refresh != "amortized" else {}
+        )
         opt = SOAP(
             net.named_parameters(),
             lr=1e-2,
@@ -111,7 +118,11 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
             staleness_budget=spec.budget,
             precondition_frequency=spec.frequency,
             barrier_timeout_s=spec.barrier_timeout_s,
+            refresh=spec.refresh,
+            **continuous,
         )
+        if continuous:
+            opt.attach(net)
         try:
             for step, batch in enumerate(data):
                 x = batch[rank * 16 : (rank + 1) * 16] if spec.ddp else batch
@@ -133,6 +144,11 @@ def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
             "max_lag_steps": stats["max_lag_steps"],
             "barrier_max_wait_s": stats["barrier_max_wait_s"],
             "source": {k: v for k, v in stats["source"].items() if isinstance(v, int | float)},
+            "pulls": {
+                b: [r.get("floor_pulls", 0), r.get("extra_pulls", 0)]
+                for b, r in stats["refreshes"]["blocks"].items()
+            },
+            "agreement": {k: v for k, v in stats.items() if k.startswith("agreement_")},
         }
         (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(out))
         del ddp, opt

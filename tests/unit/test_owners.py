@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from asteria_client.distributed import BlockOwners
+from types import SimpleNamespace
+from unittest.mock import patch
+
+from asteria_client.distributed import BlockOwners, JobLayout, PullChoosers
+from asteria_client.distributed.replicas import _members, _shared
+from asteria_client.optim.base import AsteriaOptimizer
+from asteria_client.runtime import Mode, Refresh, StalenessPolicy
 from asteria_server.owners import SHARD_MARK, balance, is_shard_block, owner_map
 
 
@@ -64,3 +70,84 @@ def test_a_block_some_members_use_is_owned_by_one_of_them() -> None:
     gone = owner_map(blocks, range(4), [0, 2], users=users)
     assert not any("rows1" in b for b in gone)
     assert all(gone[b] in (0, 2) for b in gone)
+
+
+# --------------------------------------------------------------------------- pull choosers
+
+
+def _choosers(hosts: list[str], members: list[int]) -> list[PullChoosers]:
+    """Every rank's PullChoosers of one job (its local uploaders planned by itself first, as
+    the node's share source plans them), over :func:`_blocks` and a shard's block."""
+    out = []
+    for rank in range(len(hosts)):
+        layout = JobLayout.from_hosts(hosts, rank, "job")
+        local = BlockOwners(layout.local_ranks)
+        local.plan(_blocks())
+        choosers = PullChoosers(layout, members, "job", _shared, local=local)
+        choosers.plan(_blocks())
+        out.append(choosers)
+    return out
+
+
+def test_one_rank_of_the_job_chooses_a_block_the_uploader_on_its_owner_daemons_node() -> None:
+    hosts = ["a", "a", "b", "b"]
+    ranks = _choosers(hosts, [0, 1])
+    daemons = owner_map({f"job:{b}": n for b, n in _blocks().items()}, [0, 1], [0, 1])
+    nodes = [(0, 1), (2, 3)]
+    for block, n in _blocks().items():
+        choosing = [r for r, c in enumerate(ranks) if c.chooses(block, n)]
+        node = daemons[f"job:{block}"]
+        uploaders = BlockOwners(nodes[node])
+        uploaders.plan(_blocks())
+        # exactly one rank in the job, the one that uploads it to the daemon that solves it
+        assert choosing == [uploaders.owner(block, n)], (block, choosing, node)
+    chosen_on = {ranks[0].chooser(b, n) // 2 for b, n in _blocks().items()}
+    assert chosen_on == {0, 1}  # both daemons own blocks, so both nodes choose
+    shard = f"fc.weight{SHARD_MARK}rows0:12/tile0/dim0"
+    assert all(c.chooses(shard, 12) for c in ranks)  # a shard's block: each rank's own
+
+
+def test_nodes_that_share_a_daemon_choose_on_the_lowest_of_them() -> None:
+    """Nodes a and b use one daemon (member 0), c its own (member 1): member 0's blocks are
+    chosen by node a's uploader, never by node b's ranks."""
+    ranks = _choosers(["a", "b", "c"], [0, 0, 1])
+    daemons = owner_map({f"job:{b}": n for b, n in _blocks().items()}, [0, 1], [0, 1])
+    for block, n in _blocks().items():
+        choosing = [r for r, c in enumerate(ranks) if c.chooses(block, n)]
+        assert choosing == [0 if daemons[f"job:{block}"] == 0 else 2], block
+
+
+def test_members_number_the_distinct_daemons_in_node_order() -> None:
+    nodes = [SimpleNamespace(daemon_address=a) for a in ["x:1", "y:1", "x:1", "z:1"]]
+    assert _members(nodes) == [0, 1, 0, 2]
+
+
+# --------------------------------------------------------------------------- what is refused
+
+
+def _refusal(nodes: int, *, hsdp: bool = False, group_size: int | None = None) -> str | None:
+    """AsteriaOptimizer._continuous_refused of a daemon-mode continuous job on ``nodes`` nodes
+    of 4 ranks in all (``group_size``: the process_group's, None: the world)."""
+    hosts = [f"n{r * nodes // 4}" for r in range(4)]
+    fake = SimpleNamespace(
+        layout=JobLayout.from_hosts(hosts, 0, "job"), _replica_group=lambda group: (group, hsdp)
+    )
+    policy = StalenessPolicy(budget_intervals=1, refresh=Refresh.CONTINUOUS)
+    group = None if group_size is None else object()
+
+    def world_size(g: object = None) -> int:
+        return 4 if g is None else int(group_size or 4)
+
+    with patch("torch.distributed.get_world_size", world_size):
+        refuse = AsteriaOptimizer._continuous_refused
+        return refuse(fake, Mode.DAEMON, policy, group)  # type: ignore[arg-type]
+
+
+def test_continuous_on_several_nodes_is_refused_only_where_no_chooser_rule_holds() -> None:
+    assert _refusal(1) is None and _refusal(1, hsdp=True) is None  # one node: the uploader
+    assert _refusal(2) is None  # the world's DDP replicas: PullChoosers
+    assert _refusal(2, group_size=4) is None  # a group that is the world
+    hsdp = _refusal(2, hsdp=True)
+    assert hsdp is not None and "HSDP" in hsdp and "refresh='amortized'" in hsdp
+    smaller = _refusal(2, group_size=2)
+    assert smaller is not None and "smaller than the world" in smaller
