@@ -20,6 +20,10 @@ construction (:meth:`BlockOwners.plan`); every replica plans the same blocks wit
 sizes, so all of them compute the same map without talking. A block that was not planned (a
 param group added later) goes to the member with the least estimated work so far.
 
+On the continuous schedule the owner also chooses the block's extra pulls for its replicas
+(:meth:`PreconditionerSource.chooses`); in a job on several nodes one rank of the whole job
+does, the uploader on the node whose daemon owns the block (:class:`PullChoosers`).
+
 Blocks of sharded parameters (FSDP2: the name carries the shard's coordinates, ``@``) differ
 from rank to rank and are never shared. A failed exchange turns into "every rank computes its
 own blocks" with one warning — a lost peer never stops training.
