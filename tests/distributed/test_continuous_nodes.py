@@ -35,13 +35,15 @@ def _at_step(tmp: Path) -> int:
         return -1
 
 
-def _run(tmp_path: Path, budget: int, sigstop: bool) -> tuple[sc.RunSpec, list[dict[str, Any]]]:
-    """The four ranks' results; with ``sigstop`` node 1's daemon is stopped for 5 s from
-    step 8 on (the ranks sleep 0.2 s a step, so the run outlasts the stop)."""
+def _run(
+    tmp_path: Path, budget: int, sigstop: bool, node_of_rank: tuple[int, ...] = (0, 0, 1, 1)
+) -> tuple[sc.RunSpec, list[dict[str, Any]]]:
+    """The ranks' results; with ``sigstop`` node 1's daemon is stopped for 5 s from step 8 on
+    (the ranks sleep 0.2 s a step, so the run outlasts the stop)."""
     with sc.daemons(tmp_path, 2, env=FAST) as ds:
         spec = sc.RunSpec(
             addresses=[d.address for d in ds],
-            node_of_rank=[0, 0, 1, 1],
+            node_of_rank=list(node_of_rank),
             steps=STEPS,
             frequency=FREQUENCY,
             budget=budget,
@@ -69,7 +71,7 @@ def _run(tmp_path: Path, budget: int, sigstop: bool) -> tuple[sc.RunSpec, list[d
                 os.kill(ds[1].pid, signal.SIGCONT)
         time.sleep(1.0)  # the last pushes
         views = [sc.view(d.address) for d in ds]
-        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(spec.world)]
     if sigstop:
         assert seen["phase"] == "continued", seen
     # Reported, not asserted: the claim protocol's duplicate solves are another change's.
@@ -110,3 +112,15 @@ def test_continuous_ddp_replicas_on_two_synced_daemons_stay_identical(
         f"local fallbacks {[r['local_fallbacks'] for r in ranks]}; max lag "
         f"{[r['max_lag_steps'] for r in ranks]}; agreement {ranks[0]['agreement']}"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_continuous_ddp_replicas_one_rank_per_node_stay_identical(tmp_path: Path) -> None:
+    """A node of one rank has no node share source of its own on the amortized schedule; on
+    the continuous one it gets one, so that it follows the job's choosers too."""
+    spec, ranks = _run(tmp_path, 1, False, node_of_rank=(0, 1))
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["pulls"] == ranks[1]["pulls"]
+    assert sum(e for _, e in ranks[0]["pulls"].values()) > 0, ranks[0]["pulls"]
+    assert all(r["max_lag_steps"] <= spec.frequency for r in ranks)
