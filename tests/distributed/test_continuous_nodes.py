@@ -81,6 +81,14 @@ def _run(
             solved.setdefault(b["block"], []).extend(b["solved_versions"] + b["discarded_versions"])
     twice = {b: sorted(vs) for b, vs in solved.items() if len(vs) != len(set(vs))}
     print(f"sigstop: {seen}; solves per daemon {[v.solves_done for v in views]}; twice {twice}")
+    # Versions solved that no rank registered (an extra pull overtaken by a floor before the
+    # round reported it, or taken after the last report): the agreement's cost in solves.
+    prefix = f"{sc.JOB}:"
+    unused = {
+        b.removeprefix(prefix): len(set(vs)) - sum(ranks[0]["pulls"][b.removeprefix(prefix)])
+        for b, vs in solved.items()
+    }
+    print(f"versions solved, less those registered, per block: {unused}")
     return spec, ranks
 
 
