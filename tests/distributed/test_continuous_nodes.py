@@ -81,8 +81,9 @@ def _run(
             solved.setdefault(b["block"], []).extend(b["solved_versions"] + b["discarded_versions"])
     twice = {b: sorted(vs) for b, vs in solved.items() if len(vs) != len(set(vs))}
     print(f"sigstop: {seen}; solves per daemon {[v.solves_done for v in views]}; twice {twice}")
-    # Versions solved that no rank registered (an extra pull overtaken by a floor before the
-    # round reported it, or taken after the last report): the agreement's cost in solves.
+    # Versions solved that no rank registered, a cost in solves (2-6 per block here, with one
+    # chooser per block or, tried, two; where they come from is not established: perhaps
+    # extra pulls overtaken by a newer snapshot before the round reported them).
     prefix = f"{sc.JOB}:"
     unused = {
         b.removeprefix(prefix): len(set(vs)) - sum(ranks[0]["pulls"][b.removeprefix(prefix)])
