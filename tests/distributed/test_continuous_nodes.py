@@ -81,7 +81,7 @@ def _run(
             solved.setdefault(b["block"], []).extend(b["solved_versions"] + b["discarded_versions"])
     twice = {b: sorted(vs) for b, vs in solved.items() if len(vs) != len(set(vs))}
     print(f"sigstop: {seen}; solves per daemon {[v.solves_done for v in views]}; twice {twice}")
-    # Versions solved that no rank registered, a cost in solves (2-6 per block here, with one
+    # Versions solved that no rank registered, a cost in solves (1-6 per block here, with one
     # chooser per block or, tried, two; where they come from is not established: perhaps
     # extra pulls overtaken by a newer snapshot before the round reported them).
     prefix = f"{sc.JOB}:"
