@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Sequence
-from typing import Any
+from json.encoder import encode_basestring_ascii
+from typing import Any, TextIO, cast
 
 from asteria_client.tables import text_table
 from asteria_client.transport.connection import (
@@ -79,6 +81,70 @@ def status_document(
         "jobs": [dataclasses.asdict(job) for job in jobs or ()],
         "blocks": rows,
     }
+
+
+#: Rows ``write_status_json`` formats per pass: its strings for them are what it holds at once.
+JSON_CHUNK_ROWS = 10_000
+#: Stands for the rows in the document's text until they are written in its place.
+_ROWS_MARK = "\u0000asteria-status-rows\u0000"
+#: A row's fields, in :meth:`BlockStatus.to_dict` order, then ``staleness_s`` (its age).
+_STATUS_FIELDS = tuple(field.name for field in dataclasses.fields(BlockStatus))
+_ROW_FIELDS = (*_STATUS_FIELDS, "staleness_s")
+#: The fields whose values are strings (or None); the others' are numbers (or None).
+_TEXT_FIELDS = frozenset(("tenant", "block", "state", "last_error", "tier"))
+_ROW_TEMPLATE = "{" + ", ".join(f"{json.dumps(name)}: %s" for name in _ROW_FIELDS) + "}"
+
+
+def write_status_json(out: TextIO, document: dict[str, Any], table: BlockTable) -> None:
+    """Write ``document`` as :func:`json.dumps` does, with ``table``'s rows as its ``blocks``:
+    the text :func:`status_document`'s rows would give, formatted a column and a chunk of rows
+    at a time, with no dict per block and no one string of the whole document (160,000 blocks
+    are 85 MB of JSON; a dict per row and one ``json.dumps`` took about 4 s)."""
+    head, tail = json.dumps({**document, "blocks": _ROWS_MARK}).split(json.dumps(_ROWS_MARK))
+    out.write(head + "[")
+    for start in range(0, len(table), JSON_CHUNK_ROWS):
+        if start:
+            out.write(", ")
+        out.write(", ".join(_json_rows(table, start, start + JSON_CHUNK_ROWS)))
+    out.write("]" + tail)
+
+
+def _json_rows(table: BlockTable, start: int, stop: int) -> list[str]:
+    """Rows ``start:stop`` of ``table`` as JSON objects: each column's values are encoded by
+    the json module in one call (numbers and nulls as a list, strings one by one in C)."""
+    c = {name: column[start:stop] for name, column in table.columns.items()}
+    count = len(c["block"])
+    derived = {
+        "tenant": [table.tenant] * count,
+        "in_flight_version": [
+            q if q >= 0 else r
+            for q, r in zip(c["queued_version"], c["running_version"], strict=True)
+        ],
+        "staleness_steps": [
+            s - v for s, v in zip(c["submitted_version"], c["version"], strict=True)
+        ],
+        "state": [s.value for s in c["state"]],
+    }
+    encoded = {}
+    for name in _STATUS_FIELDS:
+        values = derived[name] if name in derived else c[name]
+        encoded[name] = _json_strings(values) if name in _TEXT_FIELDS else _json_numbers(values)
+    encoded["staleness_s"] = encoded["age_s"]
+    columns = [encoded[name] for name in _ROW_FIELDS]
+    return list(map(_ROW_TEMPLATE.__mod__, zip(*columns, strict=True)))
+
+
+def _json_numbers(values: list[Any]) -> list[str]:
+    """Each of ``values`` (numbers or None) as :func:`json.dumps` writes it, in one call: no
+    number's or null's text holds the list's ", " separator."""
+    return json.dumps(values)[1:-1].split(", ") if values else []
+
+
+def _json_strings(values: list[str | None]) -> list[str]:
+    """Each of ``values`` (strings or None) as :func:`json.dumps` writes it."""
+    if None not in values:
+        return list(map(encode_basestring_ascii, cast(list[str], values)))
+    return ["null" if v is None else encode_basestring_ascii(v) for v in values]
 
 
 def _version(v: int) -> str:
