@@ -41,12 +41,12 @@ import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from asteria_server.engine.ranked import RankedQueue, RankKey
+from asteria_server.engine.ranked import RankedQueue, rank_key
 from asteria_server.types import SolveTask, SubmitOutcome
 
 Key = tuple[str, str]
@@ -121,17 +121,18 @@ class ScheduledTask:
     task: SolveTask
     cost_s: float
     seq: int
+    #: :attr:`priority` as one int, as its tenant's :class:`RankedQueue` holds it (the same
+    #: object: kept here, a status read finds the entry without packing it again).
+    rank_key: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        key = rank_key(float(self.task.deadline), self.cost_s, self.seq)
+        object.__setattr__(self, "rank_key", key)
 
     @property
     def priority(self) -> tuple[float, float, int]:
         """Within-tenant order: earliest deadline, then cheapest, then first submitted."""
         return (float(self.task.deadline), self.cost_s, self.seq)
-
-    @property
-    def rank_key(self) -> RankKey:
-        """:attr:`priority` with the block's name, as its tenant's :class:`RankedQueue` holds
-        it (the seq is unique, so the name is never compared)."""
-        return (float(self.task.deadline), self.cost_s, self.seq, self.task.block)
 
 
 class Scheduler:
@@ -150,7 +151,7 @@ class Scheduler:
         #: tenant -> when it last submitted (rule 5); entries older than the window are dropped
         self._submitted_at: dict[str, float] = {}
         self._pending: dict[str, dict[str, ScheduledTask]] = {}
-        #: per tenant, its queued entries' ``rank_key`` in pop order, kept on every change: pop
+        #: per tenant, its queued entries in pop order, kept on every change: pop
         #: reads a tenant's next task from its front, and a status read a block's queue
         #: position by rank, neither with a look at all of the queue. It names blocks, never
         #: holds a task: a replaced snapshot's arrays are not kept alive by it.
@@ -191,7 +192,7 @@ class Scheduler:
         if old is not None:
             ranked.remove(old.rank_key)
         queue[block] = entry
-        ranked.add(entry.rank_key)
+        ranked.add(entry.rank_key, entry.cost_s, block)
 
     def _unqueue(self, tenant: str, block: str) -> ScheduledTask | None:
         """Take the block's queued entry out of its tenant's queue and order, if any."""
@@ -209,9 +210,9 @@ class Scheduler:
         ranked = self._ranked.get(tenant)
         if ranked is None:
             return None
-        for key in ranked:  # those queued behind their block's running solve are passed over
-            if (tenant, key[3]) not in self._running:
-                return queue[key[3]]
+        for block in ranked:  # those queued behind their block's running solve are passed over
+            if (tenant, block) not in self._running:
+                return queue[block]
         return None
 
     def _reactivate(self, tenant: str) -> None:
@@ -374,15 +375,19 @@ class Scheduler:
         others = [
             (self._ranked[t], self._consumed.get(t, 0.0)) for t in self._pending if t != tenant
         ]
+        entries = [queue.get(block) for block in blocks]
+        queued = [entry for entry in entries if entry is not None]
+        ranks = iter(ranked.ranks([entry.rank_key for entry in queued]))
         out: list[int | None] = []
-        for block in blocks:
-            entry = queue.get(block)
+        for entry in entries:
             if entry is None:
                 out.append(None)
                 continue
-            rank, cost_before = ranked.rank(entry.rank_key)
-            spent = consumed + cost_before
-            out.append(rank + sum(q.count_before(spent, entry.seq, c) for q, c in others))
+            rank, cost_before = next(ranks)
+            if others:
+                spent = consumed + cost_before
+                rank += sum(q.count_before(spent, entry.seq, c) for q, c in others)
+            out.append(rank)
         return out
 
     def positions(self) -> dict[Key, int]:

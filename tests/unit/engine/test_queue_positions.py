@@ -14,7 +14,7 @@ import pytest
 from asteria_server.engine import ranked as ranked_module
 from asteria_server.engine import scheduler as scheduler_module
 from asteria_server.engine.coordinator import Coordinator
-from asteria_server.engine.ranked import RankedQueue
+from asteria_server.engine.ranked import RankedQueue, rank_key
 from asteria_server.engine.scheduler import CostModel, Scheduler
 from asteria_server.types import SolveKind, SolveTask
 
@@ -92,26 +92,27 @@ def test_a_ranked_queue_is_a_sorted_list_with_its_cost_prefixes(
     monkeypatch.setattr(ranked_module, "LOAD", 3)
     rng = random.Random(7)
     q = RankedQueue()
-    held: set[tuple[float, float, int, str]] = set()
+    held: dict[tuple[float, float, int], str] = {}
     for seq in range(600):
         if held and rng.random() < 0.45:
-            key = rng.choice(sorted(held))
-            q.remove(key)
-            held.discard(key)
+            gone = rng.choice(sorted(held))
+            q.remove(rank_key(*gone))
+            del held[gone]
         else:
-            key = (float(rng.randrange(5)), rng.randrange(1, 9) * 0.25, seq, f"b{seq}")
-            q.add(key)
-            held.add(key)
+            deadline = rng.choice([-math.inf, -2.5, -0.0, 0.0, 1.0, 3.0, math.inf])
+            entry = (deadline, rng.randrange(1, 9) * 0.25, seq)
+            q.add(rank_key(*entry), entry[1], f"b{seq}")
+            held[entry] = f"b{seq}"
         order = sorted(held)
-        assert list(q) == order and len(q) == len(order)
+        assert list(q) == [held[e] for e in order] and len(q) == len(order)
         if order:
             i = rng.randrange(len(order))
-            assert q.rank(order[i]) == (i, sum(k[1] for k in order[:i]))
+            assert q.rank(rank_key(*order[i])) == (i, sum(e[1] for e in order[:i]))
             spent = rng.randrange(0, 40) * 0.25
-            count = sum(1 for j in range(len(order)) if sum(k[1] for k in order[:j]) < spent)
+            count = sum(1 for j in range(len(order)) if sum(e[1] for e in order[:j]) < spent)
             assert q.count_before(spent, -1, 0.0) == count
     with pytest.raises(KeyError):
-        q.remove((0.0, 1.0, -5, "never"))
+        q.remove(rank_key(0.0, 1.0, 10_000))
 
 
 def _queued_coordinator(count: int) -> Coordinator:
