@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Sequence
-from typing import Any
+from json.encoder import encode_basestring_ascii
+from typing import Any, TextIO, cast
 
 from asteria_client.tables import text_table
 from asteria_client.transport.connection import (
@@ -25,6 +27,7 @@ from asteria_client.transport.connection import (
 from asteria_server.errors import AsteriaError
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
 from asteria_server.types import (
+    BlockState,
     BlockStatus,
     BlockSummary,
     BlockTable,
@@ -79,6 +82,106 @@ def status_document(
         "jobs": [dataclasses.asdict(job) for job in jobs or ()],
         "blocks": rows,
     }
+
+
+#: Rows ``write_status_json`` formats per pass: its strings for them are what it holds at once.
+JSON_CHUNK_ROWS = 10_000
+#: Stands for the rows in the document's text until they are written in its place.
+_ROWS_MARK = "\u0000asteria-status-rows\u0000"
+#: A row's fields, in :meth:`BlockStatus.to_dict` order, then ``staleness_s`` (its age).
+_STATUS_FIELDS = tuple(field.name for field in dataclasses.fields(BlockStatus))
+_ROW_FIELDS = (*_STATUS_FIELDS, "staleness_s")
+#: The fields whose values are strings (or None); the others' are numbers (or None).
+_TEXT_FIELDS = frozenset(("tenant", "block", "state", "last_error", "tier"))
+#: The fields whose values are ints (never None): their text is ``int.__repr__``, as json's.
+_INT_FIELDS = frozenset(
+    (
+        *("version", "submitted_version", "in_flight_version", "queued_version"),
+        *("running_version", "delivered_version", "staleness_steps", "failures"),
+        *("consecutive_failures", "duplicates", "stale_ignored", "superseded"),
+    )
+)
+#: Each state's JSON text.
+_STATE_JSON = {state: json.dumps(state.value) for state in BlockState}
+#: What comes before each field's value in a row's text; the first field's also closes the
+#: row before (the chunk's first row and last ``}`` are written apart).
+_FIELD_PREFIXES = [f", {json.dumps(name)}: " for name in _ROW_FIELDS]
+_FIELD_PREFIXES[0] = "}, {" + _FIELD_PREFIXES[0][2:]
+
+
+def write_status_json(out: TextIO, document: dict[str, Any], table: BlockTable) -> None:
+    """Write ``document`` as :func:`json.dumps` does, with ``table``'s rows as its ``blocks``:
+    the text :func:`status_document`'s rows would give, formatted a column and a chunk of rows
+    at a time, with no dict per block and no one string of the whole document (160,000 blocks
+    are 85 MB of JSON; a dict per row and one ``json.dumps`` of it took 1.1 s of the 4 s that
+    ``asteria status --json --blocks`` took)."""
+    head, tail = json.dumps({**document, "blocks": _ROWS_MARK}).split(json.dumps(_ROWS_MARK))
+    out.write(head + "[")
+    for start in range(0, len(table), JSON_CHUNK_ROWS):
+        if start:
+            out.write(", ")
+        out.write(_json_rows(table, start, start + JSON_CHUNK_ROWS))
+    out.write("]" + tail)
+
+
+def _json_rows(table: BlockTable, start: int, stop: int) -> str:
+    """Rows ``start:stop`` of ``table`` as JSON objects joined by ", ": each column's values
+    are encoded a column at a time, then laid between the fields' prefixes by slice
+    assignment and joined once (no tuple or format call per row)."""
+    c = {name: column[start:stop] for name, column in table.columns.items()}
+    count = len(c["block"])
+    if not count:
+        return ""
+    encoded = {
+        "tenant": [json.dumps(table.tenant)] * count,
+        "in_flight_version": _json_ints(
+            [
+                q if q >= 0 else r
+                for q, r in zip(c["queued_version"], c["running_version"], strict=True)
+            ]
+        ),
+        "staleness_steps": _json_ints(
+            [s - v for s, v in zip(c["submitted_version"], c["version"], strict=True)]
+        ),
+        "state": list(map(_STATE_JSON.__getitem__, c["state"])),
+    }
+    for name in _STATUS_FIELDS:
+        if name in encoded:
+            continue
+        if name in _TEXT_FIELDS:
+            encoded[name] = _json_strings(c[name])
+        else:
+            encoded[name] = _json_ints(c[name]) if name in _INT_FIELDS else _json_numbers(c[name])
+    encoded["staleness_s"] = encoded["age_s"]
+    width = 2 * len(_ROW_FIELDS)
+    parts: list[str] = [""] * (count * width)
+    for f, name in enumerate(_ROW_FIELDS):
+        parts[2 * f :: width] = [_FIELD_PREFIXES[f]] * count
+        parts[2 * f + 1 :: width] = encoded[name]
+    parts[0] = _FIELD_PREFIXES[0][3:]  # the chunk's first row closes none before it
+    return "".join(parts) + "}"
+
+
+def _json_ints(values: list[Any]) -> list[str]:
+    """Each of ``values`` as :func:`json.dumps` writes it: ``int.__repr__`` in C for ints,
+    the json module's text where any is not one."""
+    try:
+        return list(map(int.__repr__, values))
+    except TypeError:
+        return _json_numbers(values)
+
+
+def _json_numbers(values: list[Any]) -> list[str]:
+    """Each of ``values`` (numbers or None) as :func:`json.dumps` writes it, in one call: no
+    number's or null's text holds the list's ", " separator."""
+    return json.dumps(values)[1:-1].split(", ") if values else []
+
+
+def _json_strings(values: list[str | None]) -> list[str]:
+    """Each of ``values`` (strings or None) as :func:`json.dumps` writes it."""
+    if None not in values:
+        return list(map(encode_basestring_ascii, cast(list[str], values)))
+    return ["null" if v is None else encode_basestring_ascii(v) for v in values]
 
 
 def _version(v: int) -> str:

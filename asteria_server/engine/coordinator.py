@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 
@@ -230,11 +230,10 @@ class Coordinator:
         after: str,
         limit: int,
         tier_of: Callable[[tuple[str, str], SolveResult | None], str] | None = None,
-        positions: Mapping[tuple[str, str], int] | None = None,
-    ) -> tuple[list[BlockStatus], int, Mapping[tuple[str, str], int]]:
-        """One status page, with the queue positions it used: the scheduler's now unless
-        ``positions`` (an earlier page's of the same read) are given."""
-        if positions is None:
-            positions = self.scheduler.positions() if len(self.scheduler) else {}
-        page, total = self.registry.status_page(tenant, after, limit, positions, tier_of)
-        return page, total, positions
+    ) -> tuple[list[BlockStatus], int]:
+        """One status page: the page's queue positions are read by rank (the queue is not
+        sorted), so it costs the page's blocks, not the queue."""
+        names = self.registry.page_names(tenant, after, limit)
+        queued = self.scheduler.positions_of(tenant, names)
+        positions = {(tenant, b): at for b, at in zip(names, queued, strict=True) if at is not None}
+        return self.registry.status_page(tenant, after, limit, positions, tier_of)

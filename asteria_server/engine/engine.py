@@ -31,14 +31,14 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 from asteria_server.engine.coordinator import Coordinator
-from asteria_server.engine.registry import SummaryRow, block_table, summarize
-from asteria_server.engine.scheduler import CostModel, queue_order
+from asteria_server.engine.registry import StatusRow, SummaryRow, block_table, summarize
+from asteria_server.engine.scheduler import CostModel
 from asteria_server.engine.solvers import SolverConfig
 from asteria_server.engine.tiers import ResultTiers, SpillEnd, write_spill_file
 from asteria_server.engine.workers import (
@@ -73,6 +73,8 @@ logger = logging.getLogger(__name__)
 SPILL_BACKLOG_MIN_BYTES = 64 << 20
 #: Blocks whose fields a status summary copies per hold of the engine's lock.
 SUMMARY_CHUNK_BLOCKS = 10_000
+#: Blocks whose fields and queue positions a status page copies per hold of the engine's lock.
+STATUS_CHUNK_BLOCKS = 1_000
 #: Blocks a status summary lists with their records unless asked for another number.
 SUMMARY_WORST_BLOCKS = 10
 
@@ -609,43 +611,38 @@ class PreconditionerEngine:
         with self._cond:
             return self._coord.status(tenant, self._tiers.tier)
 
-    def status_page(
-        self,
-        tenant: str,
-        after: str,
-        limit: int,
-        positions: Mapping[tuple[str, str], int] | None = None,
-    ) -> tuple[list[BlockStatus], int, Mapping[tuple[str, str], int]]:
+    def status_page(self, tenant: str, after: str, limit: int) -> tuple[list[BlockStatus], int]:
         """The status of at most ``limit`` of ``tenant``'s blocks, the first by name after
-        ``after`` (from the first when empty), how many blocks the tenant has, and the queue
-        positions used: what one Status answer carries, at the cost of the page, not of every
-        block. A later page of the same read passes the first page's ``positions`` back (one
-        consistent queue order, computed once per read)."""
+        ``after`` (from the first when empty), and how many blocks the tenant has: what one
+        Status answer carries, at the cost of the page, not of every block (the page's queue
+        positions are read by rank, the queue is not sorted)."""
         with self._cond:
-            return self._coord.status_page(tenant, after, limit, self._tiers.tier, positions)
+            return self._coord.status_page(tenant, after, limit, self._tiers.tier)
 
-    def status_table(
-        self,
-        tenant: str,
-        after: str,
-        limit: int,
-        positions: Mapping[tuple[str, str], int] | None = None,
-    ) -> tuple[BlockTable, int, Mapping[tuple[str, str], int]]:
+    def status_table(self, tenant: str, after: str, limit: int) -> tuple[BlockTable, int]:
         """:meth:`status_page` as a :class:`BlockTable`, built mostly without the engine's
-        lock: under it, only a copy of the page's record fields and (at a read's first page) of
-        the queue's entries; the queue order and the table are made after it is released, so a
-        status read of thousands of blocks holds up no submit or result for long."""
-        with self._cond:
-            rows, total, now = self._coord.registry.status_rows(
-                tenant, after, limit, self._tiers.tier
-            )
-            queue = None
-            if positions is None and len(self._coord.scheduler):
-                queue = self._coord.scheduler.queue_snapshot()
-        if queue is not None:
-            positions = {key: i for i, key in enumerate(queue_order(*queue))}
-        positions = positions or {}
-        return block_table(tenant, rows, now, positions), total, positions
+        lock: it is held ``STATUS_CHUNK_BLOCKS`` blocks at a time, to copy their record fields
+        and read their queue positions (O(log Q) each), and the table is made after it is
+        released, so a status read of thousands of blocks holds up no submit or result for
+        long. The positions are the queue's at each chunk's copy, as the records are."""
+        rows: list[StatusRow] = []
+        positions: dict[tuple[str, str], int] = {}
+        total, now = 0, 0.0
+        while len(rows) < limit:
+            want = min(limit - len(rows), STATUS_CHUNK_BLOCKS)
+            with self._cond:
+                chunk, total, now = self._coord.registry.status_rows(
+                    tenant, rows[-1][0] if rows else after, want, self._tiers.tier
+                )
+                names = [row[0] for row in chunk]
+                queued = self._coord.scheduler.positions_of(tenant, names)
+            for name, at in zip(names, queued, strict=True):
+                if at is not None:
+                    positions[(tenant, name)] = at
+            rows += chunk
+            if len(chunk) < want:
+                break
+        return block_table(tenant, rows, now, positions), total
 
     def status_summary(self, tenant: str, worst: int = SUMMARY_WORST_BLOCKS) -> BlockSummary:
         """What ``tenant``'s blocks add up to, with its ``worst`` blocks' records: one pass over

@@ -528,6 +528,12 @@ class CoherenceRegistry:
         ]
         return page, len(names)
 
+    def page_names(self, tenant: str, after: str, limit: int) -> list[str]:
+        """The names of the blocks :meth:`status_page` would give."""
+        names = self._names(tenant)
+        first = bisect.bisect_right(names, after) if after else 0
+        return names[first : first + limit]
+
     def now(self) -> float:
         """The registry's clock now (what its ages are measured against)."""
         return self._clock()

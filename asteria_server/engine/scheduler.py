@@ -41,11 +41,12 @@ import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from asteria_server.engine.ranked import RankedQueue, rank_key
 from asteria_server.types import SolveTask, SubmitOutcome
 
 Key = tuple[str, str]
@@ -120,6 +121,13 @@ class ScheduledTask:
     task: SolveTask
     cost_s: float
     seq: int
+    #: :attr:`priority` as one int, as its tenant's :class:`RankedQueue` holds it (the same
+    #: object: kept here, a status read finds the entry without packing it again).
+    rank_key: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        key = rank_key(float(self.task.deadline), self.cost_s, self.seq)
+        object.__setattr__(self, "rank_key", key)
 
     @property
     def priority(self) -> tuple[float, float, int]:
@@ -143,12 +151,11 @@ class Scheduler:
         #: tenant -> when it last submitted (rule 5); entries older than the window are dropped
         self._submitted_at: dict[str, float] = {}
         self._pending: dict[str, dict[str, ScheduledTask]] = {}
-        #: per tenant, ``(priority, block)`` of its queued entries (a heap; the priority ends
-        #: with the entry's unique seq): one whose entry left ``_pending`` (popped, replaced,
-        #: forgotten) is dropped when it comes to the top, so pop reads a tenant's next task
-        #: without a look at all of its queue. It names blocks, never holds a task: a replaced
-        #: snapshot's arrays are not kept alive by it.
-        self._heaps: dict[str, list[tuple[tuple[float, float, int], str]]] = {}
+        #: per tenant, its queued entries in pop order, kept on every change: pop
+        #: reads a tenant's next task from its front, and a status read a block's queue
+        #: position by rank, neither with a look at all of the queue. It names blocks, never
+        #: holds a task: a replaced snapshot's arrays are not kept alive by it.
+        self._ranked: dict[str, RankedQueue] = {}
         self._latest: dict[Key, int] = {}
         self._running: dict[Key, float] = {}
         self._consumed: dict[str, float] = {}
@@ -176,40 +183,37 @@ class Scheduler:
         return SubmitOutcome.SUPERSEDED_QUEUED if replaced else SubmitOutcome.QUEUED
 
     def _enqueue(self, queue: dict[str, ScheduledTask], entry: ScheduledTask) -> None:
-        """Put ``entry`` in its tenant's ``queue`` (replacing the block's queued one) and heap."""
-        tenant = entry.task.tenant
-        queue[entry.task.block] = entry
-        heap = self._heaps.setdefault(tenant, [])
-        heapq.heappush(heap, (entry.priority, entry.task.block))
-        if len(heap) > 2 * len(queue) + 64:  # mostly replaced entries: rebuild it
-            heap[:] = [(e.priority, block) for block, e in queue.items()]
-            heapq.heapify(heap)
+        """Put ``entry`` in its tenant's ``queue`` and order, replacing the block's queued one."""
+        tenant, block = entry.task.key
+        ranked = self._ranked.get(tenant)
+        if ranked is None:
+            ranked = self._ranked[tenant] = RankedQueue()
+        old = queue.get(block)
+        if old is not None:
+            ranked.remove(old.rank_key)
+        queue[block] = entry
+        ranked.add(entry.rank_key, entry.cost_s, block)
+
+    def _unqueue(self, tenant: str, block: str) -> ScheduledTask | None:
+        """Take the block's queued entry out of its tenant's queue and order, if any."""
+        queue = self._pending.get(tenant)
+        entry = None if queue is None else queue.pop(block, None)
+        if entry is not None:
+            self._ranked[tenant].remove(entry.rank_key)
+        if queue is not None and not queue:
+            del self._pending[tenant]
+            self._ranked.pop(tenant, None)
+        return entry
 
     def _head(self, tenant: str, queue: dict[str, ScheduledTask]) -> ScheduledTask | None:
         """The tenant's queued entry of the smallest priority whose block is not running."""
-        heap = self._heaps.get(tenant)
-        if heap is None:
+        ranked = self._ranked.get(tenant)
+        if ranked is None:
             return None
-        waiting = []  # queued behind their block's running solve: back on the heap after
-        head = None
-        while heap:
-            priority, block = heap[0]
-            entry = queue.get(block)
-            if entry is None or entry.seq != priority[2]:  # popped, replaced or forgotten
-                heapq.heappop(heap)
-            elif (tenant, block) in self._running:
-                waiting.append(heapq.heappop(heap))
-            else:
-                head = entry
-                break
-        for item in waiting:
-            heapq.heappush(heap, item)
-        return head
-
-    def _drop_queue(self, tenant: str) -> None:
-        """The tenant has nothing queued any more."""
-        del self._pending[tenant]
-        self._heaps.pop(tenant, None)
+        for block in ranked:  # those queued behind their block's running solve are passed over
+            if (tenant, block) not in self._running:
+                return queue[block]
+        return None
 
     def _reactivate(self, tenant: str) -> None:
         others = [self._consumed.get(t, 0.0) for t in self._pending if t != tenant]
@@ -258,10 +262,7 @@ class Scheduler:
         if best is None:
             return None
         tenant, block = best.task.key
-        queue = self._pending[tenant]
-        del queue[block]
-        if not queue:
-            self._drop_queue(tenant)
+        self._unqueue(tenant, block)
         self._consumed[tenant] = self._consumed.get(tenant, 0.0) + best.cost_s
         self._running[best.task.key] = best.cost_s
         return best
@@ -284,19 +285,13 @@ class Scheduler:
     def forget(self, tenant: str, block: str) -> SolveTask | None:
         """Forget a block: its queued task (returned) and its newest accepted version, so that
         it may start again from any version. A running task of it ends through ``finish``."""
-        queue = self._pending.get(tenant)
-        entry = None if queue is None else queue.pop(block, None)
-        if queue is not None and not queue:
-            self._drop_queue(tenant)
+        entry = self._unqueue(tenant, block)
         self._latest.pop((tenant, block), None)
         return None if entry is None else entry.task
 
     def withdraw(self, tenant: str, block: str) -> SolveTask | None:
         """Remove the block's queued task (returned) and accept its version once more."""
-        queue = self._pending.get(tenant)
-        entry = None if queue is None else queue.pop(block, None)
-        if queue is not None and not queue:
-            self._drop_queue(tenant)
+        entry = self._unqueue(tenant, block)
         if entry is None:
             return None
         self.allow_resubmit(tenant, block, entry.task.version)
@@ -367,6 +362,33 @@ class Scheduler:
         engine's lock can take it there and sort outside."""
         queues = {tenant: list(queue.values()) for tenant, queue in self._pending.items()}
         return queues, {tenant: self._consumed.get(tenant, 0.0) for tenant in queues}
+
+    def positions_of(self, tenant: str, blocks: list[str]) -> list[int | None]:
+        """The 0-based position in :meth:`order` of each of ``tenant``'s ``blocks`` (None: not
+        queued), read from the tenants' ordered queues: O(tenants * log Q) a block, so a status
+        page pays for its own blocks, not for the whole queue."""
+        queue = self._pending.get(tenant)
+        if queue is None:
+            return [None] * len(blocks)
+        ranked = self._ranked[tenant]
+        consumed = self._consumed.get(tenant, 0.0)
+        others = [
+            (self._ranked[t], self._consumed.get(t, 0.0)) for t in self._pending if t != tenant
+        ]
+        entries = [queue.get(block) for block in blocks]
+        queued = [entry for entry in entries if entry is not None]
+        ranks = iter(ranked.ranks([entry.rank_key for entry in queued]))
+        out: list[int | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            rank, cost_before = next(ranks)
+            if others:
+                spent = consumed + cost_before
+                rank += sum(q.count_before(spent, entry.seq, c) for q, c in others)
+            out.append(rank)
+        return out
 
     def positions(self) -> dict[Key, int]:
         """``{key: 0-based position in order()}`` for every queued block."""

@@ -74,8 +74,6 @@ ANONYMOUS_TENANT = "local"
 REGISTRATION_OVERHEAD_BYTES = 200
 #: Blocks in one Status answer unless the request asks for fewer.
 STATUS_PAGE_BLOCKS = 2_000
-#: Status reads (sessions) whose queue order is kept for their next page.
-STATUS_READS_KEPT = 16
 #: Blocks in one Status page of columns (``StatusRequest.columns``): about 100 bytes each on
 #: the wire, so a page stays near half a megabyte and 160,000 blocks take 32 round trips.
 STATUS_COLUMN_PAGE_BLOCKS = 5_000
@@ -331,8 +329,6 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._registration_bytes = 0
         self._stopping = False
         self._received = [0, 0]  # snapshots handed to the engine, and their bytes
-        #: session id -> the queue positions of its status read in progress (see Status)
-        self._status_positions: dict[str, Mapping[tuple[str, str], int]] = {}
         #: tenant -> its open StreamResults calls (touched on the event loop only)
         self._streams: dict[str, set[_Stream]] = {}
         #: of them, those that asked for Credit messages: at most one per session
@@ -1262,7 +1258,6 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         stats = self._engine.stats(session.tenant)  # its own blocks' names in the workers
         reply = convert.status_to_proto(stats, [], self.transport_stats())
         after = request.after_block
-        earlier = self._status_positions.pop(session.session_id, None) if after else None
         if request.summary:
             worst = min(request.max_blocks or SUMMARY_WORST_BLOCKS, MAX_SUMMARY_WORST_BLOCKS)
             summary = await asyncio.to_thread(self._engine.status_summary, session.tenant, worst)
@@ -1270,15 +1265,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
             reply.total_blocks = summary.blocks
             return reply
         if request.columns:
-            return await self._status_columns(
-                request, session.session_id, session.tenant, reply, earlier
-            )
+            return await self._status_columns(request, session.tenant, reply)
         page = min(request.max_blocks or STATUS_PAGE_BLOCKS, STATUS_PAGE_BLOCKS)
-        # One page's blocks, sorted by name: the engine builds no status for the others. The
-        # queue order is computed at a read's first page and reused by its later ones.
-        blocks, total, positions = self._engine.status_page(
-            session.tenant, after, page + 1, earlier
-        )
+        # One page's blocks, sorted by name: the engine builds no status for the others, and
+        # reads the page's queue positions by rank (it sorts no queue).
+        blocks, total = self._engine.status_page(session.tenant, after, page + 1)
         # Stop well short of the message limit: the engine numbers and framing need room too.
         room = self._limits.max_message_bytes - reply.ByteSize() - 4096
         taken: list[pb.BlockStatus] = []
@@ -1292,35 +1283,23 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         reply.total_blocks = total
         if len(taken) < len(blocks) and taken:
             reply.next_after_block = taken[-1].block
-            self._keep_positions(session.session_id, positions)
         return reply
-
-    def _keep_positions(self, session_id: str, positions: Mapping[tuple[str, str], int]) -> None:
-        """Keep a read's queue order for its next page (a few reads at a time)."""
-        if positions:
-            self._status_positions[session_id] = positions
-            while len(self._status_positions) > STATUS_READS_KEPT:
-                del self._status_positions[next(iter(self._status_positions))]
 
     async def _status_columns(
         self,
         request: pb.StatusRequest,
-        session_id: str,
         tenant: str,
         reply: pb.StatusResponse,
-        earlier: Mapping[tuple[str, str], int] | None,
     ) -> pb.StatusResponse:
         """A Status page as columns (``request.columns``): up to ``STATUS_COLUMN_PAGE_BLOCKS``
         blocks in a few packed lists. It is built in a thread, so the event loop keeps serving
         uploads and results meanwhile, and it holds the engine's lock only to copy the page's
-        records (see :meth:`Engine.status_table`)."""
+        records and queue positions, a chunk at a time (see :meth:`Engine.status_table`)."""
         page = min(request.max_blocks or STATUS_COLUMN_PAGE_BLOCKS, STATUS_COLUMN_PAGE_BLOCKS)
         room = self._limits.max_message_bytes - reply.ByteSize() - 4096
 
-        def build() -> tuple[pb.BlockColumns, int, str, Mapping[tuple[str, str], int]]:
-            table, total, positions = self._engine.status_table(
-                tenant, request.after_block, page + 1, earlier
-            )
+        def build() -> tuple[pb.BlockColumns, int, str]:
+            table, total = self._engine.status_table(tenant, request.after_block, page + 1)
             more = len(table) > page
             shown = table.head(page) if more else table
             message = convert.block_table_to_proto(shown)
@@ -1332,15 +1311,13 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                 message,
                 total,
                 shown.columns["block"][-1] if more and len(shown) else "",
-                positions,
             )
 
-        columns, total, next_after, positions = await asyncio.to_thread(build)
+        columns, total, next_after = await asyncio.to_thread(build)
         reply.columns.CopyFrom(columns)
         reply.total_blocks = total
         if next_after:
             reply.next_after_block = next_after
-            self._keep_positions(session_id, positions)
         return reply
 
     def transport_stats(self) -> TransportStats:

@@ -1,5 +1,6 @@
 """What a status read costs the engine: a page of columns is built without a record object per
-block and with the queue order sorted outside the engine's lock; a summary copies the blocks a
+block, holding the engine's lock a chunk of blocks at a time to copy their records and read
+their queue positions (by rank: no sort of the queue); a summary copies the blocks a
 chunk per hold of the lock and adds them up after releasing it.
 
 A real engine (one solver worker) runs under these tests; its lock is swapped for one that
@@ -17,6 +18,7 @@ import pytest
 
 from asteria_server.engine import engine as engine_module
 from asteria_server.engine import registry as registry_module
+from asteria_server.engine import scheduler as scheduler_module
 from asteria_server.engine.engine import EngineConfig, PreconditionerEngine
 from asteria_server.types import BlockState, BlockStatus, SolveKind, SolveTask
 
@@ -131,19 +133,29 @@ def test_a_status_page_is_columns_built_outside_the_lock_with_no_record_per_bloc
 ) -> None:
     eng, lock = engine
     names = _submit(eng, 40)  # solves of n=192 keep most of them queued for a while
-    order_held = _record_lock(monkeypatch, engine_module, "queue_order", lock)
+    monkeypatch.setattr(engine_module, "STATUS_CHUNK_BLOCKS", 16)
     table_held = _record_lock(monkeypatch, engine_module, "block_table", lock)
     made = _count_status_records(monkeypatch)
+    asked: list[int] = []
+    positions_of = scheduler_module.Scheduler.positions_of
 
-    table, total, positions = eng.status_table(TENANT, "", 100)
+    def chunk(self: Any, tenant: str, blocks: list[str]) -> Any:
+        asked.append(len(blocks))
+        assert lock.held_here()
+        return positions_of(self, tenant, blocks)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "positions_of", chunk)
+    before = lock.mine()
+
+    table, total = eng.status_table(TENANT, "", 100)
     assert made[0] == 0, "a status page of columns made a BlockStatus per block"
     assert table_held == [False], "the table was built under the engine's lock"
-    assert order_held in ([False], []), "the queue was sorted under the engine's lock"
+    # 40 blocks, 16 a hold: 3 holds, each copying its chunk's records and queue positions.
+    assert lock.mine() - before == 3 and asked == [16, 16, 8]
     assert total == 40 and table.columns["block"] == names
-    assert order_held == [False] or not positions  # it sorts exactly when something is queued
 
     # The same numbers as the record-per-block page (the old path, which does make them).
-    old, _, _ = eng.status_page(TENANT, "", 100)
+    old, _ = eng.status_page(TENANT, "", 100)
     assert made[0] == 40
     ages = ("age_s", "submitted_age_s", "delivered_age_s", "queue_position", "state")
     ages += ("running_version", "queued_version", "in_flight_version", "version", "tier")
@@ -152,11 +164,11 @@ def test_a_status_page_is_columns_built_outside_the_lock_with_no_record_per_bloc
     assert rows == [{k: v for k, v in b.to_dict().items() if k not in ages} for b in old]
 
     # Pages of columns cover every block once, in name order.
-    first, _, kept = eng.status_table(TENANT, "", 15)
-    second, _, _ = eng.status_table(TENANT, first.columns["block"][-1], 100, kept)
+    first, _ = eng.status_table(TENANT, "", 15)
+    second, _ = eng.status_table(TENANT, first.columns["block"][-1], 100)
     assert first.columns["block"] + second.columns["block"] == names
     assert eng.wait_idle(60.0)
-    settled, _, _ = eng.status_table(TENANT, "", 100)
+    settled, _ = eng.status_table(TENANT, "", 100)
     (dicts,) = [settled.to_dicts()]
     assert [b.to_dict() for b in settled] == dicts  # a table's rows are its records'
     assert all(b.state is BlockState.IDLE and b.version == 1 for b in settled)
