@@ -218,10 +218,13 @@ class Segment:
     or the mapping never frees the memory while the other side still maps it.
     """
 
-    # A daemon holds one per arena slot, two per block: no __dict__ each.
+    # A daemon holds one per arena slot, two per block: no __dict__ each, and nothing a slot
+    # can share with its arena is its own (the views of the mapping, the token; its index is
+    # worked out from its base). A slot's own NumPy view of its header words was ~420 bytes.
     __slots__ = (
         "__weakref__",
         "_arena",
+        "_bytes",
         "_fd",
         "_fd_closer",
         "_mmap",
@@ -229,7 +232,6 @@ class Segment:
         "base",
         "is_arena",
         "size_bytes",
-        "slot_index",
         "token",
     )
 
@@ -247,10 +249,14 @@ class Segment:
         self.size_bytes = size_bytes
         #: Where this segment starts in its mapping (0, or a slot's offset in its arena).
         self.base = base
-        self._words = np.frombuffer(buffer, dtype="<u8", count=4 if base == 0 else 3, offset=base)
+        # Views of the whole mapping, made once per mapping and shared by its slots: they hold
+        # the mapping's buffer exported, so it cannot be unmapped under a view cut from them.
+        if arena is None:
+            self._bytes = np.frombuffer(buffer, dtype=np.uint8)
+            self._words = self._bytes[: len(self._bytes) // 8 * 8].view("<u8")
+        else:
+            self._bytes, self._words = arena._bytes, arena._words
         self._arena = arena  # a slot keeps its arena (and so the mapping) alive
-        #: The slot's index in its arena; -1 for a whole segment (or an arena itself).
-        self.slot_index = -1
         self.is_arena = False
         #: Unique in this process while the mapping lives: how a solver worker's cache of
         #: mappings names it (a descriptor number can be reused, this cannot). Slots share
@@ -259,6 +265,18 @@ class Segment:
         self._fd = fd
         if fd is not None:  # closed with the segment, or when the last reference goes
             self._fd_closer = weakref.finalize(self, _close_fd, fd)
+
+    @property
+    def slot_index(self) -> int:
+        """The slot's index in its arena; -1 for a whole segment (or an arena itself)."""
+        return -1 if self.base == 0 else (self.base - HEADER_BYTES) // self.size_bytes
+
+    def _word(self, index: int) -> int:
+        """Header word ``index`` of this segment (or slot)."""
+        return int(self._words[(self.base >> 3) + index])
+
+    def _set_word(self, index: int, value: int) -> None:
+        self._words[(self.base >> 3) + index] = value
 
     @property
     def mapping(self) -> Segment:
@@ -288,8 +306,7 @@ class Segment:
                 f"{self.size_bytes} bytes"
             )
         slot = Segment(self._mmap, slot_bytes, base=base, arena=self)
-        slot.slot_index = index
-        if int(slot._words[_MAGIC_AT]) != MAGIC or int(slot._words[_CAPACITY_AT]) != (
+        if slot._word(_MAGIC_AT) != MAGIC or slot._word(_CAPACITY_AT) != (
             slot_bytes - HEADER_BYTES
         ):
             raise InvalidInputError(
@@ -314,7 +331,7 @@ class Segment:
 
     @property
     def sequence(self) -> int:
-        return int(self._words[_SEQUENCE_AT])
+        return self._word(_SEQUENCE_AT)
 
     def views(self, specs: Sequence[ArraySpec]) -> list[np.ndarray]:
         """Writable NumPy views of the arrays ``specs`` (they must fit the capacity)."""
@@ -325,11 +342,14 @@ class Segment:
                 f"the arrays need {needed} bytes but the shared-memory segment holds "
                 f"{self.capacity_bytes}; the client must hand over a larger segment"
             )
-        base = self.base
+        base, whole = self.base, self._bytes
+        # Cut from the mapping's one byte view (a ~130-byte array each, its base that view),
+        # not np.frombuffer: that is a new buffer export each, ~550 bytes a view, and an engine
+        # keeps every shared-memory result's views.
         return [
-            np.frombuffer(self._mmap, dtype=spec.dtype, count=count, offset=base + offset).reshape(
-                spec.shape
-            )
+            whole[base + offset : base + offset + count * spec.dtype.itemsize]
+            .view(spec.dtype)
+            .reshape(spec.shape)
             for spec, (offset, count) in zip(specs, places, strict=True)
         ]
 
@@ -337,12 +357,12 @@ class Segment:
     def begin_write(self) -> None:
         """Make the sequence odd: readers that overlap this write will reject what they copied."""
         sequence = self.sequence
-        self._words[_SEQUENCE_AT] = sequence + 1 if sequence % 2 == 0 else sequence + 2
+        self._set_word(_SEQUENCE_AT, sequence + 1 if sequence % 2 == 0 else sequence + 2)
 
     def end_write(self) -> int:
         """Make the sequence even again; returns the value that announces this write."""
         sequence = self.sequence
-        self._words[_SEQUENCE_AT] = sequence + 1 if sequence % 2 else sequence + 2
+        self._set_word(_SEQUENCE_AT, sequence + 1 if sequence % 2 else sequence + 2)
         return sequence + 1 if sequence % 2 else sequence + 2
 
     def write(self, specs: Sequence[ArraySpec], arrays: Sequence[np.ndarray]) -> int:
@@ -396,12 +416,12 @@ class Segment:
         """Drop this side's mapping once no view of it is left (NumPy views keep it alive). A
         slot drops only its hold on its arena, which goes with its last slot and owner."""
         if self._arena is not None:
-            del self._words
+            del self._words, self._bytes
             self._arena = None
             return
         if self._fd is not None:
             self._fd_closer()
-        del self._words
+        del self._words, self._bytes
         with contextlib.suppress(BufferError):  # a view still uses it: it goes with the last one
             self._mmap.close()
 
