@@ -104,8 +104,11 @@ class SharedSegment(Protocol):
     #: not); an arena's slots share the arena's
     token: int
     size_bytes: int
-    #: the slot's index in its arena (-1: a whole segment)
-    slot_index: int
+
+    @property
+    def slot_index(self) -> int:
+        """The slot's index in its arena (-1: a whole segment)."""
+        ...
 
     @property
     def mapping(self) -> SharedSegment:
@@ -126,7 +129,8 @@ class SharedSegment(Protocol):
         ...
 
 
-@dataclass(frozen=True, eq=False)
+# slots: the engine holds one with every shared-memory result (no __dict__ each)
+@dataclass(frozen=True, eq=False, slots=True)
 class SharedArrays:
     """Where a snapshot's or a result's arrays lie in a client's shared-memory segment.
 
@@ -261,7 +265,8 @@ class SolveTask:
         return self.basis is not None or self.shm_basis is not None
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+# slots: the engine holds one per block (no __dict__ each)
+@dataclass(frozen=True, kw_only=True, eq=False, slots=True)
 class SolveResult:
     """What the engine computed from one snapshot.
 

@@ -34,9 +34,11 @@ import numpy as np
 
 from asteria_client.transport.shm import ClientArena, ClientSegment, HandoverChannel
 from asteria_server.engine.engine import EngineConfig, PreconditionerEngine
+from asteria_server.protocol import convert
+from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.shm import result_layout, segment_bytes, snapshot_layout
 from asteria_server.service.handover import SegmentHandover
-from asteria_server.types import SharedArrays, SolveKind, SolveTask
+from asteria_server.types import SharedArrays, SolveKind
 
 SESSION = "memory-session"
 TENANT = "local"
@@ -135,17 +137,25 @@ def announce(
         views = segment.views(specs)
         found = handover.result_segment(SESSION, block)
         assert found is not None
-        task = SolveTask(
+        header = pb.SnapshotHeader(
             block=block,
             version=0,
-            kind=KIND,
-            matrix=views[0],
+            kind=convert._KINDS[KIND],
+            n=N,
+            exponent=0.25,
+            epsilon=1e-12,
+            base_version=-1,
+        )
+        task = convert.task_from_header(
+            header,
+            views[0],
+            None,
             tenant=TENANT,
             shm_source=SharedArrays(segment, segment_id, segment.sequence),
             shm_result=SharedArrays(found[1], found[0]),
         )
         engine.submit(task, job="job0")
-        del task, views, segment, found
+        del task, header, views, segment, found
     deadline = time.monotonic() + WAIT_S
     for snap, _ in pairs:
         while engine.peek_result(snap.block, TENANT) is None:
