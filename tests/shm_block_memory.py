@@ -47,7 +47,7 @@ KIND = SolveKind.INVERSE_ROOT
 WAIT_S = 120.0
 #: Frames kept per allocation: enough to tell the client's allocations (left out) from the
 #: daemon's.
-FRAMES = 30
+FRAMES = 8
 #: A name as long as the bench's llama-7b blocks (``shardK.`` prefix included).
 NAME = "shard{shard}.model.layers.{layer}.mlp.gate_proj.weight/tile{tile}/dim{dim}"
 
