@@ -265,8 +265,9 @@ class SolveTask:
         return self.basis is not None or self.shm_basis is not None
 
 
-# slots: the engine holds one per block (no __dict__ each)
-@dataclass(frozen=True, kw_only=True, eq=False, slots=True)
+# slots: the engine holds one per block (no __dict__ each); weakly referable for the tests
+# that check nothing keeps a dropped one alive
+@dataclass(frozen=True, kw_only=True, eq=False, slots=True, weakref_slot=True)
 class SolveResult:
     """What the engine computed from one snapshot.
 

@@ -106,7 +106,8 @@ class Client:
         pairs = []
         for name in names:
             snap, result = (
-                arena.take(role, name) for arena, role in zip(arenas, ("snapshot", "result"))
+                arena.take(role, name)
+                for arena, role in zip(arenas, ("snapshot", "result"), strict=True)
             )
             assert snap is not None and result is not None
             pairs.append((snap, result))
