@@ -24,9 +24,9 @@ the embedded engine, then on one daemon (Unix socket, shared memory, one worker)
   the solves run in worker processes) over one refresh of every block;
 - the daemon's anonymous RSS per block beyond the payload bytes it holds: RssAnon of its main
   process after the measured client's blocks have all been solved and delivered once, less
-  RssAnon after a first session of a few blocks (closed again: the daemon's one-off costs are
-  paid by then), less the results the daemon holds in its own memory (none over shared memory,
-  where the payload is the client's memfd: RssShmem, reported beside it);
+  RssAnon after a first session of a few blocks (closed and forgotten again: the daemon's
+  one-off costs are paid by then), less the results the daemon holds in its own memory (none
+  over shared memory, where the payload is the client's memfd: RssShmem, reported beside it);
 - with ``--clients`` C, C - 1 more clients (processes) then register as many blocks each and
   train: ``asteria status`` latency and JSON size over all pages of the C × N blocks, and the
   Status RPC's p99 while they train.
@@ -448,27 +448,34 @@ def _status_rpcs(source: Any, seconds: float) -> list[float]:
 
 def tenant_max_blocks(cfg: BlocksConfig, n: int) -> int:
     """The daemon's block quota for a run: the default (100,000), or what C clients of N
-    blocks of one tenant need (said in the report), and the first session's few."""
-    return max(DEFAULT_TENANT_MAX_BLOCKS, cfg.clients * n + WARMUP_BLOCKS)
+    blocks of one tenant need (said in the report)."""
+    return max(DEFAULT_TENANT_MAX_BLOCKS, cfg.clients * n)
 
 
-def _warm_up(cfg: BlocksConfig, address: str) -> int:
-    """A first session of :data:`WARMUP_BLOCKS` blocks, closed again: what the daemon spends
-    once, at its first session (imports, the solver worker's first task, threads and their
-    stacks, gRPC's buffers, the handover's first mappings), is spent before the baseline of
-    its memory, not charged to the measured blocks. The bytes of results it then holds in its
-    own memory (``cache_host_bytes``)."""
+def _warm_up(cfg: BlocksConfig, address: str) -> None:
+    """A first session of :data:`WARMUP_BLOCKS` blocks, closed again and its blocks forgotten
+    (as ``asteria forget`` does, so the status figures count the measured clients' blocks
+    only): what the daemon spends once, at its first session (imports, the solver worker's
+    first task, threads and their stacks, gRPC's buffers, the handover's first mappings), is
+    spent before the baseline of its memory, not charged to the measured blocks."""
+    from asteria_client.transport import DaemonConnection
     from asteria_client.transport.daemon import DaemonSource
 
-    source = DaemonSource(address, tenant=TENANT, token="", job="warmup")
+    job = "warmup"
+    source = DaemonSource(address, tenant=TENANT, token="", job=job)
     trainer = SyntheticTrainer(source, Mode.DAEMON, cfg)
     try:
         trainer.load(first_blocks(cfg.model, cfg.max_preconditioner_dim, WARMUP_BLOCKS))
         trainer.step(refresh=True)
         trainer.receive_all(cfg.result_timeout_s)
-        return _host_result_bytes(source)
     finally:
         trainer.runtime.close()
+    connection = DaemonConnection(address, tenant=TENANT, token="", job=job)
+    try:
+        session = connection.open_session()
+        connection.close_session(session.session_id, forget_blocks=True)
+    finally:
+        connection.close()
 
 
 def _host_result_bytes(source: Any) -> int:
@@ -503,7 +510,7 @@ def _measure_daemon(
 ) -> dict[str, Any]:
     from asteria_client.transport.daemon import DaemonSource
 
-    base_host_bytes = _warm_up(cfg, daemon.address)
+    _warm_up(cfg, daemon.address)
     time.sleep(0.5)
     base_mem = _proc_status(daemon.pid)
     start = time.perf_counter()
@@ -536,7 +543,7 @@ def _measure_daemon(
         # Only the payload the daemon holds in its anonymous memory: results it keeps itself
         # (blocks that went over gRPC). Shared-memory payload is the client's memfd, mapped by
         # the daemon (RssShmem), never in RssAnon: subtracting it hid ~2 x 64 bytes a block.
-        payload = max(0, _host_result_bytes(source) - base_host_bytes)
+        payload = _host_result_bytes(source)
         rss_per_block = (mem["RssAnon"] - base_mem["RssAnon"] - payload) / n
         stats = source.stats()
         result: dict[str, Any] = {
