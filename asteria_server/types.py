@@ -171,7 +171,9 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+# slots: a daemon holds one per queued block, all of a client's blocks at a refresh step
+# (no __dict__ each; what the queue held at its peak stays in the daemon's RSS)
+@dataclass(frozen=True, kw_only=True, eq=False, slots=True, weakref_slot=True)
 class SolveTask:
     """One factor snapshot of one block and what to compute from it.
 
