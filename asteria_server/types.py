@@ -100,10 +100,13 @@ class SubmitOutcome(enum.Enum):
 class SharedSegment(Protocol):
     """A shared-memory segment as the engine hands it on (``protocol.shm.Segment`` is one)."""
 
-    #: unique in this process while its mapping lives (a descriptor number is reused, this
-    #: not); an arena's slots share the arena's
-    token: int
     size_bytes: int
+
+    @property
+    def token(self) -> int:
+        """Unique in this process while its mapping lives (a descriptor number is reused, this
+        not); an arena's slots share the arena's."""
+        ...
 
     @property
     def slot_index(self) -> int:
