@@ -100,12 +100,18 @@ class SubmitOutcome(enum.Enum):
 class SharedSegment(Protocol):
     """A shared-memory segment as the engine hands it on (``protocol.shm.Segment`` is one)."""
 
-    #: unique in this process while its mapping lives (a descriptor number is reused, this
-    #: not); an arena's slots share the arena's
-    token: int
     size_bytes: int
-    #: the slot's index in its arena (-1: a whole segment)
-    slot_index: int
+
+    @property
+    def token(self) -> int:
+        """Unique in this process while its mapping lives (a descriptor number is reused, this
+        not); an arena's slots share the arena's."""
+        ...
+
+    @property
+    def slot_index(self) -> int:
+        """The slot's index in its arena (-1: a whole segment)."""
+        ...
 
     @property
     def mapping(self) -> SharedSegment:
@@ -126,7 +132,8 @@ class SharedSegment(Protocol):
         ...
 
 
-@dataclass(frozen=True, eq=False)
+# slots: the engine holds one with every shared-memory result (no __dict__ each)
+@dataclass(frozen=True, eq=False, slots=True)
 class SharedArrays:
     """Where a snapshot's or a result's arrays lie in a client's shared-memory segment.
 
@@ -167,7 +174,9 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+# slots: a daemon holds one per queued block, all of a client's blocks at a refresh step
+# (no __dict__ each; what the queue held at its peak stays in the daemon's RSS)
+@dataclass(frozen=True, kw_only=True, eq=False, slots=True, weakref_slot=True)
 class SolveTask:
     """One factor snapshot of one block and what to compute from it.
 
@@ -261,7 +270,9 @@ class SolveTask:
         return self.basis is not None or self.shm_basis is not None
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+# slots: the engine holds one per block (no __dict__ each); weakly referable for the tests
+# that check nothing keeps a dropped one alive
+@dataclass(frozen=True, kw_only=True, eq=False, slots=True, weakref_slot=True)
 class SolveResult:
     """What the engine computed from one snapshot.
 

@@ -114,7 +114,7 @@ class CostModel:
         return cls(seconds_per_n3=c, refresh_ratio=ratio)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per queued block: no __dict__ each
 class ScheduledTask:
     """A task as the scheduler holds it: with its estimated cost and arrival number."""
 

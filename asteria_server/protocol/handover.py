@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import enum
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,7 +238,7 @@ def decode_request(data: bytes) -> HandoverRequest:
         raise InvalidInputError(
             f"handover attach needs role snapshot, result or arena, got {message.get('role')!r}"
         ) from None
-    block = _str(message, "block", required=role is SegmentRole.RESULT)
+    block = sys.intern(_str(message, "block", required=role is SegmentRole.RESULT))
     slot_bytes: Any = 0
     if role is SegmentRole.ARENA:
         slot_bytes = message.get("slot_bytes")
@@ -258,7 +259,10 @@ def _decode_bind(message: dict[str, Any]) -> Bind:
 def _decode_block_slots(entry: Any) -> BlockSlots:
     if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]):
         raise InvalidInputError(f"handover bind: each block is [name, slots], got {entry!r:.200}")
-    block, slots = entry
+    slots = entry[1]
+    # The daemon keeps the name as long as the block: one string shared with the engine's
+    # records (which intern theirs too), not a copy per table (~120 bytes each).
+    block = sys.intern(entry[0])
     if not isinstance(slots, list) or not 1 <= len(slots) <= 2:
         raise InvalidInputError(f"handover bind of block {block!r} needs one or two slots")
     bindings = []

@@ -210,6 +210,32 @@ def private_result(result: SolveResult) -> SolveResult | None:
     return dataclasses.replace(result, shm=None, **arrays)
 
 
+class _Mapping:
+    """What a mapped segment and all the slots cut from it share: the mapping, its byte and word
+    views (made once: each view is a buffer export of ~420 bytes), its token and descriptor."""
+
+    __slots__ = ("buffer", "bytes", "fd", "fd_closer", "is_arena", "token", "words")
+
+    def __init__(self, buffer: mmap.mmap, fd: int | None, owner: Segment) -> None:
+        self.buffer = buffer
+        # They hold the buffer exported: it cannot be unmapped under a view cut from them.
+        self.bytes = np.frombuffer(buffer, dtype=np.uint8)
+        self.words = self.bytes[: len(self.bytes) // 8 * 8].view("<u8")
+        #: Unique in this process while the mapping lives: how a solver worker's cache of
+        #: mappings names it (a descriptor number can be reused, this cannot).
+        self.token = next(_TOKENS)
+        self.is_arena = False
+        self.fd = fd
+        if fd is not None:  # closed with the segment, or when its last reference goes
+            self.fd_closer = weakref.finalize(owner, _close_fd, fd)
+
+    def closed(self) -> _Mapping:
+        """What a closed segment keeps: its token, descriptor number and kind, no views."""
+        kept = object.__new__(_Mapping)
+        kept.token, kept.is_arena, kept.fd = self.token, self.is_arena, self.fd
+        return kept
+
+
 class Segment:
     """A mapped segment, or one slot of a mapped arena: its sequence word and views of its arrays.
 
@@ -218,20 +244,10 @@ class Segment:
     or the mapping never frees the memory while the other side still maps it.
     """
 
-    # A daemon holds one per arena slot, two per block: no __dict__ each.
-    __slots__ = (
-        "__weakref__",
-        "_arena",
-        "_fd",
-        "_fd_closer",
-        "_mmap",
-        "_words",
-        "base",
-        "is_arena",
-        "size_bytes",
-        "slot_index",
-        "token",
-    )
+    # A daemon holds one per arena slot, two per block: no __dict__ each, and all a slot shares
+    # with its arena in one _Mapping (its index is worked out from its base). A slot was ~700
+    # bytes with its own header view and copies of the mapping's fields, ~80 now.
+    __slots__ = ("__weakref__", "_arena", "_map", "base", "size_bytes")
 
     def __init__(
         self,
@@ -242,23 +258,50 @@ class Segment:
         base: int = 0,
         arena: Segment | None = None,
     ) -> None:
-        self._mmap = buffer
         #: This segment's bytes (a slot's own, never its arena's): what bounds every view.
         self.size_bytes = size_bytes
         #: Where this segment starts in its mapping (0, or a slot's offset in its arena).
         self.base = base
-        self._words = np.frombuffer(buffer, dtype="<u8", count=4 if base == 0 else 3, offset=base)
         self._arena = arena  # a slot keeps its arena (and so the mapping) alive
-        #: The slot's index in its arena; -1 for a whole segment (or an arena itself).
-        self.slot_index = -1
-        self.is_arena = False
-        #: Unique in this process while the mapping lives: how a solver worker's cache of
-        #: mappings names it (a descriptor number can be reused, this cannot). Slots share
-        #: their arena's.
-        self.token: int = next(_TOKENS) if arena is None else arena.token
-        self._fd = fd
-        if fd is not None:  # closed with the segment, or when the last reference goes
-            self._fd_closer = weakref.finalize(self, _close_fd, fd)
+        self._map: _Mapping = _Mapping(buffer, fd, self) if arena is None else arena._map
+
+    @property
+    def _mmap(self) -> mmap.mmap:
+        return self._map.buffer
+
+    @property
+    def _bytes(self) -> np.ndarray:
+        return self._map.bytes
+
+    @property
+    def _words(self) -> np.ndarray:
+        return self._map.words
+
+    @property
+    def token(self) -> int:
+        """Unique in this process while the mapping lives; slots share their arena's."""
+        return self._map.token
+
+    @property
+    def is_arena(self) -> bool:
+        """Whether this is an arena (a mapping of slots), not a segment or one slot."""
+        return self._arena is None and self._map.is_arena
+
+    @is_arena.setter
+    def is_arena(self, value: bool) -> None:
+        self._map.is_arena = value
+
+    @property
+    def slot_index(self) -> int:
+        """The slot's index in its arena; -1 for a whole segment (or an arena itself)."""
+        return -1 if self.base == 0 else (self.base - HEADER_BYTES) // self.size_bytes
+
+    def _word(self, index: int) -> int:
+        """Header word ``index`` of this segment (or slot)."""
+        return int(self._words[(self.base >> 3) + index])
+
+    def _set_word(self, index: int, value: int) -> None:
+        self._words[(self.base >> 3) + index] = value
 
     @property
     def mapping(self) -> Segment:
@@ -288,8 +331,7 @@ class Segment:
                 f"{self.size_bytes} bytes"
             )
         slot = Segment(self._mmap, slot_bytes, base=base, arena=self)
-        slot.slot_index = index
-        if int(slot._words[_MAGIC_AT]) != MAGIC or int(slot._words[_CAPACITY_AT]) != (
+        if slot._word(_MAGIC_AT) != MAGIC or slot._word(_CAPACITY_AT) != (
             slot_bytes - HEADER_BYTES
         ):
             raise InvalidInputError(
@@ -303,9 +345,9 @@ class Segment:
         a slot's is its arena's."""
         if self._arena is not None:
             return self._arena.fileno()
-        if self._fd is None:
+        if self._map.fd is None:
             raise ValueError("this segment was mapped without keeping a descriptor")
-        return self._fd
+        return self._map.fd
 
     @property
     def capacity_bytes(self) -> int:
@@ -314,7 +356,7 @@ class Segment:
 
     @property
     def sequence(self) -> int:
-        return int(self._words[_SEQUENCE_AT])
+        return self._word(_SEQUENCE_AT)
 
     def views(self, specs: Sequence[ArraySpec]) -> list[np.ndarray]:
         """Writable NumPy views of the arrays ``specs`` (they must fit the capacity)."""
@@ -325,11 +367,14 @@ class Segment:
                 f"the arrays need {needed} bytes but the shared-memory segment holds "
                 f"{self.capacity_bytes}; the client must hand over a larger segment"
             )
-        base = self.base
+        base, whole = self.base, self._bytes
+        # Cut from the mapping's one byte view (a ~130-byte array each, its base that view),
+        # not np.frombuffer: that is a new buffer export each, ~550 bytes a view, and an engine
+        # keeps every shared-memory result's views.
         return [
-            np.frombuffer(self._mmap, dtype=spec.dtype, count=count, offset=base + offset).reshape(
-                spec.shape
-            )
+            whole[base + offset : base + offset + count * spec.dtype.itemsize]
+            .view(spec.dtype)
+            .reshape(spec.shape)
             for spec, (offset, count) in zip(specs, places, strict=True)
         ]
 
@@ -337,12 +382,12 @@ class Segment:
     def begin_write(self) -> None:
         """Make the sequence odd: readers that overlap this write will reject what they copied."""
         sequence = self.sequence
-        self._words[_SEQUENCE_AT] = sequence + 1 if sequence % 2 == 0 else sequence + 2
+        self._set_word(_SEQUENCE_AT, sequence + 1 if sequence % 2 == 0 else sequence + 2)
 
     def end_write(self) -> int:
         """Make the sequence even again; returns the value that announces this write."""
         sequence = self.sequence
-        self._words[_SEQUENCE_AT] = sequence + 1 if sequence % 2 else sequence + 2
+        self._set_word(_SEQUENCE_AT, sequence + 1 if sequence % 2 else sequence + 2)
         return sequence + 1 if sequence % 2 else sequence + 2
 
     def write(self, specs: Sequence[ArraySpec], arrays: Sequence[np.ndarray]) -> int:
@@ -395,15 +440,17 @@ class Segment:
     def close(self) -> None:
         """Drop this side's mapping once no view of it is left (NumPy views keep it alive). A
         slot drops only its hold on its arena, which goes with its last slot and owner."""
+        shared = self._map
+        self._map = shared.closed()
         if self._arena is not None:
-            del self._words
             self._arena = None
             return
-        if self._fd is not None:
-            self._fd_closer()
-        del self._words
+        if shared.fd is not None:
+            shared.fd_closer()
+        buffer = shared.buffer
+        del shared  # its views go with it, unless a slot still holds them
         with contextlib.suppress(BufferError):  # a view still uses it: it goes with the last one
-            self._mmap.close()
+            buffer.close()
 
 
 def slot_base(index: int, slot_bytes: int) -> int:

@@ -75,7 +75,13 @@ class _Arena:
     """An arena a connection handed over: its slot size and which slot ids are bound where."""
 
     slot_bytes: int
-    bound: dict[int, str] = field(default_factory=dict)  # slot index -> segment id
+    #: slot index -> the segment id bound there (None: free). A list of the arena's slots, not
+    #: a dict of the bound ones: 8 bytes a slot, where a dict entry and its int key were ~100.
+    bound: list[str | None]
+
+    @classmethod
+    def of(cls, mapping: Segment, slot_bytes: int) -> _Arena:
+        return cls(slot_bytes, [None] * ((mapping.size_bytes - HEADER_BYTES) // slot_bytes))
 
 
 @dataclass(eq=False)
@@ -91,8 +97,11 @@ class _Connection:
     tenant: str | None = None  # charged for the connection's descriptors once it said hello
     mappings: dict[str, Segment] = field(default_factory=dict)
     arenas: dict[str, _Arena] = field(default_factory=dict)
+    #: an arena's token (its slots' too) -> the arena: how a bound slot finds its arena. (A
+    #: table of slot id -> (arena id, index) held a tuple and a copy of the arena id per slot.)
+    arena_of: dict[int, _Arena] = field(default_factory=dict)
     segments: dict[str, Segment] = field(default_factory=dict)
-    slot_of: dict[str, tuple[str, int]] = field(default_factory=dict)  # slot id -> arena, index
+    slots: int = 0  # how many of ``segments`` are arena slots
     results: dict[str, str] = field(default_factory=dict)  # block -> segment id
     result_of: dict[str, str] = field(default_factory=dict)  # segment id -> block
     mapped_bytes: int = 0
@@ -107,18 +116,23 @@ class _Connection:
             self.mapped_bytes -= mapping.size_bytes
             arena = self.arenas.pop(segment_id, None)
             if arena is not None:
-                for slot_id in list(arena.bound.values()):
+                for slot_id in [slot_id for slot_id in arena.bound if slot_id is not None]:
                     released += self._unbind(slot_id)
+                del self.arena_of[mapping.token]
         released += self._unbind(segment_id)
         return released, int(mapping is not None)
 
+    def is_slot(self, segment_id: str) -> bool:
+        segment = self.segments.get(segment_id)
+        return segment is not None and segment.slot_index >= 0
+
     def _unbind(self, segment_id: str) -> list[Segment]:
         segment = self.segments.pop(segment_id, None)
-        where = self.slot_of.pop(segment_id, None)
-        if where is not None:
-            arena = self.arenas.get(where[0])
-            if arena is not None and arena.bound.get(where[1]) == segment_id:
-                del arena.bound[where[1]]
+        if segment is not None and segment.slot_index >= 0:
+            self.slots -= 1
+            arena = self.arena_of.get(segment.token)
+            if arena is not None and arena.bound[segment.slot_index] == segment_id:
+                arena.bound[segment.slot_index] = None
         block = self.result_of.pop(segment_id, None)
         if block is not None and self.results.get(block) == segment_id:
             del self.results[block]
@@ -129,8 +143,9 @@ class _Connection:
         released, mappings = list(self.segments.values()), len(self.mappings)
         self.mappings.clear()
         self.arenas.clear()
+        self.arena_of.clear()
         self.segments.clear()
-        self.slot_of.clear()
+        self.slots = 0
         self.results.clear()
         self.result_of.clear()
         self.mapped_bytes = 0
@@ -266,7 +281,7 @@ class SegmentHandover:
                 "descriptors": self.fds.used,
                 "connections": len(self._connections),
                 "segments": sum(len(c.mappings) for c in self._connections),
-                "slots": sum(len(c.slot_of) for c in self._connections),
+                "slots": sum(c.slots for c in self._connections),
                 "mapped_bytes": sum(c.mapped_bytes for c in self._connections),
             }
 
@@ -424,7 +439,9 @@ class SegmentHandover:
             conn.mappings[segment_id] = segment
             conn.mapped_bytes += segment.size_bytes
             if arena:
-                conn.arenas[segment_id] = _Arena(request.slot_bytes)
+                conn.arenas[segment_id] = conn.arena_of[segment.token] = _Arena.of(
+                    segment, request.slot_bytes
+                )
             else:
                 conn.segments[segment_id] = segment
                 if request.role is SegmentRole.RESULT:
@@ -453,8 +470,8 @@ class SegmentHandover:
             for binding in entry.slots
         ]
         with self._lock:
-            fresh = sum(binding.segment_id not in conn.slot_of for _, binding, _, _ in slots)
-            if len(conn.slot_of) + fresh > self._max_slots:
+            fresh = sum(not conn.is_slot(binding.segment_id) for _, binding, _, _ in slots)
+            if conn.slots + fresh > self._max_slots:
                 raise InvalidInputError(
                     f"block {request.blocks[0].block!r} and the rest of this bind: the connection "
                     f"would bind more than {self._max_slots} arena slots; send further blocks in "
@@ -465,12 +482,12 @@ class SegmentHandover:
                 if conn.arenas.get(binding.arena_id) is not arena:
                     continue  # the arena went meanwhile (detached, or the connection dropped)
                 released += conn._unbind(binding.segment_id)
-                previous = arena.bound.get(binding.index)
+                previous = arena.bound[binding.index]
                 if previous is not None:
                     released += conn._unbind(previous)
                 arena.bound[binding.index] = binding.segment_id
-                conn.slot_of[binding.segment_id] = (binding.arena_id, binding.index)
                 conn.segments[binding.segment_id] = slot
+                conn.slots += 1
                 if binding.role is SegmentRole.RESULT:
                     self._bind_result_locked(conn, block, binding.segment_id)
         self._release(released)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
+import sys
 import time
 import uuid
 import weakref
@@ -260,6 +262,12 @@ class Authenticator:
                 "daemon's [tenants] table or ASTERIA_TOKENS holds for it"
             )
         return tenant
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_of(n: int, kind: SolveKind) -> tuple[int, SolveKind]:
+    """The one ``(n, kind)`` tuple the registered blocks of that shape share."""
+    return (n, kind)
 
 
 def _registration_cost(block: str) -> int:
@@ -729,7 +737,9 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                         f"{what} was registered as n={old[0]} {old[1].name}, now n={spec.n} "
                         f"{kind.name}; use a new block name for a different shape or kind"
                     )
-                specs[spec.block] = (spec.n, kind)
+                # Kept as long as the block: its name interned (one string with the engine's and
+                # the handover's), its shape one tuple per (n, kind), not a copy of each a block.
+                specs[sys.intern(spec.block)] = _spec_of(spec.n, kind)
             new = [b for b in specs if b not in known]
             unregistered = self._unregistered.get(session.tenant, set())
             held = len(known) + len(unregistered)
