@@ -297,6 +297,9 @@ class JobSync:
         self._agreed_since = 0.0
         self._owners_key: tuple[str, tuple[int, ...]] | None = None
         self._owners: dict[str, int] = {}
+        #: the owner map among the members not gone (see buried_owner), and its key
+        self._home_key: tuple[str, tuple[int, ...]] | None = None
+        self._home: dict[str, int] = {}
         self.newest_step = -1
         self._step_at = 0.0
         #: when the peers' states were last judged, and the seconds this daemon did not run
@@ -374,11 +377,50 @@ class JobSync:
         peer = self.peers[member]
         if peer.incarnation != incarnation:
             return True
+        return self.gone(peer, now)
+
+    def gone(self, peer: _Peer, now: float) -> bool:
+        """Whether ``peer`` has been dead for ``takeover_grace_s``: only then are versions it
+        may hold (queued or on a worker) solved elsewhere."""
         if peer.state != "dead":
             return False
         config = self.manager.config
         quiet_since = peer.last_heard if peer.last_heard is not None else self.registered_at
         return now - quiet_since >= config.dead_s + config.takeover_grace_s
+
+    def buried_owner(self, block: str, now: float) -> int | None:
+        """The member that owns ``block`` while it is quiet (suspect, or dead but not yet
+        :meth:`gone`), or None. Its ranks send it the versions they send here, so it may hold
+        (or, stopped, be solving) any version that arrives here meanwhile: such a version is
+        held for its push, like one it had when it went quiet (``_Held.had_by``), and solved
+        here only once it is gone. Taken over at once (the owner map already moves its blocks
+        when it is dead), the quiet owner solved the same version again when it came back.
+        Its owner is the block's owner among the members not gone; a member never heard from
+        holds nothing and is not waited for."""
+        quiet = [
+            m
+            for m, p in self.peers.items()
+            if p.state in ("suspect", "dead") and p.last_heard is not None
+        ]
+        if not quiet:
+            return None
+        staying = tuple(
+            m for m in self.members if m == self.me or not self.gone(self.peers[m], now)
+        )
+        key = (self.view_digest(), staying)
+        if key != self._home_key:  # (one map per change, not one per snapshot)
+            blocks, users = self.all_blocks()
+            self._home = owner_map(blocks, self.members, staying, users=users)
+            self._home_key = key
+        owner = self._home.get(block)
+        return owner if owner in quiet else None
+
+    def waits_for_quiet(self, held: _Held, now: float) -> bool:
+        """Whether ``held`` waits for the member that had its version, quiet now and not yet
+        lost (see :meth:`lost`): solving it here would solve it twice in the cluster."""
+        if held.had_by is None or held.had_by[0] == self.me:
+            return False
+        return self.peers[held.had_by[0]].state != "alive" and not self.lost(held, now)
 
     def living(self) -> list[int]:
         """Members not dead (alive, suspect or not yet heard), this one included."""
@@ -520,19 +562,22 @@ class JobSync:
             )
         self.job_of[task.block] = job
         owner = self.owner_of(task.block, now)
+        buried = self.buried_owner(task.block, now)
         wait_for = None
-        if owner == self.me:
+        if owner == self.me and buried is None:
             handed = self.handed.get(task.block)
             if handed is None or handed[1] < task.version or self.peers[handed[0]].state == "dead":
                 return self._solve_here(task, job, fallback=False)
             wait_for = handed[0]  # this version was claimed by another member: its push
-        elif owner is not None and self.peers[owner].state == "dead":
+        elif owner is not None and buried is None and self.peers[owner].state == "dead":
             self.fallback_reasons["owner_down"] = self.fallback_reasons.get("owner_down", 0) + 1
             return self._solve_here(task, job, fallback=True)
         config = self.manager.config
         if wait_for is not None:
             due = now + config.push_timeout_s
-        elif owner is not None and (self.peers[owner].state == "suspect" or owner in self.behind):
+        elif owner not in (None, self.me) and (
+            self.peers[owner].state == "suspect" or owner in self.behind
+        ):
             # Claimed from it at once: a stopped owner does not answer, and one whose ranks
             # are behind (its last grant: not arrived there yet) would only make it wait.
             due = now
@@ -541,7 +586,7 @@ class JobSync:
             due = now + max(config.patience_s, budget * (self.step_s or 0.0))
         if held is not None:
             stats.superseded += 1
-        had_by = wait_for if wait_for is not None else owner
+        had_by = wait_for if wait_for is not None else buried if buried is not None else owner
         self.manager.engine.note_elsewhere(task, job=job)
         self.held[task.block] = _Held(
             task,
@@ -550,7 +595,7 @@ class JobSync:
             due,
             wait_for=wait_for,
             had_by=(had_by, self.peers[had_by].incarnation)
-            if had_by is not None and self.peers[had_by].state == "alive"
+            if had_by is not None and (had_by == buried or self.peers[had_by].state == "alive")
             else None,
         )
         self.left_to_owner += 1
@@ -591,14 +636,12 @@ class JobSync:
                         fallback, reason = True, "claim_lapsed"
                         why = f"member {held.wait_for} won its claim, is idle and did not push it"
             elif owner == self.me:
-                if (
-                    held.had_by is not None
-                    and self.peers[held.had_by[0]].state != "alive"
-                    and not self.lost(held, now)
-                ):
+                if self.waits_for_quiet(held, now):
                     continue  # its old owner, quiet now, has this version: not solved twice
                 fallback = False
             elif owner is None:
+                if self.waits_for_quiet(held, now):
+                    continue  # (the members agree again once a quiet one is declared dead)
                 fallback = True if now >= held.since + self.manager.config.patience_s else None
                 why = "the daemons did not agree on the job's blocks in time"
                 reason = "not_agreed"
@@ -730,6 +773,12 @@ class JobSync:
             if block in peer.blocks and peer.has.get(block, -1) < stats.version:
                 self._queue(peer, block)
             return ppb.ClaimResponse(granted=False, reason="solved", by=me)
+        engine = self.manager.engine
+        if engine.computed_version(block, self.tenant) >= version:
+            # Solved here, but the result listener has not told this group yet (local_result
+            # runs later on the loop, and queues the push then). The version is neither
+            # queued nor running any more: granting it as "not arrived" solved it twice.
+            return ppb.ClaimResponse(granted=False, reason="solved", by=me)
         handed = self.handed.get(block)
         if handed is not None and handed[1] >= version:
             if handed[0] == peer.member:
@@ -738,7 +787,18 @@ class JobSync:
                 return ppb.ClaimResponse(
                     granted=False, reason="claimed", by=self.node_of(handed[0])
                 )
-        engine = self.manager.engine
+        held = self.held.get(block)
+        if (
+            held is not None
+            and held.task.version >= version
+            and held.had_by is not None
+            and held.had_by[0] != peer.member
+            and self.waits_for_quiet(held, now)
+        ):
+            # Held for a quiet member that had it (a buried owner): it may be solving it.
+            return ppb.ClaimResponse(
+                granted=False, reason="claimed", by=self.node_of(held.had_by[0])
+            )
         task = engine.withdraw(block, self.tenant, version)
         if task is None:
             running = engine.in_flight_version(block, self.tenant)
@@ -811,12 +871,14 @@ class JobSync:
         peer.wake.set()
 
     def queue_missing(self, peer: _Peer) -> None:
-        """Queue every result of a block this member owns that ``peer`` uses and lacks."""
+        """Queue every result solved here of a block that ``peer`` uses and lacks: of a block
+        this member owns, or one it took over while ``peer`` was gone (a returning owner then
+        drops its own queued snapshots of those versions instead of solving them again)."""
         owners = self.owners() if self._owners_key is not None else {}
         for block, node in owners.items():
             stats = self.stats.get(block)
             if (
-                node == self.me
+                (node == self.me or node == peer.member)
                 and stats is not None
                 and stats.version >= 0
                 and stats.origin == "local"  # one a claim's winner solved, it pushed itself
