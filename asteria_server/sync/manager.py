@@ -7,9 +7,11 @@ calls) except the engine's result listener, which hands its news to the loop.
 served by the same daemon are one *member*. Every member calls Heartbeat on every other one
 every ``heartbeat_s``; the answer carries the callee's state, so each call tells both sides.
 A member not heard for ``suspect_s`` is *suspect* (snapshots waiting for its push are claimed
-from it at once, and solved here if it does not answer), for ``dead_s`` *dead* (its blocks move
-to the living by the owner rule). One never heard counts as pending for ``dead_s`` after the
-job was registered here, then as dead.
+from it at once), for ``dead_s`` *dead* (its blocks move to the living by the owner rule), and
+``takeover_grace_s`` later *gone*. Until it is gone, a quiet owner's versions (those it had and
+those that arrive meanwhile: its ranks send it the same ones) are held for its push, not solved
+elsewhere: stopped, it may be solving them, and it solves them when it runs again. One never
+heard counts as pending for ``dead_s`` after the job was registered here, then as dead.
 A new incarnation (a restarted daemon) or a dead one heard again *rejoins*: the owner rule moves
 exactly its blocks back, and everything it needs is pushed to it again (versions never go back:
 a peer keeps a pushed result only when newer than its own).
@@ -30,13 +32,14 @@ version) * step_s)`` after it arrived (``step_s`` being the job's seconds per st
 its snapshots), or at once when the owner is suspect or its ranks are behind, it is *claimed*
 (Peer.Claim): the owner grants a version it has not started (taken out of its queue, or not
 arrived there yet, in which case it will not solve it when it comes: it waits for this
-member's push instead), and refuses one it runs or has solved (its push is on its way; asked
-again after ``patience_s``). A granted version is solved here and pushed to every peer, the
-owner included, so each (block, version) is still solved once in the cluster. It is solved here
-without a grant (a *fallback*, which may duplicate the owner's work) only when the owner is dead,
-does not answer a claim while suspect, or the members do not agree on the blocks in time. A push
-that brings the version (or a newer one) ends the wait, and takes an older-or-equal snapshot of
-the block out of this member's queue (latest wins).
+member's push instead), and refuses one it runs or has solved, by its engine's computed
+version (its push is on its way; asked again after ``patience_s``). A granted version is
+solved here and pushed to every peer, the owner included, so each (block, version) is still
+solved once in the cluster. It is solved here without a grant (a *fallback*, which may
+duplicate the owner's work) only when the owner is gone, cannot take claims, or the members
+do not agree on the blocks in time. A push that brings the version (or a newer one) ends the
+wait, and takes an older-or-equal snapshot of the block out of this member's queue (latest
+wins).
 
 **Pushes.** When a block this member owns gets a result, it is queued for every live member
 whose ranks use the block; a sender per peer sends the queue (the most urgent deadline first,
