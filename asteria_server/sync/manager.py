@@ -418,6 +418,23 @@ class JobSync:
         owner = self._home.get(block)
         return owner if owner in quiet else None
 
+    def stand_in(self, held: _Held, now: float) -> int | None:
+        """The member that solves ``held``'s version, held for an owner that came back as a
+        new incarnation (a restart holds nothing): the block's owner while that owner was
+        dead. One member, so the members that held the version do not all solve it."""
+        if held.had_by is None or held.had_by[0] == self.me or held.wait_for is not None:
+            return None
+        member, incarnation = held.had_by
+        if self.peers[member].incarnation == incarnation:
+            return None
+        staying = [
+            m
+            for m in self.members
+            if m != member and (m == self.me or not self.gone(self.peers[m], now))
+        ]
+        blocks, users = self.all_blocks()
+        return owner_map(blocks, self.members, staying, users=users).get(held.task.block)
+
     def waits_for_quiet(self, held: _Held, now: float) -> bool:
         """Whether ``held`` waits for the member that had its version, quiet now and not yet
         lost (see :meth:`lost`): solving it here would solve it twice in the cluster."""
@@ -621,6 +638,15 @@ class JobSync:
             if self.stats[block].version >= held.task.version:
                 del self.held[block]
                 continue
+            stand_in = self.stand_in(held, now)
+            if stand_in == self.me:  # solved here, pushed to every peer (its owner included)
+                self.taken[block] = held.task.version
+                self._solve_held(held, fallback=False)
+                continue
+            if stand_in is not None:  # that member solves it: its push
+                held.wait_for, held.had_by = stand_in, (stand_in, self.peers[stand_in].incarnation)
+                held.due = now + self.manager.config.push_timeout_s
+                continue
             owner = self.owner_of(block, now)
             fallback: bool | None = None
             why = reason = ""
@@ -644,7 +670,11 @@ class JobSync:
                 fallback = False
             elif owner is None:
                 if self.waits_for_quiet(held, now):
-                    continue  # (the members agree again once a quiet one is declared dead)
+                    # The members agree again once a quiet one is declared dead or is back;
+                    # patience_s counts from then, or every member that held this version for
+                    # a returning owner would solve it at once as a fallback.
+                    held.since = now
+                    continue
                 fallback = True if now >= held.since + self.manager.config.patience_s else None
                 why = "the daemons did not agree on the job's blocks in time"
                 reason = "not_agreed"
