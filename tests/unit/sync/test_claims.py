@@ -173,3 +173,18 @@ def test_a_returning_owner_is_pushed_the_versions_taken_over_from_it() -> None:
     js.stats[block].version, js.stats[block].origin = 9, "local"
     js.queue_missing(js.peers[1])
     assert block in js.peers[1].queued
+
+
+def test_versions_held_for_an_owner_that_restarted_are_solved_by_its_stand_in() -> None:
+    js, manager = _agreed_pair()
+    block = _owned_by(js, 1)
+    _quiet(js, manager.config.dead_s + 0.1)
+    js.submit(_task(block, 3), "job")
+    js.tick(time.monotonic())
+    assert manager.engine.submitted == []  # held for it
+    # It comes back as a new incarnation (a restart holds nothing): the members do not agree
+    # on the blocks yet, and this member, its block's owner while it was dead, solves the
+    # version (and pushes it to every peer: taken) instead of waiting out patience_s.
+    js.heard(js.peers[1], ppb.PeerState(node=1, incarnation_id="inc-2", blocks_digest="x"))
+    js.tick(time.monotonic())
+    assert manager.engine.submitted == [(block, 3)] and js.taken[block] == 3
