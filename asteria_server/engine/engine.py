@@ -567,6 +567,14 @@ class PreconditionerEngine:
         with self._cond:
             return self._coord.in_flight_version(tenant, block)
 
+    def computed_version(self, block: str, tenant: str = DEFAULT_TENANT) -> int:
+        """The newest computed version of ``block`` (-1: none), its own workers' or installed.
+        The sync asks it when a peer claims a version: the result listener tells the sync of a
+        new result only later, on its event loop, and in between the version is neither queued
+        nor running, so it would look as if it had not arrived yet."""
+        with self._cond:
+            return self._coord.registry.computed_version(tenant, block)
+
     def usage(self, tenant: str | None = None) -> EngineUsage:
         """What ``tenant`` (None: every tenant) holds in this process now: the daemon's quotas
         and memory budget are checked against it. Cheap: kept as counts, never a scan."""

@@ -7,9 +7,11 @@ calls) except the engine's result listener, which hands its news to the loop.
 served by the same daemon are one *member*. Every member calls Heartbeat on every other one
 every ``heartbeat_s``; the answer carries the callee's state, so each call tells both sides.
 A member not heard for ``suspect_s`` is *suspect* (snapshots waiting for its push are claimed
-from it at once, and solved here if it does not answer), for ``dead_s`` *dead* (its blocks move
-to the living by the owner rule). One never heard counts as pending for ``dead_s`` after the
-job was registered here, then as dead.
+from it at once), for ``dead_s`` *dead* (its blocks move to the living by the owner rule), and
+``takeover_grace_s`` later *gone*. Until it is gone, a quiet owner's versions (those it had and
+those that arrive meanwhile: its ranks send it the same ones) are held for its push, not solved
+elsewhere: stopped, it may be solving them, and it solves them when it runs again. One never
+heard counts as pending for ``dead_s`` after the job was registered here, then as dead.
 A new incarnation (a restarted daemon) or a dead one heard again *rejoins*: the owner rule moves
 exactly its blocks back, and everything it needs is pushed to it again (versions never go back:
 a peer keeps a pushed result only when newer than its own).
@@ -30,13 +32,14 @@ version) * step_s)`` after it arrived (``step_s`` being the job's seconds per st
 its snapshots), or at once when the owner is suspect or its ranks are behind, it is *claimed*
 (Peer.Claim): the owner grants a version it has not started (taken out of its queue, or not
 arrived there yet, in which case it will not solve it when it comes: it waits for this
-member's push instead), and refuses one it runs or has solved (its push is on its way; asked
-again after ``patience_s``). A granted version is solved here and pushed to every peer, the
-owner included, so each (block, version) is still solved once in the cluster. It is solved here
-without a grant (a *fallback*, which may duplicate the owner's work) only when the owner is dead,
-does not answer a claim while suspect, or the members do not agree on the blocks in time. A push
-that brings the version (or a newer one) ends the wait, and takes an older-or-equal snapshot of
-the block out of this member's queue (latest wins).
+member's push instead), and refuses one it runs or has solved, by its engine's computed
+version (its push is on its way; asked again after ``patience_s``). A granted version is
+solved here and pushed to every peer, the owner included, so each (block, version) is still
+solved once in the cluster. It is solved here without a grant (a *fallback*, which may
+duplicate the owner's work) only when the owner is gone, cannot take claims, or the members
+do not agree on the blocks in time. A push that brings the version (or a newer one) ends the
+wait, and takes an older-or-equal snapshot of the block out of this member's queue (latest
+wins).
 
 **Pushes.** When a block this member owns gets a result, it is queued for every live member
 whose ranks use the block; a sender per peer sends the queue (the most urgent deadline first,
@@ -297,6 +300,9 @@ class JobSync:
         self._agreed_since = 0.0
         self._owners_key: tuple[str, tuple[int, ...]] | None = None
         self._owners: dict[str, int] = {}
+        #: the owner map among the members not gone (see buried_owner), and its key
+        self._home_key: tuple[str, tuple[int, ...]] | None = None
+        self._home: dict[str, int] = {}
         self.newest_step = -1
         self._step_at = 0.0
         #: when the peers' states were last judged, and the seconds this daemon did not run
@@ -374,11 +380,67 @@ class JobSync:
         peer = self.peers[member]
         if peer.incarnation != incarnation:
             return True
+        return self.gone(peer, now)
+
+    def gone(self, peer: _Peer, now: float) -> bool:
+        """Whether ``peer`` has been dead for ``takeover_grace_s``: only then are versions it
+        may hold (queued or on a worker) solved elsewhere."""
         if peer.state != "dead":
             return False
         config = self.manager.config
         quiet_since = peer.last_heard if peer.last_heard is not None else self.registered_at
         return now - quiet_since >= config.dead_s + config.takeover_grace_s
+
+    def buried_owner(self, block: str, now: float) -> int | None:
+        """The member that owns ``block`` while it is quiet (suspect, or dead but not yet
+        :meth:`gone`), or None. Its ranks send it the versions they send here, so it may hold
+        (or, stopped, be solving) any version that arrives here meanwhile: such a version is
+        held for its push, like one it had when it went quiet (``_Held.had_by``), and solved
+        here only once it is gone. Taken over at once (the owner map already moves its blocks
+        when it is dead), the quiet owner solved the same version again when it came back.
+        Its owner is the block's owner among the members not gone; a member never heard from
+        holds nothing and is not waited for."""
+        quiet = [
+            m
+            for m, p in self.peers.items()
+            if p.state in ("suspect", "dead") and p.last_heard is not None
+        ]
+        if not quiet:
+            return None
+        staying = tuple(
+            m for m in self.members if m == self.me or not self.gone(self.peers[m], now)
+        )
+        key = (self.view_digest(), staying)
+        if key != self._home_key:  # (one map per change, not one per snapshot)
+            blocks, users = self.all_blocks()
+            self._home = owner_map(blocks, self.members, staying, users=users)
+            self._home_key = key
+        owner = self._home.get(block)
+        return owner if owner in quiet else None
+
+    def stand_in(self, held: _Held, now: float) -> int | None:
+        """The member that solves ``held``'s version, held for an owner that came back as a
+        new incarnation (a restart holds nothing): the block's owner while that owner was
+        dead. One member, so the members that held the version do not all solve it."""
+        if held.had_by is None or held.had_by[0] == self.me or held.wait_for is not None:
+            return None
+        member, incarnation = held.had_by
+        if self.peers[member].incarnation == incarnation:
+            return None
+        staying = [
+            m
+            for m in self.members
+            if m != member and (m == self.me or not self.gone(self.peers[m], now))
+        ]
+        blocks, users = self.all_blocks()
+        return owner_map(blocks, self.members, staying, users=users).get(held.task.block)
+
+    def waits_for_quiet(self, held: _Held, now: float) -> bool:
+        """Whether ``held`` waits for the member that had its version, quiet now and not yet
+        lost (see :meth:`lost`): solving it here would solve it twice in the cluster."""
+        if held.had_by is None or held.had_by[0] == self.me:
+            return False
+        return self.peers[held.had_by[0]].state != "alive" and not self.lost(held, now)
 
     def living(self) -> list[int]:
         """Members not dead (alive, suspect or not yet heard), this one included."""
@@ -520,19 +582,22 @@ class JobSync:
             )
         self.job_of[task.block] = job
         owner = self.owner_of(task.block, now)
+        buried = self.buried_owner(task.block, now)
         wait_for = None
-        if owner == self.me:
+        if owner == self.me and buried is None:
             handed = self.handed.get(task.block)
             if handed is None or handed[1] < task.version or self.peers[handed[0]].state == "dead":
                 return self._solve_here(task, job, fallback=False)
             wait_for = handed[0]  # this version was claimed by another member: its push
-        elif owner is not None and self.peers[owner].state == "dead":
+        elif owner is not None and buried is None and self.peers[owner].state == "dead":
             self.fallback_reasons["owner_down"] = self.fallback_reasons.get("owner_down", 0) + 1
             return self._solve_here(task, job, fallback=True)
         config = self.manager.config
         if wait_for is not None:
             due = now + config.push_timeout_s
-        elif owner is not None and (self.peers[owner].state == "suspect" or owner in self.behind):
+        elif owner not in (None, self.me) and (
+            self.peers[owner].state == "suspect" or owner in self.behind
+        ):
             # Claimed from it at once: a stopped owner does not answer, and one whose ranks
             # are behind (its last grant: not arrived there yet) would only make it wait.
             due = now
@@ -541,7 +606,7 @@ class JobSync:
             due = now + max(config.patience_s, budget * (self.step_s or 0.0))
         if held is not None:
             stats.superseded += 1
-        had_by = wait_for if wait_for is not None else owner
+        had_by = wait_for if wait_for is not None else buried if buried is not None else owner
         self.manager.engine.note_elsewhere(task, job=job)
         self.held[task.block] = _Held(
             task,
@@ -550,7 +615,7 @@ class JobSync:
             due,
             wait_for=wait_for,
             had_by=(had_by, self.peers[had_by].incarnation)
-            if had_by is not None and self.peers[had_by].state == "alive"
+            if had_by is not None and (had_by == buried or self.peers[had_by].state == "alive")
             else None,
         )
         self.left_to_owner += 1
@@ -573,6 +638,15 @@ class JobSync:
             if self.stats[block].version >= held.task.version:
                 del self.held[block]
                 continue
+            stand_in = self.stand_in(held, now)
+            if stand_in == self.me:  # solved here, pushed to every peer (its owner included)
+                self.taken[block] = held.task.version
+                self._solve_held(held, fallback=False)
+                continue
+            if stand_in is not None:  # that member solves it: its push
+                held.wait_for, held.had_by = stand_in, (stand_in, self.peers[stand_in].incarnation)
+                held.due = now + self.manager.config.push_timeout_s
+                continue
             owner = self.owner_of(block, now)
             fallback: bool | None = None
             why = reason = ""
@@ -591,14 +665,16 @@ class JobSync:
                         fallback, reason = True, "claim_lapsed"
                         why = f"member {held.wait_for} won its claim, is idle and did not push it"
             elif owner == self.me:
-                if (
-                    held.had_by is not None
-                    and self.peers[held.had_by[0]].state != "alive"
-                    and not self.lost(held, now)
-                ):
+                if self.waits_for_quiet(held, now):
                     continue  # its old owner, quiet now, has this version: not solved twice
                 fallback = False
             elif owner is None:
+                if self.waits_for_quiet(held, now):
+                    # The members agree again once a quiet one is declared dead or is back;
+                    # patience_s counts from then, or every member that held this version for
+                    # a returning owner would solve it at once as a fallback.
+                    held.since = now
+                    continue
                 fallback = True if now >= held.since + self.manager.config.patience_s else None
                 why = "the daemons did not agree on the job's blocks in time"
                 reason = "not_agreed"
@@ -730,6 +806,12 @@ class JobSync:
             if block in peer.blocks and peer.has.get(block, -1) < stats.version:
                 self._queue(peer, block)
             return ppb.ClaimResponse(granted=False, reason="solved", by=me)
+        engine = self.manager.engine
+        if engine.computed_version(block, self.tenant) >= version:
+            # Solved here, but the result listener has not told this group yet (local_result
+            # runs later on the loop, and queues the push then). The version is neither
+            # queued nor running any more: granting it as "not arrived" solved it twice.
+            return ppb.ClaimResponse(granted=False, reason="solved", by=me)
         handed = self.handed.get(block)
         if handed is not None and handed[1] >= version:
             if handed[0] == peer.member:
@@ -738,7 +820,18 @@ class JobSync:
                 return ppb.ClaimResponse(
                     granted=False, reason="claimed", by=self.node_of(handed[0])
                 )
-        engine = self.manager.engine
+        held = self.held.get(block)
+        if (
+            held is not None
+            and held.task.version >= version
+            and held.had_by is not None
+            and held.had_by[0] != peer.member
+            and self.waits_for_quiet(held, now)
+        ):
+            # Held for a quiet member that had it (a buried owner): it may be solving it.
+            return ppb.ClaimResponse(
+                granted=False, reason="claimed", by=self.node_of(held.had_by[0])
+            )
         task = engine.withdraw(block, self.tenant, version)
         if task is None:
             running = engine.in_flight_version(block, self.tenant)
@@ -811,12 +904,14 @@ class JobSync:
         peer.wake.set()
 
     def queue_missing(self, peer: _Peer) -> None:
-        """Queue every result of a block this member owns that ``peer`` uses and lacks."""
+        """Queue every result solved here of a block that ``peer`` uses and lacks: of a block
+        this member owns, or one it took over while ``peer`` was gone (a returning owner then
+        drops its own queued snapshots of those versions instead of solving them again)."""
         owners = self.owners() if self._owners_key is not None else {}
         for block, node in owners.items():
             stats = self.stats.get(block)
             if (
-                node == self.me
+                (node == self.me or node == peer.member)
                 and stats is not None
                 and stats.version >= 0
                 and stats.origin == "local"  # one a claim's winner solved, it pushed itself
