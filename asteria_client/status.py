@@ -16,7 +16,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
-from typing import Any, TextIO, cast
+from typing import Any, Protocol, cast
 
 from asteria_client.tables import text_table
 from asteria_client.transport.connection import (
@@ -109,7 +109,13 @@ _FIELD_PREFIXES = [f", {json.dumps(name)}: " for name in _ROW_FIELDS]
 _FIELD_PREFIXES[0] = "}, {" + _FIELD_PREFIXES[0][2:]
 
 
-def write_status_json(out: TextIO, document: dict[str, Any], table: BlockTable) -> None:
+class TextSink(Protocol):
+    """Where :func:`write_status_json` writes: stdout, a file, or a byte counter."""
+
+    def write(self, text: str, /) -> int: ...
+
+
+def write_status_json(out: TextSink, document: dict[str, Any], table: BlockTable) -> None:
     """Write ``document`` as :func:`json.dumps` does, with ``table``'s rows as its ``blocks``:
     the text :func:`status_document`'s rows would give, formatted a column and a chunk of rows
     at a time, with no dict per block and no one string of the whole document (160,000 blocks

@@ -62,7 +62,12 @@ from asteria_client.runtime.source import (
     PreconditionerSource,
 )
 from asteria_client.runtime.staleness import StalenessPolicy
-from asteria_client.status import StatusReader, status_document, summary_document
+from asteria_client.status import (
+    StatusReader,
+    status_document,
+    summary_document,
+    write_status_json,
+)
 from asteria_client.tables import markdown_table, text_table
 from asteria_server.types import SolveKind
 
@@ -362,12 +367,25 @@ def _status_read(address: str) -> tuple[float, int, int]:
     pages)."""
     start = time.perf_counter()
     reader = StatusReader(address, TENANT, "")
+    sink = _ByteCount()
     try:
-        stats, rows, transport = reader.read()
-        text = json.dumps(status_document(address, stats, rows, transport))  # as the CLI
+        stats, table, transport = reader.read()
+        # as the CLI writes it: the rows from the table's columns, a chunk at a time
+        write_status_json(sink, status_document(address, stats, [], transport), table)
     finally:
         reader.close()
-    return time.perf_counter() - start, len(text.encode()), len(rows)
+    return time.perf_counter() - start, sink.bytes, len(table)
+
+
+class _ByteCount:
+    """A text sink that keeps only the UTF-8 size of what is written (stdout encodes it too)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def write(self, text: str) -> int:
+        self.bytes += len(text.encode())
+        return len(text)
 
 
 def _status_summary_read(address: str) -> tuple[float, int, int]:

@@ -78,7 +78,7 @@ REGISTRATION_OVERHEAD_BYTES = 200
 STATUS_PAGE_BLOCKS = 2_000
 #: Blocks in one Status page of columns (``StatusRequest.columns``): about 100 bytes each on
 #: the wire, so a page stays near half a megabyte and 160,000 blocks take 32 round trips.
-STATUS_COLUMN_PAGE_BLOCKS = 5_000
+STATUS_COLUMN_PAGE_BLOCKS = 2_000
 #: AnnounceSnapshots gives the event loop back after this many snapshots: a training process
 #: of 20,000 blocks over shared memory announces them all in one call, and taking them in one
 #: go held every other call (Status, other clients' sessions and streams) for seconds.
