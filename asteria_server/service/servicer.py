@@ -77,7 +77,10 @@ REGISTRATION_OVERHEAD_BYTES = 200
 #: Blocks in one Status answer unless the request asks for fewer.
 STATUS_PAGE_BLOCKS = 2_000
 #: Blocks in one Status page of columns (``StatusRequest.columns``): about 100 bytes each on
-#: the wire, so a page stays near half a megabyte and 160,000 blocks take 32 round trips.
+#: the wire, so a page is about 200 KB and 160,000 blocks take 80 round trips. A page's build
+#: shares the daemon's GIL with every client's traffic, so its size is what one Status call's
+#: latency grows with: at 8 x 20,000 blocks while the clients trained, a 5,000-block page's p99
+#: was 311 ms and a 2,000-block one's 54 ms (``asteria bench blocks``).
 STATUS_COLUMN_PAGE_BLOCKS = 2_000
 #: AnnounceSnapshots gives the event loop back after this many snapshots: a training process
 #: of 20,000 blocks over shared memory announces them all in one call, and taking them in one
