@@ -147,6 +147,24 @@ class SessionInfo:
 
 #: Status pages read for one report (a page holds thousands of blocks).
 MAX_STATUS_PAGES = 1000
+#: Blocks a full read asks for in each Status page of columns: a few large pages cost fewer
+#: round trips than many of a polling call's size. The daemon caps it (one that predates
+#: larger pages at its default page), and the read pages on from wherever a page stops.
+STATUS_BULK_PAGE_BLOCKS = 10_000
+
+
+def _status_reply(call: grpc.Future) -> pb.StatusResponse:
+    """A started Status call's reply; its failure as an Asteria exception."""
+    try:
+        reply: pb.StatusResponse = call.result()
+    except grpc.RpcError as exc:
+        raise _error(exc) from None
+    return reply
+
+
+def _page_blocks(reply: pb.StatusResponse) -> int:
+    """Blocks a Status page carries, read before it is converted."""
+    return len(reply.columns.block) if reply.HasField("columns") else len(reply.blocks)
 
 
 class DaemonConnection:
@@ -392,28 +410,46 @@ class DaemonConnection:
     ) -> tuple[EngineStats, BlockTable, TransportStats | None]:
         """:meth:`status` and the daemon's data-path numbers (None from an older daemon). The
         daemon answers in pages (each within its message limit), as columns where it can; this
-        reads them all, up to ``MAX_STATUS_PAGES``, into one table."""
+        reads them all, up to ``MAX_STATUS_PAGES``, into one table. The next page's call is
+        sent as soon as a page arrives, before it is converted: the daemon builds page k+1
+        while this process converts page k, instead of each side waiting for the other."""
         timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
-        after = ""
         blocks = BlockTable(self._tenant)
-        for _ in range(MAX_STATUS_PAGES):
-            request = pb.StatusRequest(session_id=session_id, after_block=after, columns=True)
-            try:
-                reply = self._stub.Status(request, timeout=timeout)
-            except grpc.RpcError as exc:
-                raise _error(exc) from None
-            stats = convert.engine_stats_from_proto(reply.engine)
-            if reply.HasField("columns"):
-                page = convert.block_table_from_proto(reply.columns)
-            else:  # a daemon that predates columns: a message per block
-                page = BlockTable.of(self._tenant, convert.status_from_proto(reply)[1])
-            if len(page) and page.tenant != blocks.tenant:
-                blocks.tenant = page.tenant
-            blocks.extend(page)
-            after = reply.next_after_block
-            if not after or not len(page):
-                break
+        pending: grpc.Future | None = self._status_call(session_id, "", timeout)
+        try:
+            for _ in range(MAX_STATUS_PAGES):
+                assert pending is not None
+                reply = _status_reply(pending)
+                pending = None
+                if reply.next_after_block and _page_blocks(reply):
+                    pending = self._status_call(session_id, reply.next_after_block, timeout)
+                page = self._status_page_table(reply)
+                if len(page) and page.tenant != blocks.tenant:
+                    blocks.tenant = page.tenant
+                blocks.extend(page)
+                if pending is None:
+                    break
+        finally:
+            if pending is not None:  # a failed conversion or MAX_STATUS_PAGES: nobody reads it
+                pending.cancel()
+        stats = convert.engine_stats_from_proto(reply.engine)
         return stats, blocks, convert.transport_stats_from_proto(reply)
+
+    def _status_call(self, session_id: str, after: str, timeout: float) -> grpc.Future:
+        """One full-read Status page's call, started (its reply is read with _status_reply)."""
+        request = pb.StatusRequest(
+            session_id=session_id,
+            after_block=after,
+            columns=True,
+            max_blocks=STATUS_BULK_PAGE_BLOCKS,
+        )
+        return self._stub.Status.future(request, timeout=timeout)
+
+    def _status_page_table(self, reply: pb.StatusResponse) -> BlockTable:
+        if reply.HasField("columns"):
+            return convert.block_table_from_proto(reply.columns)
+        # a daemon that predates columns: a message per block
+        return BlockTable.of(self._tenant, convert.status_from_proto(reply)[1])
 
     def status_summary(
         self, session_id: str, *, worst: int = 0, timeout_s: float | None = None

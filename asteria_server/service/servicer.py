@@ -82,6 +82,10 @@ STATUS_PAGE_BLOCKS = 2_000
 #: latency grows with: at 8 x 20,000 blocks while the clients trained, a 5,000-block page's p99
 #: was 311 ms and a 2,000-block one's 54 ms (``asteria bench blocks``).
 STATUS_COLUMN_PAGE_BLOCKS = 2_000
+#: The most blocks a Status page of columns holds when the request asks for more than the
+#: default (``max_blocks``): a full read (``asteria status --blocks``) takes the whole table
+#: in a few pages; a call that asks for nothing in particular keeps the default's latency.
+MAX_STATUS_COLUMN_PAGE_BLOCKS = 10_000
 #: AnnounceSnapshots gives the event loop back after this many snapshots: a training process
 #: of 20,000 blocks over shared memory announces them all in one call, and taking them in one
 #: go held every other call (Status, other clients' sessions and streams) for seconds.
@@ -1305,10 +1309,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         reply: pb.StatusResponse,
     ) -> pb.StatusResponse:
         """A Status page as columns (``request.columns``): up to ``STATUS_COLUMN_PAGE_BLOCKS``
-        blocks in a few packed lists. It is built in a thread, so the event loop keeps serving
-        uploads and results meanwhile, and it holds the engine's lock only to copy the page's
-        records and queue positions, a chunk at a time (see :meth:`Engine.status_table`)."""
-        page = min(request.max_blocks or STATUS_COLUMN_PAGE_BLOCKS, STATUS_COLUMN_PAGE_BLOCKS)
+        blocks, or what ``max_blocks`` asks up to ``MAX_STATUS_COLUMN_PAGE_BLOCKS``, in a few
+        packed lists. It is built in a thread, so the event loop keeps serving uploads and
+        results meanwhile, and it holds the engine's lock only to copy the page's records and
+        queue positions, a chunk at a time (see :meth:`Engine.status_table`)."""
+        page = min(request.max_blocks or STATUS_COLUMN_PAGE_BLOCKS, MAX_STATUS_COLUMN_PAGE_BLOCKS)
         room = self._limits.max_message_bytes - reply.ByteSize() - 4096
 
         def build() -> tuple[pb.BlockColumns, int, str]:
