@@ -25,19 +25,18 @@ from asteria_server.engine import EngineConfig
 from tests.distributed.spawn import init, leave, spawn
 
 DIM = 8
-STEPS = 8
-CONTINUOUS_STEPS = 30
+STEPS = 30
 BATCH = 16
 
 
-def _soap(params: Any, group: Any, refresh: str = "amortized") -> SOAP:
+def _soap(params: Any, group: Any, refresh: str = "amortized", budget: int = 1) -> SOAP:
     continuous = refresh == "continuous"
     return SOAP(
         params,
         lr=1e-2,
         mode="embedded",
         precondition_frequency=5 if continuous else 2,  # f = 5: room for extra pulls
-        staleness_budget=1,
+        staleness_budget=budget,
         refresh=refresh,
         refresh_overhead=0.5 if continuous else 0.04,
         process_group=group,
@@ -45,7 +44,9 @@ def _soap(params: Any, group: Any, refresh: str = "amortized") -> SOAP:
     )
 
 
-def _mesh_rank(rank: int, world: int, tmp: str, refresh: str = "amortized") -> None:
+def _mesh_rank(
+    rank: int, world: int, tmp: str, refresh: str = "amortized", budget: int = 1
+) -> None:
     init(rank, world, tmp)
     try:
         tp, dp = rank % 2, rank // 2
@@ -59,17 +60,17 @@ def _mesh_rank(rank: int, world: int, tmp: str, refresh: str = "amortized") -> N
         shard_ddp = torch.nn.parallel.DistributedDataParallel(shard, process_group=dp_group)
         head_ddp = torch.nn.parallel.DistributedDataParallel(head)
         if tp == 0:  # the slices build their optimizers in different orders
-            head_opt = _soap(head.named_parameters(), None, refresh)
-            shard_opt = _soap(shard.named_parameters(), dp_group, refresh)
+            head_opt = _soap(head.named_parameters(), None, refresh, budget)
+            shard_opt = _soap(shard.named_parameters(), dp_group, refresh, budget)
         else:
-            shard_opt = _soap(shard.named_parameters(), dp_group, refresh)
-            head_opt = _soap(head.named_parameters(), None, refresh)
+            shard_opt = _soap(shard.named_parameters(), dp_group, refresh, budget)
+            head_opt = _soap(head.named_parameters(), None, refresh, budget)
         if refresh == "continuous":  # pulls at the hooks too: each rank's own timing
             shard_opt.attach(shard)
             head_opt.attach(head)
         g = torch.Generator().manual_seed(100 + tp)  # each slice its own data
         try:
-            for _ in range(STEPS if refresh == "amortized" else CONTINUOUS_STEPS):
+            for _ in range(STEPS):
                 x = torch.randn(2 * BATCH, DIM, generator=g)[dp * BATCH : (dp + 1) * BATCH]
                 shard_opt.zero_grad()
                 head_opt.zero_grad()
@@ -92,19 +93,23 @@ def _mesh_rank(rank: int, world: int, tmp: str, refresh: str = "amortized") -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("budget", [1, 2])
 @pytest.mark.parametrize("refresh", ["amortized", "continuous"])
 def test_a_2d_mesh_builds_its_groups_in_any_order_and_keeps_each_group_apart(
-    tmp_path: Path, refresh: str
+    tmp_path: Path, refresh: str, budget: int
 ) -> None:
-    """Continuous: each block's owner in its group chooses its extra pulls (tested here on
-    DP x TP 2 x 2 for 30 steps at S = 1), and the replicas stay bitwise equal all the same."""
-    spawn(_mesh_rank, 4, str(tmp_path), refresh)
+    """DP x TP 2 x 2 for 30 steps at S = 1 and 2, amortized and continuous (where each block's
+    owner in its group chooses its extra pulls): the replicas stay bitwise equal, each within
+    its budget."""
+    spawn(_mesh_rank, 4, str(tmp_path), refresh, budget)
     runs = [torch.load(tmp_path / f"mesh{r}.pt", weights_only=False) for r in range(4)]
     for run in runs:
         for which in ("shard", "head"):
             source = run["stats"][which]["source"]
             assert not source["exchange_failed"] and source["exchange_results_received"] > 0
             assert run["stats"][which]["agreement_failed"] == ""
+            frequency = 5 if refresh == "continuous" else 2
+            assert run["stats"][which]["max_lag_steps"] <= budget * frequency
     for key in runs[0]["shard"]:
         # replicas of one TP shard (its DP group) are bitwise equal ...
         assert torch.equal(runs[0]["shard"][key], runs[2]["shard"][key]), key
