@@ -74,13 +74,15 @@ def _run(
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(spec.world)]
     if sigstop:
         assert seen["phase"] == "continued", seen
-    # Reported, not asserted: the claim protocol's duplicate solves are another change's.
+    # Nothing solved twice in the cluster: a quiet owner's versions are held for it, not
+    # solved by the survivor, and a claim sees what its owner already computed (sync/manager).
     solved: dict[str, list[int]] = {}
     for v in views:
         for b in v.group["blocks"]:
             solved.setdefault(b["block"], []).extend(b["solved_versions"] + b["discarded_versions"])
     twice = {b: sorted(vs) for b, vs in solved.items() if len(vs) != len(set(vs))}
     print(f"sigstop: {seen}; solves per daemon {[v.solves_done for v in views]}; twice {twice}")
+    assert not twice, f"(block, version)s solved on both daemons: {twice}"
     # Versions solved that no rank registered, a cost in solves (1-6 per block here, with one
     # chooser per block or, tried, two; where they come from is not established: perhaps
     # extra pulls overtaken by a newer snapshot before the round reported them).
