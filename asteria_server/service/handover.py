@@ -151,11 +151,10 @@ class _Connection:
         """Note (or, with None, forget) that the bound segment ``segment_id`` is ``block``'s
         result segment: in its arena's list when it is a slot."""
         segment = self.segments.get(segment_id)
-        arena = None
-        if segment is not None and segment.slot_index >= 0:
-            arena = self.arena_of.get(segment.token)
+        index = -1 if segment is None else segment.slot_index
+        arena = None if segment is None or index < 0 else self.arena_of.get(segment.token)
         if arena is not None:
-            arena.result_of[segment.slot_index] = block
+            arena.result_of[index] = block
         elif block is None:
             self.result_of.pop(segment_id, None)
         else:
