@@ -238,7 +238,8 @@ def _overdue_after(job: _Job) -> float:
     return max(OVERDUE_MIN_S, OVERDUE_FACTOR * (job.expected_s or 0.0))
 
 
-@dataclass(frozen=True)
+# slots: one is made per task solved, a transient of every refresh
+@dataclass(frozen=True, slots=True)
 class PoolEvent:
     """A task's end: ``result`` on success, else ``error`` says why (after all retries);
     ``overwritten``: neither, its snapshot was overwritten by a newer one before it was read;

@@ -78,10 +78,15 @@ class _Arena:
     #: slot index -> the segment id bound there (None: free). A list of the arena's slots, not
     #: a dict of the bound ones: 8 bytes a slot, where a dict entry and its int key were ~100.
     bound: list[str | None]
+    #: slot index -> the block whose result slot it is (None: not a result slot). Beside
+    #: ``bound`` for the same reason: a connection-wide dict of result slot id -> block held
+    #: ~70 bytes a block.
+    result_of: list[str | None]
 
     @classmethod
     def of(cls, mapping: Segment, slot_bytes: int) -> _Arena:
-        return cls(slot_bytes, [None] * ((mapping.size_bytes - HEADER_BYTES) // slot_bytes))
+        slots = (mapping.size_bytes - HEADER_BYTES) // slot_bytes
+        return cls(slot_bytes, [None] * slots, [None] * slots)
 
 
 @dataclass(eq=False)
@@ -103,7 +108,9 @@ class _Connection:
     segments: dict[str, Segment] = field(default_factory=dict)
     slots: int = 0  # how many of ``segments`` are arena slots
     results: dict[str, str] = field(default_factory=dict)  # block -> segment id
-    result_of: dict[str, str] = field(default_factory=dict)  # segment id -> block
+    #: result segment id -> block, for whole result segments (a result slot's block is in its
+    #: arena's ``result_of``)
+    result_of: dict[str, str] = field(default_factory=dict)
     mapped_bytes: int = 0
     touched_at: float = -math.inf  # when a message last renewed the session's lease
 
@@ -128,15 +135,30 @@ class _Connection:
 
     def _unbind(self, segment_id: str) -> list[Segment]:
         segment = self.segments.pop(segment_id, None)
+        block = self.result_of.pop(segment_id, None)
         if segment is not None and segment.slot_index >= 0:
             self.slots -= 1
             arena = self.arena_of.get(segment.token)
             if arena is not None and arena.bound[segment.slot_index] == segment_id:
                 arena.bound[segment.slot_index] = None
-        block = self.result_of.pop(segment_id, None)
+                block = arena.result_of[segment.slot_index]
+                arena.result_of[segment.slot_index] = None
         if block is not None and self.results.get(block) == segment_id:
             del self.results[block]
         return [] if segment is None else [segment]
+
+    def mark_result(self, segment_id: str, block: str | None) -> None:
+        """Note (or, with None, forget) that the bound segment ``segment_id`` is ``block``'s
+        result segment: in its arena's list when it is a slot."""
+        segment = self.segments.get(segment_id)
+        index = -1 if segment is None else segment.slot_index
+        arena = None if segment is None or index < 0 else self.arena_of.get(segment.token)
+        if arena is not None:
+            arena.result_of[index] = block
+        elif block is None:
+            self.result_of.pop(segment_id, None)
+        else:
+            self.result_of[segment_id] = block
 
     def clear(self) -> tuple[list[Segment], int]:
         """Drop everything: the segments no longer served and the mappings that went."""
@@ -453,9 +475,9 @@ class SegmentHandover:
     def _bind_result_locked(conn: _Connection, block: str, segment_id: str) -> None:
         old = conn.results.get(block)
         if old is not None:
-            conn.result_of.pop(old, None)
+            conn.mark_result(old, None)
         conn.results[block] = segment_id
-        conn.result_of[segment_id] = block
+        conn.mark_result(segment_id, block)
 
     def _bind(self, conn: _Connection, request: Bind) -> None:
         """Bind blocks' slots in arenas of this connection (all checked before any is bound).
