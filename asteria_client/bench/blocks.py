@@ -64,9 +64,8 @@ from asteria_client.runtime.source import (
 from asteria_client.runtime.staleness import StalenessPolicy
 from asteria_client.status import (
     StatusReader,
-    status_document,
     summary_document,
-    write_status_json,
+    write_status_pages,
 )
 from asteria_client.tables import markdown_table, text_table
 from asteria_server.types import SolveKind
@@ -363,18 +362,17 @@ def _background_client(
 
 
 def _status_read(address: str) -> tuple[float, int, int]:
-    """``asteria status --json --blocks`` in this process: seconds, bytes, blocks (all
+    """``asteria status --json --blocks`` in this process, as the CLI writes it (each page's
+    rows from its columns while the daemon builds the next): seconds, bytes, blocks (all
     pages)."""
     start = time.perf_counter()
     reader = StatusReader(address, TENANT, "")
     sink = _ByteCount()
     try:
-        stats, table, transport = reader.read()
-        # as the CLI writes it: the rows from the table's columns, a chunk at a time
-        write_status_json(sink, status_document(address, stats, [], transport), table)
+        rows = write_status_pages(sink, address, reader.read_pages())
     finally:
         reader.close()
-    return time.perf_counter() - start, sink.bytes, len(table)
+    return time.perf_counter() - start, sink.bytes, rows
 
 
 class _ByteCount:

@@ -9,6 +9,7 @@ code 1. What it reads and how it is shown live in :mod:`asteria_client.status`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -31,6 +32,7 @@ from asteria_client.status import (
     status_document,
     summary_document,
     write_status_json,
+    write_status_pages,
 )
 from asteria_client.transport.connection import RegisteredJob
 from asteria_server.errors import AsteriaError, InvalidInputError
@@ -99,6 +101,14 @@ def run(args: argparse.Namespace) -> int:
     first = True
     try:
         while True:
+            if args.json and args.blocks:  # every row: written as the pages arrive
+                if not _stream_json(reader, address) and (first or args.watch is None):
+                    return EXIT_FAILED
+                first = False
+                if args.watch is None:
+                    return EXIT_OK
+                time.sleep(args.watch)
+                continue
             try:
                 summary, blocks = None, None
                 if not args.blocks:
@@ -136,6 +146,40 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK  # Ctrl-C is how --watch ends
     finally:
         reader.close()
+
+
+def _stream_json(reader: StatusReader, address: str) -> bool:
+    """``--json --blocks``: the document written page by page as the daemon answers (the jobs
+    and peer groups are asked for while the second page is built). False, with a line on
+    stderr, when the daemon could not be read: before the first page nothing is written; a
+    failure after it ends the truncated document with a newline, so a reader sees it fail."""
+    pages = reader.read_pages()
+    try:
+        first_page = next(pages)
+    except AsteriaError as exc:
+        print(f"{PROG} status: cannot reach the daemon at {address}: {exc}", file=sys.stderr)
+        return False
+    jobs, peers = reader.jobs(), reader.peers()
+    try:
+        write_status_pages(
+            sys.stdout,
+            address,
+            itertools.chain([first_page], pages),
+            jobs,
+            {"peer_groups": peers_document(peers)},
+        )
+    except AsteriaError as exc:
+        print(flush=True)
+        print(
+            f"{PROG} status: the daemon at {address} stopped answering in the middle of the "
+            f"blocks; the document above is cut short: {exc}",
+            file=sys.stderr,
+        )
+        return False
+    finally:
+        pages.close()
+    print(flush=True)
+    return True
 
 
 def _print_json(

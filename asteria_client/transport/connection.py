@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 
@@ -151,6 +152,15 @@ MAX_STATUS_PAGES = 1000
 #: round trips than many of a polling call's size. The daemon caps it (one that predates
 #: larger pages at its default page), and the read pages on from wherever a page stops.
 STATUS_BULK_PAGE_BLOCKS = 10_000
+
+
+class StatusPage(NamedTuple):
+    """One Status answer of a full read: the engine's numbers when it was built, a page of the
+    tenant's blocks, and the data-path numbers (None from a daemon that predates them)."""
+
+    stats: EngineStats
+    table: BlockTable
+    transport: TransportStats | None
 
 
 def _status_reply(call: grpc.Future) -> pb.StatusResponse:
@@ -408,13 +418,28 @@ class DaemonConnection:
     def status_report(
         self, session_id: str = "", *, timeout_s: float | None = None
     ) -> tuple[EngineStats, BlockTable, TransportStats | None]:
-        """:meth:`status` and the daemon's data-path numbers (None from an older daemon). The
-        daemon answers in pages (each within its message limit), as columns where it can; this
-        reads them all, up to ``MAX_STATUS_PAGES``, into one table. The next page's call is
-        sent as soon as a page arrives, before it is converted: the daemon builds page k+1
-        while this process converts page k, instead of each side waiting for the other."""
-        timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
+        """:meth:`status` and the daemon's data-path numbers (None from an older daemon): every
+        page of :meth:`status_pages` in one table, with the last page's numbers."""
         blocks = BlockTable(self._tenant)
+        last: StatusPage | None = None
+        for last in self.status_pages(session_id, timeout_s=timeout_s):
+            if len(last.table) and last.table.tenant != blocks.tenant:
+                blocks.tenant = last.table.tenant
+            blocks.extend(last.table)
+        assert last is not None  # the first page comes or its call raises
+        return last.stats, blocks, last.transport
+
+    def status_pages(
+        self, session_id: str = "", *, timeout_s: float | None = None
+    ) -> Generator[StatusPage, None, None]:
+        """The session's tenant's blocks page by page, in name order, as the daemon answers
+        them (each within its message limit, as columns where it can), up to
+        ``MAX_STATUS_PAGES``. The next page's call is sent as soon as a page arrives, before it
+        is converted or handed on: the daemon builds page k+1 while this process converts
+        page k and its caller uses it (``asteria status --json --blocks`` writes it out), so
+        neither side waits for the other. Raises an Asteria error when a call fails; pages
+        already yielded stay valid."""
+        timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
         pending: grpc.Future | None = self._status_call(session_id, "", timeout)
         try:
             for _ in range(MAX_STATUS_PAGES):
@@ -423,17 +448,16 @@ class DaemonConnection:
                 pending = None
                 if reply.next_after_block and _page_blocks(reply):
                     pending = self._status_call(session_id, reply.next_after_block, timeout)
-                page = self._status_page_table(reply)
-                if len(page) and page.tenant != blocks.tenant:
-                    blocks.tenant = page.tenant
-                blocks.extend(page)
+                yield StatusPage(
+                    convert.engine_stats_from_proto(reply.engine),
+                    self._status_page_table(reply),
+                    convert.transport_stats_from_proto(reply),
+                )
                 if pending is None:
-                    break
+                    return
         finally:
-            if pending is not None:  # a failed conversion or MAX_STATUS_PAGES: nobody reads it
+            if pending is not None:  # a failed conversion, a caller that stopped, or the cap
                 pending.cancel()
-        stats = convert.engine_stats_from_proto(reply.engine)
-        return stats, blocks, convert.transport_stats_from_proto(reply)
 
     def _status_call(self, session_id: str, after: str, timeout: float) -> grpc.Future:
         """One full-read Status page's call, started (its reply is read with _status_reply)."""

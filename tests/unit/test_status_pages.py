@@ -1,11 +1,16 @@
-"""The full Status read of ``DaemonConnection.status_report`` (issue 27): every page, in order,
-with the next page's call sent before the current page is converted, against a fake stub."""
+"""The full Status read of ``DaemonConnection.status_report`` and ``status_pages`` (issue 27):
+every page, in order, with the next page's call sent before the current page is converted (and,
+for ``asteria status --json --blocks``, written), against a fake stub."""
 
 from __future__ import annotations
+
+import json
 
 import grpc
 import pytest
 
+from asteria_client.cli import status as cli_status
+from asteria_client.status import StatusReader, status_document, write_status_pages
 from asteria_client.transport import connection as connection_module
 from asteria_client.transport.connection import STATUS_BULK_PAGE_BLOCKS, DaemonConnection
 from asteria_server.errors import AsteriaError
@@ -208,3 +213,86 @@ def test_a_page_that_fails_to_convert_cancels_the_call_in_flight(
     finally:
         conn.close()
     assert status.log == ["call -", "call layer0003.weight", "cancel"]
+
+
+class _LoggedSink:
+    """A text sink that logs, into the calls' log, each chunk of rows it is given."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        if '"block": "' in text:
+            self.log.append("write " + text.split('"block": "', 1)[1].split('"', 1)[0])
+        return len(text)
+
+
+def test_json_pages_are_written_while_the_daemon_builds_the_next() -> None:
+    """``asteria status --json --blocks`` writes page k before it waits for page k+1's reply
+    (whose call is already out), and the text is the one document of every row."""
+    status = _FakeStatus(7, page=3)
+    conn = _connection(status)
+    sink = _LoggedSink(status.log)
+    try:
+        rows = write_status_pages(
+            sink, "unix:/x", conn.status_pages("s"), extra={"peer_groups": []}
+        )
+    finally:
+        conn.close()
+    assert rows == 7
+    assert status.log == [
+        "call -",
+        "call layer0002.weight",
+        "write layer0000.weight",
+        "call layer0005.weight",
+        "write layer0003.weight",
+        "write layer0006.weight",
+    ]
+    whole = status_document("unix:/x", _stats(), BlockTable.of(TENANT, status.blocks))
+    whole["peer_groups"] = []
+    assert json.loads("".join(sink.parts)) == json.loads(json.dumps(whole))
+
+
+def test_a_page_that_fails_mid_document_raises_after_the_rows_before_it() -> None:
+    status = _FakeStatus(10, page=4, fail_at=1)
+    conn = _connection(status)
+    sink = _LoggedSink(status.log)
+    try:
+        with pytest.raises(AsteriaError, match="daemon gone"):
+            write_status_pages(sink, "unix:/x", conn.status_pages("s"))
+    finally:
+        conn.close()
+    # the failed call is cancelled as well (harmless: it is done)
+    assert status.log == ["call -", "call layer0003.weight", "write layer0000.weight", "cancel"]
+
+
+def test_a_first_page_that_fails_writes_nothing() -> None:
+    status = _FakeStatus(10, page=4, fail_at=0)
+    conn = _connection(status)
+    sink = _LoggedSink(status.log)
+    try:
+        with pytest.raises(AsteriaError, match="daemon gone"):
+            write_status_pages(sink, "unix:/x", conn.status_pages("s"))
+    finally:
+        conn.close()
+    assert sink.parts == []
+
+
+def test_the_cli_says_on_stderr_when_the_document_is_cut_short(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = _FakeStatus(10, page=4, fail_at=1)
+    reader = StatusReader("unix:/nonexistent/asteria.sock", TENANT, "")
+    reader._conn._stub = _FakeStub(status)  # type: ignore[assignment]
+    reader._session_id = "s"  # as if opened: the fake serves Status only
+    try:
+        assert cli_status._stream_json(reader, "unix:/x") is False
+    finally:
+        reader._session_id = None
+        reader.close()
+    out, err = capsys.readouterr()
+    assert out.startswith('{"address": "unix:/x"') and out.endswith("\n")
+    assert '"block": "layer0003.weight"' in out and "layer0004" not in out
+    assert "cut short" in err and "daemon gone" in err
