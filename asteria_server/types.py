@@ -140,12 +140,14 @@ class SharedArrays:
     The daemon's same-host path: the client wrote its snapshot into ``segment`` (a write that
     ended with seqlock value ``sequence``), and a solver worker reads it from there and writes
     the result into the client's result segment itself, so the daemon process copies neither.
-    ``segment_id`` is the client's name for the segment. Holding this keeps the segment (and its
-    descriptor) alive.
+    ``segment_id`` is the client's name for a result's segment (what the client is told to read);
+    a snapshot's source leaves it empty: the worker reads it through ``segment``, and a name kept
+    per queued snapshot was ~70 bytes a block at the height of a refresh round. Holding this
+    keeps the segment (and its descriptor) alive.
     """
 
     segment: SharedSegment
-    segment_id: str
+    segment_id: str = ""
     sequence: int = 0
 
 

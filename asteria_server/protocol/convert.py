@@ -185,6 +185,24 @@ def snapshot_arrays(header: pb.SnapshotHeader, *, max_matrix_n: int) -> list[Ann
     return arrays
 
 
+#: The few exponents and epsilons a daemon sees, one float object each (:func:`_shared_float`).
+_SHARED_FLOATS: dict[float, float] = {}
+#: Distinct values :data:`_SHARED_FLOATS` keeps before it starts afresh (a client that varies them).
+_MAX_FLOATS = 256
+
+
+def _shared_float(value: float) -> float:
+    """``value`` as one float object per value: protobuf gives a fresh 24-byte float per field
+    read, and a daemon keeps every queued snapshot's exponent and epsilon (a handful of values
+    across all blocks) until it is solved: two floats a block at the height of a round."""
+    kept = _SHARED_FLOATS.get(value)
+    if kept is None:
+        if len(_SHARED_FLOATS) >= _MAX_FLOATS:
+            _SHARED_FLOATS.clear()
+        kept = _SHARED_FLOATS[value] = value
+    return kept
+
+
 def task_from_header(
     header: pb.SnapshotHeader,
     matrix: np.ndarray,
@@ -203,8 +221,8 @@ def task_from_header(
         version=header.version,
         kind=kind_from_proto(header.kind, what=snapshot_what(header)),
         matrix=matrix,
-        exponent=header.exponent,
-        epsilon=header.epsilon,
+        exponent=_shared_float(header.exponent),
+        epsilon=_shared_float(header.epsilon),
         basis=basis,
         base_version=header.base_version,
         deadline=header.deadline,

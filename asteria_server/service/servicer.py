@@ -1033,7 +1033,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         return receiver.task_from(
             views,
             tenant=session.tenant,
-            shm_source=SharedArrays(segment, ref.segment_id, ref.sequence),
+            shm_source=SharedArrays(segment, sequence=ref.sequence),
             shm_result=None if found is None else SharedArrays(found[1], found[0]),
         )
 
