@@ -185,7 +185,8 @@ def snapshot_arrays(header: pb.SnapshotHeader, *, max_matrix_n: int) -> list[Ann
     return arrays
 
 
-#: The few exponents and epsilons a daemon sees, one float object each (:func:`_shared_float`).
+#: The few exponents, epsilons and deadlines a daemon sees at a time, one float object each
+#: (:func:`_shared_float`).
 _SHARED_FLOATS: dict[float, float] = {}
 #: Distinct values :data:`_SHARED_FLOATS` keeps before it starts afresh (a client that varies them).
 _MAX_FLOATS = 256
@@ -193,8 +194,9 @@ _MAX_FLOATS = 256
 
 def _shared_float(value: float) -> float:
     """``value`` as one float object per value: protobuf gives a fresh 24-byte float per field
-    read, and a daemon keeps every queued snapshot's exponent and epsilon (a handful of values
-    across all blocks) until it is solved: two floats a block at the height of a round."""
+    read, and a daemon keeps every queued snapshot's exponent, epsilon and deadline until it is
+    solved: three floats a block at the height of a round, of a handful of values across all
+    blocks (the blocks of one step share their deadline)."""
     kept = _SHARED_FLOATS.get(value)
     if kept is None:
         if len(_SHARED_FLOATS) >= _MAX_FLOATS:
@@ -225,7 +227,7 @@ def task_from_header(
         epsilon=_shared_float(header.epsilon),
         basis=basis,
         base_version=header.base_version,
-        deadline=header.deadline,
+        deadline=_shared_float(header.deadline),
         tenant=tenant,
         shm_source=shm_source,
         shm_result=shm_result,
