@@ -201,13 +201,21 @@ def _json_rows(table: BlockTable, start: int, stop: int) -> str:
     return "".join(parts) + "}"
 
 
+#: The text of the small ints most count columns hold (failures, duplicates, -1 for none): one
+#: string each, looked up, where ``int.__repr__`` makes a new one per row.
+_SMALL_INTS = {i: str(i) for i in range(-1, 1024)}
+
+
 def _json_ints(values: list[Any]) -> list[str]:
-    """Each of ``values`` as :func:`json.dumps` writes it: ``int.__repr__`` in C for ints,
-    the json module's text where any is not one."""
-    try:
-        return list(map(int.__repr__, values))
-    except TypeError:
+    """Each of ``values`` as :func:`json.dumps` writes it: for a column of ints, the kept text
+    of small ones or ``int.__repr__`` in C; the json module's text where any is not an int (a
+    float equal to a small int must not read as one, nor a bool)."""
+    if not set(map(type, values)) <= {int}:
         return _json_numbers(values)
+    try:
+        return list(map(_SMALL_INTS.__getitem__, values))
+    except KeyError:
+        return list(map(int.__repr__, values))
 
 
 def _json_numbers(values: list[Any]) -> list[str]:

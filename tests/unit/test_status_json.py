@@ -79,3 +79,14 @@ def test_the_json_writer_gives_the_document_of_a_dict_per_row(
 
     assert out.getvalue() == json.dumps(old)  # the same text, key order and number formats
     assert json.loads(out.getvalue()) == json.loads(json.dumps(old))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[0, 7, -1, 1023], [1024, -2, 10**12], [1, 2.0], [True, 0], [None, 3], [1.5, math.inf], []],
+)
+def test_a_column_of_numbers_reads_as_json_dumps_writes_it(values: list[object]) -> None:
+    """The writer's int columns: the kept text of small ints must not stand for a float or a
+    bool that equals one (1.0 is "1.0" in JSON, True is "true")."""
+    expected = json.dumps(values)[1:-1].split(", ") if values else []
+    assert status_module._json_ints(values) == expected
