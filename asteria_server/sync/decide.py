@@ -12,7 +12,8 @@ The rules are those of the module docstring of :mod:`asteria_server.sync.manager
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 from asteria_server.sync.membership import Membership
@@ -100,7 +101,67 @@ class StartClaim:
     owner: int
 
 
-Action = Drop | SolveHere | WaitFor | Postpone | Restart | StartClaim
+@dataclass(frozen=True)
+class TakeOver:
+    """The owner granted the held version: solve it here, and push it to every peer."""
+
+    held: Held
+
+
+@dataclass(frozen=True)
+class Disowned:
+    """Its owner answered that it does not own the block, first at ``since`` (None: it
+    answers as the owner again)."""
+
+    held: Held
+    since: float | None
+
+
+@dataclass(frozen=True)
+class NoteBehind:
+    """Whether ``owner``'s ranks are behind (its last grant: a version not arrived there):
+    its next snapshots are claimed from it at once."""
+
+    owner: int
+    behind: bool
+
+
+@dataclass(frozen=True)
+class QueuePush:
+    """Queue the block's newest result for ``member``."""
+
+    member: int
+    block: str
+
+
+Action = (
+    Drop
+    | SolveHere
+    | WaitFor
+    | Postpone
+    | Restart
+    | StartClaim
+    | TakeOver
+    | Disowned
+    | NoteBehind
+    | QueuePush
+)
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A new snapshot goes to this daemon's engine (``fallback``: without its owner, for
+    ``reason``)."""
+
+    fallback: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A new snapshot is held for a push, as ``held``."""
+
+    held: Held
 
 
 # ---------------------------------------------------------------------- rules
@@ -231,3 +292,100 @@ def claim_failed(
         reason="owner_down" if not hopeless else "claim_failed",
         why=f"its owner (member {owner}, {state}) did not answer a claim: {detail}",
     )
+
+
+def route(
+    view: Membership,
+    task: SolveTask,
+    job: str,
+    *,
+    handed: tuple[int, int] | None,
+    behind: Set[int],
+    step_s: float | None,
+    now: float,
+) -> Submit | Hold:
+    """Where a new snapshot of a block of the job goes (one not solved or held here already):
+    solved here when this member owns the block (unless it let another member claim this
+    version: that one's push) or its owner is dead, else held for its owner's push, claimed
+    at once from an owner suspect or behind, otherwise once the push would come too late
+    (``max(patience_s, (deadline - version) * step_s)``). ``handed``: the (member, version)
+    this member, as owner, last let another member solve; ``behind``: the owners whose ranks
+    are behind; ``step_s``: the job's seconds per step."""
+    config = view.config
+    peers = view.peers
+    owner = view.owner_of(task.block, now)
+    buried = view.buried_owner(task.block, now)
+    wait_for = None
+    if owner == view.me and buried is None:
+        if handed is None or handed[1] < task.version or peers[handed[0]].state == "dead":
+            return Submit(fallback=False)
+        wait_for = handed[0]  # this version was claimed by another member: its push
+    elif owner is not None and buried is None and peers[owner].state == "dead":
+        return Submit(fallback=True, reason="owner_down")
+    if wait_for is not None:
+        due = now + config.push_timeout_s
+    elif owner not in (None, view.me) and (peers[owner].state == "suspect" or owner in behind):
+        # Claimed from it at once: a stopped owner does not answer, and one whose ranks
+        # are behind (its last grant: not arrived there yet) would only make it wait.
+        due = now
+    else:
+        budget = max(0.0, task.deadline - task.version) if math.isfinite(task.deadline) else 0
+        due = now + max(config.patience_s, budget * (step_s or 0.0))
+    had_by = wait_for if wait_for is not None else buried if buried is not None else owner
+    had = (
+        (had_by, peers[had_by].incarnation)
+        if had_by is not None and (had_by == buried or peers[had_by].state == "alive")
+        else None
+    )
+    return Hold(Held(task, job, now, due, wait_for=wait_for, had_by=had))
+
+
+def claim_answered(
+    view: Membership,
+    held: Held,
+    owner: int,
+    *,
+    granted: bool,
+    reason: str,
+    current: bool,
+    now: float,
+) -> list[Action]:
+    """The owner's answer to a claim of ``held`` (``current``: it is still held here, no push
+    or newer snapshot came meanwhile). Granted: solved here (a version not arrived there
+    marks the owner's ranks as behind). Refused by an owner that does not see itself as the
+    owner (the maps differ for a moment): asked again soon, solved here after patience_s.
+    Refused otherwise (solved or running there, or won by another member): its push is on
+    its way; asked again after patience_s should it not come."""
+    config = view.config
+    if granted:
+        actions: list[Action] = [NoteBehind(owner, reason == "not_arrived")]
+        # Not current: the owner, which waits for this version, solves it after push_timeout_s.
+        return [*actions, TakeOver(held)] if current else actions
+    if not current:
+        return []
+    if reason == "not_owner":
+        since = held.disowned_since if held.disowned_since is not None else now
+        if now - since < config.patience_s:
+            return [Disowned(held, since), Postpone(held, now + config.heartbeat_s)]
+        why = f"its owner (member {owner}) does not see itself as its owner"
+        return [
+            Disowned(held, since),
+            SolveHere(held, fallback=True, reason="not_agreed", why=why),
+        ]
+    return [NoteBehind(owner, False), Disowned(held, None), Postpone(held, now + config.patience_s)]
+
+
+def result_pushes(view: Membership, block: str, version: int, taken: int) -> list[QueuePush]:
+    """The peers a result solved here (``version`` of ``block``) goes to: those that use the
+    block and are not dead, when it is the owner's result, one whose claim this member won
+    (``taken``: the version it won), or one solved here because the owner could not (not
+    decided, suspect or dead). The owner gets it too once it answers: its own queued solve
+    of that version is then dropped."""
+    owner = view.decided_owners().get(block)
+    if taken >= version or owner is None or owner == view.me or view.peers[owner].state != "alive":
+        return [
+            QueuePush(m, block)
+            for m, peer in view.peers.items()
+            if block in peer.blocks and peer.state != "dead"
+        ]
+    return []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -182,44 +181,23 @@ class JobSync:
                 else SubmitOutcome.STALE_IGNORED
             )
         self.job_of[task.block] = job
-        owner = view.owner_of(task.block, now)
-        buried = view.buried_owner(task.block, now)
-        peers = view.peers
-        wait_for = None
-        if owner == self.me and buried is None:
-            handed = self.handed.get(task.block)
-            if handed is None or handed[1] < task.version or peers[handed[0]].state == "dead":
-                return self._solve_here(task, job, fallback=False)
-            wait_for = handed[0]  # this version was claimed by another member: its push
-        elif owner is not None and buried is None and peers[owner].state == "dead":
-            self.fallback_reasons["owner_down"] = self.fallback_reasons.get("owner_down", 0) + 1
-            return self._solve_here(task, job, fallback=True)
-        config = self.manager.config
-        if wait_for is not None:
-            due = now + config.push_timeout_s
-        elif owner not in (None, self.me) and (
-            peers[owner].state == "suspect" or owner in self.behind
-        ):
-            # Claimed from it at once: a stopped owner does not answer, and one whose ranks
-            # are behind (its last grant: not arrived there yet) would only make it wait.
-            due = now
-        else:
-            budget = max(0.0, task.deadline - task.version) if math.isfinite(task.deadline) else 0
-            due = now + max(config.patience_s, budget * (self.step_s or 0.0))
-        if held is not None:
-            stats.superseded += 1
-        had_by = wait_for if wait_for is not None else buried if buried is not None else owner
-        self.manager.engine.note_elsewhere(task, job=job)
-        self.held[task.block] = Held(
+        route = decide.route(
+            view,
             task,
             job,
-            now,
-            due,
-            wait_for=wait_for,
-            had_by=(had_by, peers[had_by].incarnation)
-            if had_by is not None and (had_by == buried or peers[had_by].state == "alive")
-            else None,
+            handed=self.handed.get(task.block),
+            behind=self.behind,
+            step_s=self.step_s,
+            now=now,
         )
+        if isinstance(route, decide.Submit):
+            if route.fallback:
+                self.fallback_reasons[route.reason] = self.fallback_reasons.get(route.reason, 0) + 1
+            return self._solve_here(task, job, fallback=route.fallback)
+        if held is not None:
+            stats.superseded += 1
+        self.manager.engine.note_elsewhere(task, job=job)
+        self.held[task.block] = route.held
         self.left_to_owner += 1
         self.manager.wake_ticker()
         return SubmitOutcome.SUPERSEDED_QUEUED if held is not None else SubmitOutcome.QUEUED
@@ -242,22 +220,32 @@ class JobSync:
 
     def _carry_out(self, action: decide.Action) -> None:
         """Do what a decision of :mod:`.decide` says."""
-        held = action.held
         match action:
-            case decide.Drop():
+            case decide.Drop(held=held):
                 del self.held[held.task.block]
-            case decide.SolveHere(fallback=fallback, reason=reason, why=why, taken=taken):
-                if taken:
+            case decide.SolveHere(held=held, fallback=fallback, reason=reason, why=why):
+                if action.taken:
                     self.taken[held.task.block] = held.task.version
                 self._solve_held(held, fallback=fallback, reason=reason, why=why)
-            case decide.WaitFor(member=member, incarnation=incarnation, due=due):
+            case decide.WaitFor(held=held, member=member, incarnation=incarnation, due=due):
                 held.wait_for, held.had_by, held.due = member, (member, incarnation), due
-            case decide.Postpone(due=due):
+            case decide.Postpone(held=held, due=due):
                 held.due = due
-            case decide.Restart(since=since):
+            case decide.Restart(held=held, since=since):
                 held.since = since
-            case decide.StartClaim(owner=owner):
+            case decide.StartClaim(held=held, owner=owner):
                 self.manager.start_claim(self, held, owner)
+            case decide.TakeOver(held=held):
+                self._take_over(held)
+            case decide.Disowned(held=held, since=since):
+                held.disowned_since = since
+            case decide.NoteBehind(owner=owner, behind=behind):
+                if behind:
+                    self.behind.add(owner)
+                else:
+                    self.behind.discard(owner)
+            case decide.QueuePush(member=member, block=block):
+                self.links[member].queue(block)
 
     def _solve_held(self, held: Held, *, fallback: bool, reason: str = "", why: str = "") -> None:
         block = held.task.block
@@ -282,56 +270,40 @@ class JobSync:
 
     # ------------------------------------------------------------------ claims
     def claim_answered(self, held: Held, owner: int, reply: ppb.ClaimResponse) -> None:
-        """The owner's answer to a claim of ``held`` (see the Claim RPC)."""
-        block, version = held.task.block, held.task.version
+        """The owner's answer to a claim of ``held`` (see the Claim RPC and
+        :func:`.decide.claim_answered`)."""
         held.claiming = False
-        current = self.held.get(block) is held
         if reply.granted:
             self.claims_granted += 1
-            if reply.reason == "not_arrived":
-                self.behind.add(owner)
-            else:
-                self.behind.discard(owner)
-            if not current:  # a push or a newer snapshot came meanwhile: the owner, which
-                return  # waits for this version, solves it itself after push_timeout_s
-            del self.held[block]
-            self.taken[block] = version
-            self.stats[block].taken_over += 1
-            logger.info(
-                "job %r: solving block %r version %d here: its owner's push would come too "
-                "late and the owner let this daemon take it",
-                self.job,
-                block,
-                version,
-                extra={"tenant": self.tenant, "job": self.job},
-            )
-            try:
-                self._solve_here(held.task, held.job, fallback=False)
-            except Exception:
-                logger.warning("job %r: could not solve block %r here", self.job, block)
-            return
-        if not current:
-            return
-        now = time.monotonic()
-        config = self.manager.config
-        if reply.reason == "not_owner":  # the owner maps differ for a moment: ask again soon
-            if held.disowned_since is None:
-                held.disowned_since = now
-            if now - held.disowned_since < config.patience_s:
-                held.due = now + config.heartbeat_s
-                return
-            self._solve_held(
-                held,
-                fallback=True,
-                reason="not_agreed",
-                why=f"its owner (member {owner}) does not see itself as its owner",
-            )
-            return
-        # Solved or running there, or won by another member: its push is on its way. Asked
-        # again after patience_s should it not come (a push lost on the way, a winner gone).
-        self.behind.discard(owner)
-        held.disowned_since = None
-        held.due = now + config.patience_s
+        actions = decide.claim_answered(
+            self.view,
+            held,
+            owner,
+            granted=reply.granted,
+            reason=reply.reason,
+            current=self.held.get(held.task.block) is held,
+            now=time.monotonic(),
+        )
+        for action in actions:
+            self._carry_out(action)
+
+    def _take_over(self, held: Held) -> None:
+        block, version = held.task.block, held.task.version
+        del self.held[block]
+        self.taken[block] = version
+        self.stats[block].taken_over += 1
+        logger.info(
+            "job %r: solving block %r version %d here: its owner's push would come too "
+            "late and the owner let this daemon take it",
+            self.job,
+            block,
+            version,
+            extra={"tenant": self.tenant, "job": self.job},
+        )
+        try:
+            self._solve_here(held.task, held.job, fallback=False)
+        except Exception:
+            logger.warning("job %r: could not solve block %r here", self.job, block)
 
     def claim_failed(self, held: Held, owner: int, exc: BaseException) -> None:
         """A claim got no answer: ask again soon, or solve here when its owner is suspect (a
@@ -437,20 +409,13 @@ class JobSync:
         self.held.pop(block, None)
         if not self.syncing:
             return
-        owner = self.view.decided_owners().get(block)
-        taken = self.taken.get(block, -1) >= result.version
+        taken = self.taken.get(block, -1)
         if block in self.taken and self.taken[block] <= result.version:
             del self.taken[block]
         if block in self.handed and self.handed[block][1] <= result.version:
             del self.handed[block]
-        # Its owner's result, one whose claim this member won, or one solved here because the
-        # owner could not (not decided, suspect or dead): the peers that wait for it get it
-        # from here (the owner too, once it answers: its own queued solve of that version is
-        # then dropped).
-        if taken or owner is None or owner == self.me or self.peers[owner].state != "alive":
-            for peer in self.peers.values():
-                if block in peer.blocks and peer.state != "dead":
-                    self.links[peer.member].queue(block)
+        for action in decide.result_pushes(self.view, block, result.version, taken):
+            self._carry_out(action)
 
     def queue_missing(self, peer: Peer) -> None:
         """Queue every result solved here of a block that ``peer`` uses and lacks: of a block

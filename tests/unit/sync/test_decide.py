@@ -70,7 +70,7 @@ class Cluster:
             deadline=version + 2,
             tenant="t",
         )
-        return Held(task, "job", self.now, self.now, **fields)  # type: ignore[arg-type]
+        return Held(task, "job", self.now, self.now, **fields)
 
 
 def nothing_solved(block: str) -> int:
@@ -158,3 +158,65 @@ def test_a_restarted_owners_versions_go_to_its_stand_in_only() -> None:
         decide.SolveHere(held_mine, fallback=False, taken=True),
         decide.WaitFor(held_theirs, 2, c.incarnation[2], c.now + CONFIG.push_timeout_s),
     ]
+
+
+def task(block: str, version: int) -> SolveTask:
+    return SolveTask(
+        block=block,
+        version=version,
+        kind=SolveKind.EIGENBASIS,
+        matrix=np.eye(BLOCKS[block], dtype=np.float32),
+        deadline=version + 2,
+        tenant="t",
+    )
+
+
+def route(c: Cluster, block: str, version: int, **kw: object) -> decide.Submit | decide.Hold:
+    fields: dict[str, object] = {"handed": None, "behind": set(), "step_s": None, "now": c.now}
+    fields.update(kw)
+    return decide.route(c.view, task(block, version), "job", **fields)
+
+
+def test_a_new_snapshot_is_solved_by_its_owner_and_held_elsewhere() -> None:
+    c = Cluster(2)
+    assert route(c, c.owned_by(0), 3) == decide.Submit(fallback=False)
+    # Claimed by member 1 (this member, its owner, let it): member 1's push.
+    held = route(c, c.owned_by(0), 3, handed=(1, 3))
+    assert isinstance(held, decide.Hold) and held.held.wait_for == 1
+    # Another's block: held for its push, claimed once patience_s has passed.
+    other = route(c, c.owned_by(1), 3)
+    assert isinstance(other, decide.Hold) and other.held.due == c.now + CONFIG.patience_s
+    assert other.held.had_by == (1, c.incarnation[1])
+    # ... at once when its ranks are behind.
+    behind = route(c, c.owned_by(1), 3, behind={1})
+    assert isinstance(behind, decide.Hold) and behind.held.due == c.now
+
+
+def test_a_claim_refused_by_an_owner_that_disowns_it_is_solved_here_after_patience() -> None:
+    c = Cluster(2)
+    held = c.held(c.owned_by(1), 3)
+
+    def refused(now: float) -> list[decide.Action]:
+        return decide.claim_answered(
+            c.view, held, 1, granted=False, reason="not_owner", current=True, now=now
+        )
+
+    assert refused(c.now) == [
+        decide.Disowned(held, c.now),
+        decide.Postpone(held, c.now + CONFIG.heartbeat_s),
+    ]
+    held.disowned_since = c.now  # (as the group carries it out)
+    actions = refused(c.now + CONFIG.patience_s)
+    assert isinstance(actions[-1], decide.SolveHere) and actions[-1].reason == "not_agreed"
+    granted = decide.claim_answered(
+        c.view, held, 1, granted=True, reason="not_arrived", current=True, now=c.now
+    )
+    assert granted == [decide.NoteBehind(1, True), decide.TakeOver(held)]
+
+
+def test_a_result_goes_to_the_peers_only_from_its_owner_or_a_claims_winner() -> None:
+    c = Cluster(2)
+    mine, theirs = c.owned_by(0), c.owned_by(1)
+    assert decide.result_pushes(c.view, mine, 3, taken=-1) == [decide.QueuePush(1, mine)]
+    assert decide.result_pushes(c.view, theirs, 3, taken=-1) == []  # its owner pushes it
+    assert decide.result_pushes(c.view, theirs, 3, taken=3) == [decide.QueuePush(1, theirs)]
