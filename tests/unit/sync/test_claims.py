@@ -12,7 +12,9 @@ import pytest
 
 from asteria_server.protocol.generated.asteria.v1 import jobs_pb2 as jpb
 from asteria_server.protocol.generated.asteria.v1 import peer_pb2 as ppb
-from asteria_server.sync.manager import JobSync, SyncConfig, _BlockStats, blocks_digest
+from asteria_server.sync.config import SyncConfig
+from asteria_server.sync.group import JobSync, _BlockStats
+from asteria_server.sync.membership import blocks_digest
 from asteria_server.types import SolveKind, SolveTask, SubmitOutcome
 
 TENANT = "t"
@@ -66,27 +68,27 @@ def _agreed_pair() -> tuple[JobSync, FakeManager]:
         job="j", nodes=[jpb.JobNode(daemon_address="a"), jpb.JobNode(daemon_address="b")]
     )
     js = JobSync(manager, TENANT, layout, 0)  # type: ignore[arg-type]
-    js.known = dict(BLOCKS)  # what this member's ranks registered (as submit records them)
-    js.digest = blocks_digest(js.known)
+    js.view.known = dict(BLOCKS)  # what this member's ranks registered (as submit records them)
+    js.view.digest = blocks_digest(js.view.known)
     js.stats = {b: _BlockStats(n) for b, n in BLOCKS.items()}
     peer = js.peers[1]
     state = ppb.PeerState(
         node=1,
         incarnation_id="inc-1",
-        blocks_digest=js.digest,
+        blocks_digest=js.view.digest,
         blocks=[ppb.BlockUse(block=b, n=n) for b, n in BLOCKS.items()],
         blocks_included=True,
     )
     js.heard(peer, state)
-    state.view_digest = js.view_digest()  # it holds the same lists as this member
+    state.view_digest = js.view.view_digest()  # it holds the same lists as this member
     js.heard(peer, state)
-    js.agreed(time.monotonic())  # starts settle_s (a microsecond)
-    assert peer.state == "alive" and js.owner_of("j:a", time.monotonic()) is not None
+    js.view.agreed(time.monotonic())  # starts settle_s (a microsecond)
+    assert peer.state == "alive" and js.view.owner_of("j:a", time.monotonic()) is not None
     return js, manager
 
 
 def _owned_by(js: JobSync, member: int) -> str:
-    (block,) = [b for b, m in js.owners().items() if m == member]
+    (block,) = [b for b, m in js.view.owners().items() if m == member]
     return block
 
 
@@ -148,8 +150,8 @@ def test_a_buried_owners_versions_are_held_until_it_is_gone(held_before: bool) -
         js.submit(_task(block, 3), "job")
     _quiet(js, config.dead_s + 0.1)
     assert js.peers[1].state == "dead"
-    js.agreed(time.monotonic())  # the living changed: settle again
-    assert js.owner_of(block, time.monotonic()) == 0  # the owner rule moved it here
+    js.view.agreed(time.monotonic())  # the living changed: settle again
+    assert js.view.owner_of(block, time.monotonic()) == 0  # the owner rule moved it here
     if not held_before:  # arrived after it was declared dead: its ranks sent it there too
         assert js.submit(_task(block, 3), "job") == SubmitOutcome.QUEUED
     js.tick(time.monotonic())
@@ -158,10 +160,10 @@ def test_a_buried_owners_versions_are_held_until_it_is_gone(held_before: bool) -
     js.submit(_task(block, 5), "job")
     js.tick(time.monotonic())
     assert manager.engine.submitted == [] and js.held[block].task.version == 5
-    assert js.buried_owner(block, time.monotonic()) == 1
+    assert js.view.buried_owner(block, time.monotonic()) == 1
     # Gone (dead for takeover_grace_s): taken over, solved here.
     _quiet(js, config.dead_s + config.takeover_grace_s + 0.1)
-    assert js.buried_owner(block, time.monotonic()) is None
+    assert js.view.buried_owner(block, time.monotonic()) is None
     js.tick(time.monotonic())
     assert manager.engine.submitted == [(block, 5)]
 
@@ -172,7 +174,7 @@ def test_a_returning_owner_is_pushed_the_versions_taken_over_from_it() -> None:
     # Solved here while its owner was gone; it comes back (heard again).
     js.stats[block].version, js.stats[block].origin = 9, "local"
     js.queue_missing(js.peers[1])
-    assert block in js.peers[1].queued
+    assert block in js.links[1].queued
 
 
 def test_versions_held_for_an_owner_that_restarted_are_solved_by_its_stand_in() -> None:
