@@ -658,7 +658,7 @@ def register_job(daemon: DaemonSource, layout: JobLayout, group: Any = None) -> 
 
 
 def _members(nodes: Sequence[Any]) -> list[int]:
-    """Each node's member number, as :class:`asteria_server.sync.manager.JobSync` gives it."""
+    """Each node's member number, as :class:`asteria_server.sync.group.JobSync` gives it."""
     addresses: list[str] = []
     for node in nodes:
         if node.daemon_address not in addresses:

@@ -2,7 +2,7 @@
 
 Pure: each function reads the membership (:class:`.membership.Membership`), the held snapshots
 and ``now``, and returns actions (solve here, claim from the owner, wait for a member, ask again
-later) for :class:`asteria_server.sync.manager.JobSync` to carry out. Nothing here submits,
+later) for :class:`asteria_server.sync.group.JobSync` to carry out. Nothing here submits,
 sends or changes a record, so every rule can be tested with plain calls on a membership whose
 peers' heartbeats and silence are set by hand. (The membership's owner maps and agreement clock
 are memoised inside it; reading them at one ``now`` gives one answer.)
