@@ -192,7 +192,7 @@ class EmbeddedSource(PreconditionerSource):
         self.pump()
 
     # ------------------------------------------------------------------ results out
-    def _result_arrived(self, tenant: str, block: str) -> None:
+    def _result_arrived(self, tenant: str, block: str, version: int | None) -> None:
         """The engine's listener (its dispatcher thread: quick, no copy here): a result bound
         for a device is queued for the staging thread."""
         device = self._devices.get(block)

@@ -78,8 +78,9 @@ STATUS_CHUNK_BLOCKS = 1_000
 #: Blocks a status summary lists with their records unless asked for another number.
 SUMMARY_WORST_BLOCKS = 10
 
-#: Told ``(tenant, block)`` when a block gets a newer result; see ``add_result_listener``.
-ResultListener = Callable[[str, str], None]
+#: Told ``(tenant, block, version)`` when a block gets a newer result; see
+#: ``add_result_listener``.
+ResultListener = Callable[[str, str, "int | None"], None]
 #: Called (no arguments) when workers may have started or finished; see
 #: ``add_capacity_listener``.
 CapacityListener = Callable[[], None]
@@ -408,7 +409,10 @@ class PreconditionerEngine:
             return [] if order is None else order.since(epoch)
 
     def add_result_listener(self, listener: ResultListener) -> None:
-        """Call ``listener(tenant, block)`` whenever a block gets a newer result.
+        """Call ``listener(tenant, block, version)`` whenever a block gets a newer result:
+        ``version`` is the snapshot's a worker here solved, None for a result installed from
+        elsewhere (:meth:`install_result`). Each solve is told on its own, with its version,
+        even when a newer one lands before the listener's thread gets to it.
 
         It runs on the dispatcher thread, outside the engine's lock: it must be quick and must
         not block (hand the news to another thread, e.g. with ``loop.call_soon_threadsafe``).
@@ -559,7 +563,7 @@ class PreconditionerEngine:
             self._enforce_cache()
             self._cond.notify_all()
             listeners = self._listeners
-        self._tell(listeners, [result.key])
+        self._tell(listeners, [(*result.key, None)])
         return True
 
     def in_flight_version(self, block: str, tenant: str = DEFAULT_TENANT) -> int | None:
@@ -797,7 +801,7 @@ class PreconditionerEngine:
             self._tell_capacity()  # fewer idle workers now
         del batch
         events = self._pool.poll(None)  # until a worker speaks, a deadline or a wakeup
-        fresh: list[tuple[str, str]] = []
+        fresh: list[tuple[str, str, int | None]] = []
         with self._cond:
             for job_id, task, why in failed:
                 self._jobs.pop(job_id, None)
@@ -809,7 +813,7 @@ class PreconditionerEngine:
                 self._observe(job_id, task, None)
             for event in events:
                 if self._record(event):
-                    fresh.append(event.task.key)
+                    fresh.append((*event.task.key, event.task.version))
             listeners = self._listeners
             if self._pool.broken_reason is not None and self._broken is None:
                 self._broken = self._pool.broken_reason
@@ -959,11 +963,11 @@ class PreconditionerEngine:
                 path.unlink()
 
     @staticmethod
-    def _tell(listeners: list[ResultListener], fresh: list[tuple[str, str]]) -> None:
-        for tenant, block in fresh:
+    def _tell(listeners: list[ResultListener], fresh: list[tuple[str, str, int | None]]) -> None:
+        for tenant, block, version in fresh:
             for listener in listeners:
                 try:
-                    listener(tenant, block)
+                    listener(tenant, block, version)
                 except Exception:  # a listener's bug must not stop the dispatcher
                     logger.exception("a result listener failed")
 

@@ -546,7 +546,7 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         self._engine.remove_capacity_listener(self._on_capacity)
         self._wake(lambda stream: True)
 
-    def _on_result(self, tenant: str, block: str) -> None:
+    def _on_result(self, tenant: str, block: str, version: int | None) -> None:
         """The engine's news of a newer result (its dispatcher thread): wake the tenant's
         streams on the event loop."""
         loop = self._loop

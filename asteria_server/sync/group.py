@@ -395,26 +395,30 @@ class JobSync:
 
     # ------------------------------------------------------------------ results
 
-    def local_result(self, block: str) -> None:
-        """The engine got a newer result of ``block`` from its own workers."""
-        result = self.manager.engine.peek_result(block, self.tenant)
-        if result is None:
-            return
+    def local_result(self, block: str, version: int) -> None:
+        """The engine's own workers solved ``version`` of ``block``, newer than its result then.
+
+        Every solve is counted, with its version, even when the block holds a newer result by
+        the time this runs on the loop (a later solve, or a peer's push, got here first): the
+        solved versions are how a version solved on two daemons is seen (``asteria status``,
+        the sync tests). Only a result newer than the block's is pushed."""
         stats = self.stats.get(block)
-        if stats is None or result.version <= stats.version:
+        if stats is None:
             return
-        stats.version, stats.origin = result.version, "local"
         stats.solves += 1
-        stats.solved.append(result.version)
+        stats.solved.append(version)
+        if version <= stats.version:
+            return
+        stats.version, stats.origin = version, "local"
         self.held.pop(block, None)
         if not self.syncing:
             return
         taken = self.taken.get(block, -1)
-        if block in self.taken and self.taken[block] <= result.version:
+        if block in self.taken and self.taken[block] <= version:
             del self.taken[block]
-        if block in self.handed and self.handed[block][1] <= result.version:
+        if block in self.handed and self.handed[block][1] <= version:
             del self.handed[block]
-        for action in decide.result_pushes(self.view, block, result.version, taken):
+        for action in decide.result_pushes(self.view, block, version, taken):
             self._carry_out(action)
 
     def queue_missing(self, peer: Peer) -> None:

@@ -315,18 +315,18 @@ class SyncManager:
             return self.engine.submit(task, job=job)
         return js.submit(task, job)
 
-    def _on_result(self, tenant: str, block: str) -> None:
+    def _on_result(self, tenant: str, block: str, version: int | None) -> None:
         """The engine's news (dispatcher thread, or an install on the loop)."""
         loop = self._loop
         if loop is None or self._closed or not self.jobs:
             return
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._result_ready, tenant, block)
+            loop.call_soon_threadsafe(self._result_ready, tenant, block, version)
 
-    def _result_ready(self, tenant: str, block: str) -> None:
+    def _result_ready(self, tenant: str, block: str, version: int | None) -> None:
         js = self._job_of(tenant, block)
-        if js is not None:
-            js.local_result(block)
+        if js is not None and version is not None:  # a peer's result: see JobSync.received
+            js.local_result(block, version)
 
     # ------------------------------------------------------------------ calls out
 

@@ -83,6 +83,9 @@ def _run(
     twice = {b: sorted(vs) for b, vs in solved.items() if len(vs) != len(set(vs))}
     print(f"sigstop: {seen}; solves per daemon {[v.solves_done for v in views]}; twice {twice}")
     assert not twice, f"(block, version)s solved on both daemons: {twice}"
+    # every solve the daemons ran is one of those: each is counted with its version (sync/group.py
+    # local_result), so none can hide a duplicate
+    assert sum(v.solves_done for v in views) == sum(len(vs) for vs in solved.values())
     # Versions solved that no rank registered, a cost in solves (1-6 per block here, with one
     # chooser per block or, tried, two; where they come from is not established: perhaps
     # extra pulls overtaken by a newer snapshot before the round reported them).
