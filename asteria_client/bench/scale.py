@@ -26,9 +26,10 @@ times n³), bytes pushed to and received from its peers; and overall:
 
 The **HSDP rows** run the same blocks as the blocks of parameter shards (names with the shard
 mark ``@``): two shards, each held by its own simulated rank on every node (two ranks per
-node, the shard dimension within a node, replicas across nodes). Every shard block has one
-owner among the nodes that hold a replica of it, and each (block, version) must still be
-solved once in the cluster.
+node, the shard dimension within a node, replicas across nodes). Each shard's replicas register
+a job of their own, as the client names a group smaller than the world (``distributed/layout.py``),
+so each daemon syncs one job per shard. Every shard block has one owner among the nodes that
+hold a replica of it, and each (block, version) must still be solved once in the cluster.
 
 On a host with few cores the K daemons, their workers and the ranks share the same cores, so
 these are counts and bytes, not speed: the time columns say what this host did, not what K real
@@ -49,6 +50,7 @@ import torch
 
 from asteria_client.bench import output
 from asteria_client.daemon_process import DaemonProcess
+from asteria_client.distributed.layout import group_job
 from asteria_client.peers_status import peers_document
 from asteria_client.runtime.source import PreconditionerRequest
 from asteria_client.status import StatusReader
@@ -101,10 +103,12 @@ def _factor(n: int, block: int, version: int) -> torch.Tensor:
 
 def job_blocks(layout: str, shard: int = 0) -> dict[int, str]:
     """The blocks one rank submits (index into BLOCK_SIZES -> name): every block for a
-    data-parallel rank; under HSDP the blocks of its shard, named as a shard's blocks."""
+    data-parallel rank; under HSDP the blocks of its shard, named as a shard's blocks. FSDP2
+    shards every parameter, so each shard holds a block of every size (the shards' own names);
+    a shard's job has as many blocks to balance over the nodes as a data-parallel job."""
     if layout == "dp":
         return {i: f"b{i}" for i in range(len(BLOCK_SIZES))}
-    return {i: f"b{i}@shard{shard}" for i in range(len(BLOCK_SIZES)) if i % HSDP_SHARDS == shard}
+    return {i: f"b{i}@shard{shard}" for i in range(len(BLOCK_SIZES))}
 
 
 class _Rank(threading.Thread):
@@ -178,34 +182,52 @@ def _result_bytes(n: int) -> int:
     return 4 * n * n + 4 * n
 
 
+def shard_jobs(layout: str, k: int) -> list[str]:
+    """The job each shard's replicas form on the daemons, in shard order: the whole world's
+    under data parallelism; under HSDP one per shard, named as the client names a group smaller
+    than the world (``asteria_client.distributed.layout.group_job``), the shard's replicas
+    being rank ``shard`` of every node."""
+    if layout == "dp":
+        return [JOB]
+    return [group_job(JOB, [i * HSDP_SHARDS + s for i in range(k)]) for s in range(HSDP_SHARDS)]
+
+
 def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
     """One run of the job on ``k`` simulated nodes (``layout``: see :data:`LAYOUTS`)."""
     env = {"ASTERIA_TOKENS": f"{TENANT}={TOKEN}"}
     daemons = [DaemonProcess(workers=1, listen="127.0.0.1:0", env=env) for _ in range(k)]
     per_node = 1 if layout == "dp" else HSDP_SHARDS
+    jobs = shard_jobs(layout, k)
     sources: list[DaemonSource] = []
     try:
         for d in daemons:
             d.start()
+        # rank r = node i, shard j: its job is its shard's (the world's under dp), in which it
+        # is rank i (each node holds one replica of every shard)
         sources = [
-            DaemonSource(d.address, tenant=TENANT, token=TOKEN, job=JOB, rank=i * per_node + j)
+            DaemonSource(
+                d.address,
+                tenant=TENANT,
+                token=TOKEN,
+                job=jobs[j % len(jobs)],
+                rank=i,
+            )
             for i, d in enumerate(daemons)
             for j in range(per_node)
         ]
-        leaders = sources[::per_node]
-        nodes = tuple(
-            JobNodeInfo(
-                host=f"node{i}",
-                ranks=tuple(range(i * per_node, (i + 1) * per_node)),
-                daemon_address=d.address,
-                daemon_incarnation=s.incarnation_id,
+        for j, job in enumerate(jobs):  # each job's node leaders register its layout
+            members = sources[j :: len(jobs)]  # the job's rank on every node: rank i on node i
+            nodes = tuple(
+                JobNodeInfo(
+                    host=f"node{i}",
+                    ranks=(i,),
+                    daemon_address=d.address,
+                    daemon_incarnation=s.incarnation_id,
+                )
+                for i, (d, s) in enumerate(zip(daemons, members, strict=True))
             )
-            for i, (d, s) in enumerate(zip(daemons, leaders, strict=True))
-        )
-        for i, s in enumerate(leaders):
-            s.register_job(
-                RegisteredJob(job=JOB, world_size=k * per_node, nodes=nodes, node_rank=i)
-            )
+            for i, s in enumerate(members):
+                s.register_job(RegisteredJob(job=job, world_size=k, nodes=nodes, node_rank=i))
         go = threading.Barrier(len(sources))
         ranks = [_Rank(cfg, s, go, job_blocks(layout, r % per_node)) for r, s in enumerate(sources)]
         started = time.perf_counter()
@@ -226,7 +248,7 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
                 groups = peers_document(reader.peers())
             finally:
                 reader.close()
-            views.append((stats, groups[0] if groups else None))
+            views.append((stats, groups))
     finally:
         for s in sources:
             s.close()
@@ -234,23 +256,35 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
             if d.exit is None:
                 d.stop()
 
-    names = {
-        f"{JOB}:{name}": BLOCK_SIZES[i]
+    sizes = {
+        f"{jobs[shard % len(jobs)]}:{name}": BLOCK_SIZES[i]
         for shard in range(per_node)
         for i, name in job_blocks(layout, shard).items()
     }
     per_daemon = []
     solved: dict[str, list[int]] = {}
-    for i, ((stats, group), d) in enumerate(zip(views, daemons, strict=True)):
-        blocks = [] if group is None else group["blocks"]
+    planned = [0.0] * k  # each daemon's owned cost in the owner maps, over every job
+    for i, ((stats, groups), d) in enumerate(zip(views, daemons, strict=True)):
         solves = stats.solves_done
         est = work = 0.0
-        for b in blocks:
-            versions = b["solved_versions"] + b["discarded_versions"]
-            solved.setdefault(b["block"], []).extend(versions)
-            est += stats.seconds_per_n3 * b["n"] ** 3 * len(versions)
-            work += float(b["n"]) ** 3 * len(versions)
-        peers = [] if group is None else [p for p in group["peers"] if p["state"] != "self"]
+        for group in groups:
+            for b in group["blocks"]:
+                versions = b["solved_versions"] + b["discarded_versions"]
+                solved.setdefault(b["block"], []).extend(versions)  # "job:name"
+                est += stats.seconds_per_n3 * b["n"] ** 3 * len(versions)
+                work += float(b["n"]) ** 3 * len(versions)
+            if i == 0:
+                for p in group["peers"]:
+                    planned[p["node"]] += p["owned_cost_s"]
+        peers = [p for g in groups for p in g["peers"] if p["state"] != "self"]
+
+        def total(key: str, groups: list[dict[str, Any]] = groups) -> int:
+            return sum(g[key] for g in groups)
+
+        reasons: dict[str, int] = {}
+        for g in groups:
+            for why, n in g["fallback_reasons"].items():
+                reasons[why] = reasons.get(why, 0) + n
         per_daemon.append(
             {
                 "node": i,
@@ -262,21 +296,20 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
                 "bytes_pushed": sum(p["bytes_sent"] for p in peers),
                 "bytes_received": sum(p["bytes_received"] for p in peers),
                 "results_pushed": sum(p["results_sent"] for p in peers),
-                "fallbacks": 0 if group is None else group["fallbacks"],
-                "fallback_reasons": {} if group is None else group["fallback_reasons"],
-                "claims_sent": 0 if group is None else group["claims_sent"],
-                "claims_granted": 0 if group is None else group["claims_granted"],
-                "claims_handed_over": 0 if group is None else group["claims_handed_over"],
-                "solves_withdrawn": 0 if group is None else group["solves_withdrawn"],
+                "fallbacks": total("fallbacks"),
+                "fallback_reasons": reasons,
+                "claims_sent": total("claims_sent"),
+                "claims_granted": total("claims_granted"),
+                "claims_handed_over": total("claims_handed_over"),
+                "solves_withdrawn": total("solves_withdrawn"),
                 "results_discarded": stats.results_discarded,
             }
         )
     duplicates = sum(len(v) - len(set(v)) for v in solved.values())
     distinct = {b: set(v) for b, v in solved.items()}
-    minimum = (k - 1) * sum(_result_bytes(names[b]) * len(v) for b, v in distinct.items())
+    minimum = (k - 1) * sum(_result_bytes(sizes[b]) * len(v) for b, v in distinct.items())
     pushed = sum(p["bytes_pushed"] for p in per_daemon)
-    planned = [] if views[0][1] is None else [p["owned_cost_s"] for p in views[0][1]["peers"]]
-    planned_mean = sum(planned) / len(planned) if planned else 0.0
+    planned_mean = sum(planned) / len(planned) if k > 1 else 0.0
     loads = [float(p["solve_cpu_s_estimated"]) for p in per_daemon]
     mean = sum(loads) / len(loads)
     works = [float(p["solve_work_n3"]) for p in per_daemon]

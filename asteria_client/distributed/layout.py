@@ -9,10 +9,20 @@ for the job that every replica agrees on (its blocks' namespace on the daemons).
 host name — so it needs no launcher variables and works for ``torchrun``, ``mp.spawn`` or any
 other launcher. The job name is ``ASTERIA_JOB``, else the launcher's run id
 (``TORCHELASTIC_RUN_ID``), else the name rank 0 makes up and broadcasts with the gather.
+
+**A group smaller than the world is a job of its own.** Under HSDP each shard's replicas (the
+mesh's replicate dim), and on a DP x TP mesh each tensor-parallel slice's data-parallel group,
+share blocks among themselves only, and every such group names its blocks alike (the same
+parameter names). Under one job name they would be one namespace on a daemon: one slice's
+snapshots would replace the other's and its results be installed in the other, and each group's
+node leader would register its own layout (and run nonce) over the other's. So such a group's
+job is the world's name with a suffix made from the group's global ranks (:func:`group_job`):
+the same on every rank of the group, another for every other group, the same after a restart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import uuid
 from dataclasses import dataclass
@@ -100,4 +110,16 @@ def discover_layout(group: Any = None, *, job_id: str | None = None) -> JobLayou
     dist.all_gather_object(gathered, (node, proposed), group=group)
     hosts = [str(host) for host, _ in gathered]
     agreed = str(gathered[0][1])  # rank 0's name wins: replicas must agree on one
+    if group is not None and world_size < dist.get_world_size():
+        agreed = group_job(agreed, dist.get_process_group_ranks(group))
     return JobLayout.from_hosts(hosts, rank, agreed)
+
+
+def group_job(job: str, ranks: list[int]) -> str:
+    """The job name of the group of global ``ranks`` in job ``job`` (a group smaller than the
+    world: see the module's docstring): ``job/g<lowest rank>-<digest of all of them>``. The
+    digest tells apart groups that start at one rank (a data-parallel group and a
+    tensor-parallel one); the lowest rank is there for the operator reading ``asteria status``."""
+    members = sorted(int(r) for r in ranks)
+    digest = hashlib.sha256(",".join(map(str, members)).encode()).hexdigest()[:8]
+    return f"{job}/g{members[0]}-{digest}"

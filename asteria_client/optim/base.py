@@ -208,10 +208,6 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             source = self._make_source(
                 mode, engine_config, address, process_group, share_blocks, pulls=policy.continuous
             )
-            refused = self._continuous_refused(mode, policy, process_group)
-            if refused:
-                source.close()
-                raise InvalidInputError(refused)
         # Replicas that share their blocks install each result at one agreed step (see
         # asteria_client.runtime.agreement): collective, like the shared source.
         agreement = None
@@ -280,36 +276,6 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             mode, engine_config, address=address, group=group, share_shards=shards, pulls=pulls
         )
         return source
-
-    def _continuous_refused(
-        self, mode: Mode, policy: StalenessPolicy, process_group: Any
-    ) -> str | None:
-        """Why the continuous schedule cannot run on this job's daemons (None: it can).
-
-        On several nodes one rank per block chooses its pulls for the whole job, the uploader
-        on the node whose daemon owns it (:class:`~asteria_client.distributed.replicas.
-        PullChoosers`). That is built for the world's DDP replicas only: an HSDP shard's
-        owner daemon among its replicas' nodes, and the daemons of a group smaller than the
-        world, are not followed by it yet."""
-        nodes = 1 if self.layout is None else self.layout.num_nodes
-        if not policy.continuous or mode is not Mode.DAEMON or nodes == 1:
-            return None
-        what = f"refresh='continuous' with daemons on several nodes ({nodes})"
-        advice = "use refresh='amortized', or mode='embedded'"
-        if self._replica_group(process_group)[1]:
-            return (
-                f"{what} is not supported yet for HSDP (a shard's replicas across nodes): "
-                f"the rank that chooses a shard block's pulls is not tied to the daemon that "
-                f"owns it among the shard's nodes; {advice}"
-            )
-        world = torch.distributed.get_world_size()
-        if process_group is not None and torch.distributed.get_world_size(process_group) < world:
-            return (
-                f"{what} is not supported yet with a process_group smaller than the world: "
-                f"the rank that chooses a block's pulls is tied to the daemons of the whole "
-                f"world's job; {advice}"
-            )
-        return None
 
     def _replica_group(self, process_group: Any) -> tuple[Any, bool]:
         """The group whose ranks hold the same blocks, and whether those include shards' blocks.

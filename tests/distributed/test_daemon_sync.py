@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from asteria_client.cli import main
+from asteria_client.distributed.layout import group_job
 from asteria_server.errors import AsteriaError
 from asteria_server.owners import balance, owner_map
 from tests.distributed import sync_cluster as sc
@@ -478,7 +479,9 @@ def test_ddp_replicas_on_two_synced_daemons_stay_identical_through_a_sigstop(
     assert sum(v.solves_done for v in views) == sum(len(vs) for vs in solved.values())
 
 
-def _hsdp_rank(rank: int, world: int, tmp: str, addresses: list[str], budget: int) -> None:
+def _hsdp_rank(
+    rank: int, world: int, tmp: str, addresses: list[str], budget: int, refresh: str
+) -> None:
     """One rank of HSDP 2 x 2 on two simulated nodes: ranks 0, 1 on node 0 and 2, 3 on node 1;
     the shard dim within a node, the replicas of a shard (ranks 0 and 2, 1 and 3) on the two
     nodes, each node's ranks on that node's daemon."""
@@ -506,8 +509,12 @@ def _hsdp_rank(rank: int, world: int, tmp: str, addresses: list[str], budget: in
             mode="daemon",
             address=addresses[node],
             staleness_budget=budget,
-            precondition_frequency=2,
+            precondition_frequency=2 if refresh == "amortized" else 5,
+            refresh=refresh,
+            refresh_overhead=0.5,
         )
+        if refresh == "continuous":
+            opt.attach(net)
         try:
             ranks.train(net, opt, ranks.batches(30, world * 8), rank, world)
             time.sleep(1.0)  # the last snapshots reach the daemon
@@ -515,7 +522,9 @@ def _hsdp_rank(rank: int, world: int, tmp: str, addresses: list[str], budget: in
         finally:
             opt.close()
         local = {k: v.to_local().detach().tolist() for k, v in net.state_dict().items()}
-        out = {"params": local, "max_lag_steps": stats["max_lag_steps"]}
+        blocks = stats["refreshes"]["blocks"]
+        pulls = {b: r.get("extra_pulls", 0) for b, r in blocks.items()}
+        out = {"params": local, "max_lag_steps": stats["max_lag_steps"], "extra_pulls": pulls}
         (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(out))
         del net, opt
     finally:
@@ -524,37 +533,51 @@ def _hsdp_rank(rank: int, world: int, tmp: str, addresses: list[str], budget: in
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("refresh", "budget"), [("amortized", 1), ("continuous", 1), ("continuous", 2)]
+)
 def test_hsdp_shard_replicas_on_two_synced_daemons_share_each_shard_block(
-    tmp_path: Path,
+    tmp_path: Path, refresh: str, budget: int
 ) -> None:
     """HSDP 2 x 2 across two simulated nodes, one daemon each, synced: a shard's blocks
     (names with ``@``) are held on both nodes, by the shard's two replicas. Each (block,
     version) is solved on one daemon only, each daemon solves some and receives the others
     by push, and the replicas of a shard end bitwise equal. Before shard blocks were synced,
-    each daemon solved every shard block itself (duplicates of every version)."""
+    each daemon solved every shard block itself (duplicates of every version).
+
+    Each shard's replica group is a job of its own on the daemons (``distributed/layout.py``:
+    both groups' leaders registered one job's layout, each with its own run nonce, over the
+    other's). On the continuous schedule each shard block's chooser is its uploader on the
+    node of its owner daemon among that job's daemons, as for DDP; before, HSDP across nodes
+    was refused there."""
     from tests.distributed.spawn import spawn
 
     with sc.daemons(tmp_path, 2) as ds:
-        spawn(_hsdp_rank, 4, str(tmp_path), [d.address for d in ds], 1)
+        spawn(_hsdp_rank, 4, str(tmp_path), [d.address for d in ds], budget, refresh)
         time.sleep(1.0)  # the last pushes
         views = [sc.view(d.address) for d in ds]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    frequency = 2 if refresh == "amortized" else 5
     for a, b in ((0, 2), (1, 3)):
         assert ranks[a]["params"] == ranks[b]["params"], (a, b)
-    assert all(r["max_lag_steps"] <= 2 for r in ranks)
-    solved: dict[str, list[int]] = {}
+        assert ranks[a]["extra_pulls"] == ranks[b]["extra_pulls"], (a, b)
+    assert all(r["max_lag_steps"] <= budget * frequency for r in ranks)
+    if refresh == "continuous":  # extras were pulled, on both shards
+        assert all(sum(r["extra_pulls"].values()) > 0 for r in ranks), ranks[0]["extra_pulls"]
+    jobs = {group_job(sc.JOB, [0, 2]), group_job(sc.JOB, [1, 3])}
+    solved: dict[tuple[str, str], list[int]] = {}
     for v in views:
-        for blk in v.group["blocks"]:
-            solved.setdefault(blk["block"], []).extend(
-                blk["solved_versions"] + blk["discarded_versions"]
-            )
-    shard_blocks = [blk for blk in solved if "@" in blk]
-    assert shard_blocks, sorted(solved)
-    twice = {blk: sorted(vs) for blk, vs in solved.items() if len(vs) != len(set(vs))}
+        assert {g["job"] for g in v.groups} == jobs, [g["job"] for g in v.groups]
+        for g in v.groups:
+            for blk in g["blocks"]:
+                versions = blk["solved_versions"] + blk["discarded_versions"]
+                solved.setdefault((g["job"], blk["block"]), []).extend(versions)
+    assert all("@" in blk for _, blk in solved), sorted(solved)
+    twice = {key: sorted(vs) for key, vs in solved.items() if len(vs) != len(set(vs))}
     assert not twice, twice
     # every solve the daemons ran is one of those (none of a block outside the sync)
     assert sum(v.solves_done for v in views) == sum(len(vs) for vs in solved.values())
     for v in views:  # each daemon solved some shard blocks and received others
-        mine = [blk for blk in v.group["blocks"] if "@" in blk["block"]]
-        assert any(blk["solves"] > 0 for blk in mine), v.group["blocks"]
-        assert any(blk["received"] > 0 for blk in mine), v.group["blocks"]
+        mine = [blk for g in v.groups for blk in g["blocks"]]
+        assert any(blk["solves"] > 0 for blk in mine), mine
+        assert any(blk["received"] > 0 for blk in mine), mine

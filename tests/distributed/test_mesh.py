@@ -16,7 +16,9 @@ split wrong), so the mesh's loss is also held against one process with the globa
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from asteria_client import SOAP
+from asteria_client.distributed.layout import group_job
 from asteria_server.engine import EngineConfig
+from tests.distributed import sync_cluster as sc
 from tests.distributed.spawn import init, leave, spawn
 
 DIM = 8
@@ -38,21 +42,31 @@ def _frequency(refresh: str) -> int:
 
 
 def _soap(
-    params: Any, group: Any, refresh: str = "amortized", budget: int = 1, native: bool = False
+    params: Any,
+    group: Any,
+    refresh: str = "amortized",
+    budget: int = 1,
+    native: bool = False,
+    address: str | None = None,
 ) -> SOAP:
-    """The mesh's SOAP; ``native``: every basis computed in its step, at the same f."""
+    """The mesh's SOAP; ``native``: every basis computed in its step, at the same f;
+    ``address``: in daemon mode, on the daemon there (else embedded)."""
     if native:
         return SOAP(params, lr=1e-2, mode="native", precondition_frequency=_frequency(refresh))
+    where: dict[str, Any] = (
+        {"mode": "daemon", "address": address}
+        if address is not None
+        else {"mode": "embedded", "engine_config": EngineConfig(num_workers=1, calibrate=False)}
+    )
     return SOAP(
         params,
         lr=1e-2,
-        mode="embedded",
         precondition_frequency=_frequency(refresh),
         staleness_budget=budget,
         refresh=refresh,
         refresh_overhead=0.5 if refresh == "continuous" else 0.04,
         process_group=group,
-        engine_config=EngineConfig(num_workers=1, calibrate=False),
+        **where,
     )
 
 
@@ -79,14 +93,19 @@ def _loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _one_process(
-    refresh: str, budget: int, data_seed: int = 0, native: bool = False
+    refresh: str,
+    budget: int,
+    data_seed: int = 0,
+    native: bool = False,
+    states: list[dict[str, torch.Tensor]] | None = None,
 ) -> list[float]:
     """One process trains the mesh's model on the global batch: both shards, the head on both
     slices' outputs, one optimizer per module as on the mesh, each without a process group.
 
     Gradients are the mesh's: the head's is the mean over all 4 x BATCH samples (DDP over the
     world), each shard's the mean over its own slice's 2 x BATCH (DDP over its DP group only),
-    so each shard's gradient of the global mean is scaled by 2 (exact in float)."""
+    so each shard's gradient of the global mean is scaled by 2 (exact in float). ``states``
+    gets each shard's parameters at the end, slice 0's first."""
     torch.set_num_threads(1)
     shards, head = [_shard(0), _shard(1)], _head()
     shard_opts = [_soap(s.named_parameters(), None, refresh, budget, native) for s in shards]
@@ -113,6 +132,8 @@ def _one_process(
     finally:
         for opt in opts:
             opt.close()
+    if states is not None:
+        states.extend({k: v.detach().clone() for k, v in s.state_dict().items()} for s in shards)
     return losses
 
 
@@ -122,8 +143,27 @@ def _tail(losses: list[float]) -> float:
 
 
 def _mesh_rank(
-    rank: int, world: int, tmp: str, refresh: str = "amortized", budget: int = 1
+    rank: int,
+    world: int,
+    tmp: str,
+    refresh: str = "amortized",
+    budget: int = 1,
+    addresses: list[str] | None = None,
 ) -> None:
+    """One rank of the mesh; with ``addresses`` in daemon mode, ranks 0 and 1 on node 0's
+    daemon and 2 and 3 on node 1's (so each data-parallel group spans both nodes)."""
+    address = None
+    if addresses is not None:
+        node = rank // 2
+        address = addresses[node]
+        os.environ.update(
+            {
+                "ASTERIA_NODE": f"node{node}",
+                "ASTERIA_TENANT": sc.TENANT,
+                "ASTERIA_TOKEN": sc.TOKEN,
+                "ASTERIA_JOB": sc.JOB,
+            }
+        )
     init(rank, world, tmp)
     try:
         tp, dp = rank % 2, rank // 2
@@ -134,11 +174,11 @@ def _mesh_rank(
         shard_ddp = torch.nn.parallel.DistributedDataParallel(shard, process_group=dp_group)
         head_ddp = torch.nn.parallel.DistributedDataParallel(head)
         if tp == 0:  # the slices build their optimizers in different orders
-            head_opt = _soap(head.named_parameters(), None, refresh, budget)
-            shard_opt = _soap(shard.named_parameters(), dp_group, refresh, budget)
+            head_opt = _soap(head.named_parameters(), None, refresh, budget, address=address)
+            shard_opt = _soap(shard.named_parameters(), dp_group, refresh, budget, address=address)
         else:
-            shard_opt = _soap(shard.named_parameters(), dp_group, refresh, budget)
-            head_opt = _soap(head.named_parameters(), None, refresh, budget)
+            shard_opt = _soap(shard.named_parameters(), dp_group, refresh, budget, address=address)
+            head_opt = _soap(head.named_parameters(), None, refresh, budget, address=address)
         if refresh == "continuous":  # pulls at the hooks too: each rank's own timing
             shard_opt.attach(shard)
             head_opt.attach(head)
@@ -227,7 +267,15 @@ def test_a_2d_mesh_builds_its_groups_in_any_order_and_keeps_each_group_apart(
         assert not torch.equal(runs[0]["shard"][key], runs[1]["shard"][key]), key
     for key in runs[0]["head"]:  # the world's head: one replica set of four
         assert all(torch.equal(runs[0]["head"][key], run["head"][key]) for run in runs[1:]), key
-    _check_loss_within_noise(runs[0]["losses"], refresh, budget)
+    if budget == 0:
+        native: list[dict[str, torch.Tensor]] = []
+        _one_process(refresh, budget, native=True, states=native)
+        for tp in (0, 1):
+            for key, value in native[tp].items():
+                off = float((runs[tp]["shard"][key] - value).abs().max())
+                assert off < 1e-4, (tp, key, off)
+    else:
+        _check_loss_within_noise(runs[0]["losses"], refresh, budget)
     if refresh == "continuous":  # the schedule did pull extras, registered alike by replicas
         for which in ("shard", "head"):
             pulls = [
@@ -238,3 +286,62 @@ def test_a_2d_mesh_builds_its_groups_in_any_order_and_keeps_each_group_apart(
             groups = [(0, 2), (1, 3)] if which == "shard" else [(0, 1, 2, 3)]
             for group in groups:
                 assert all(pulls[r] == pulls[group[0]] for r in group), (which, pulls)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("refresh", "budget"), [("amortized", 0), ("amortized", 1), ("continuous", 1)]
+)
+def test_a_2d_mesh_on_two_synced_daemons_keeps_each_groups_blocks_apart(
+    tmp_path: Path, refresh: str, budget: int
+) -> None:
+    """DP x TP 2 x 2 in daemon mode on two simulated nodes, a synced daemon each, S = 1: each
+    data-parallel group spans both nodes, and both TP slices name their shard's blocks alike
+    (``0.weight``, ...). Each group is a job of its own on the daemons (``distributed/layout.py``),
+    so a slice's snapshots never replace the other's: under one job name they were one
+    namespace, where one slice's bases were installed in the other. On the continuous
+    schedule each block's chooser is the uploader on its owner daemon's node, within its group
+    (before, a ``process_group`` smaller than the world was refused on several nodes). The
+    replicas stay bitwise equal within their budget, no (job, block, version) is solved twice in
+    the cluster, and the loss stays within noise of one process with the global batch. At S = 0
+    every basis is its own step's, so the shards equal one native process's up to the solver's
+    and the reductions' rounding: a slice given the other's bases is off by far more."""
+    env = sc.sync_env(heartbeat_s=0.1, suspect_s=0.6, dead_s=1.5, patience_s=1.0)
+    with sc.daemons(tmp_path, 2, env=env) as ds:
+        spawn(_mesh_rank, 4, str(tmp_path), refresh, budget, [d.address for d in ds])
+        time.sleep(1.0)  # the last pushes
+        views = [sc.view(d.address) for d in ds]
+    runs = [torch.load(tmp_path / f"mesh{r}.pt", weights_only=False) for r in range(4)]
+    jobs = {sc.JOB, group_job(sc.JOB, [0, 2]), group_job(sc.JOB, [1, 3])}
+    for v in views:  # every daemon syncs three jobs: the world's head and each DP group
+        assert {g["job"] for g in v.groups} == jobs, [g["job"] for g in v.groups]
+    solved: dict[tuple[str, str], list[int]] = {}
+    for v in views:
+        for g in v.groups:
+            for b in g["blocks"]:
+                versions = b["solved_versions"] + b["discarded_versions"]
+                solved.setdefault((g["job"], b["block"]), []).extend(versions)
+    twice = {k: sorted(vs) for k, vs in solved.items() if len(vs) != len(set(vs))}
+    assert not twice, twice
+    for v in views:  # each daemon solved some shard blocks and received others
+        shards = [b for g in v.groups if g["job"] != sc.JOB for b in g["blocks"]]
+        assert any(b["solves"] > 0 for b in shards) and any(b["received"] > 0 for b in shards)
+    for run in runs:
+        for which in ("shard", "head"):
+            assert run["stats"][which]["agreement_failed"] == ""
+            assert run["stats"][which]["max_lag_steps"] <= budget * _frequency(refresh)
+    for key in runs[0]["shard"]:
+        assert torch.equal(runs[0]["shard"][key], runs[2]["shard"][key]), key
+        assert torch.equal(runs[1]["shard"][key], runs[3]["shard"][key]), key
+    for key in runs[0]["head"]:
+        assert all(torch.equal(runs[0]["head"][key], run["head"][key]) for run in runs[1:]), key
+    if budget == 0:
+        native: list[dict[str, torch.Tensor]] = []
+        _one_process(refresh, budget, native=True, states=native)
+        for tp in (0, 1):
+            for key, value in native[tp].items():
+                off = float((runs[tp]["shard"][key] - value).abs().max())
+                assert off < 1e-4, (tp, key, off)
+    else:
+        _check_loss_within_noise(runs[0]["losses"], refresh, budget)

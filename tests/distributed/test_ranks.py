@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from asteria_client import SOAP, Shampoo
 from asteria_client.distributed import JobLayout, discover_layout
+from asteria_client.distributed.layout import group_job
 from asteria_server.engine import EngineConfig
 from tests.distributed.spawn import init, leave
 from tests.integration.test_daemon import LaunchedDaemon, start_daemon, stop_daemon
@@ -268,3 +269,38 @@ def test_asteria_node_names_the_node_where_host_names_cannot(tmp_path: Path) -> 
     assert [lay.node for lay in layouts] == ["node0", "node0", "node1", "node1"]
     assert layouts[0].ranks_by_node == ((0, 1), (2, 3)) and layouts[0].num_nodes == 2
     assert [lay.is_node_leader for lay in layouts] == [True, False, True, False]
+
+
+def _group_jobs_rank(rank: int, tmp: str) -> None:
+    os.environ["ASTERIA_JOB"] = "mesh-job"
+    init(rank, 4, tmp)
+    try:
+        dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank enters both
+        tp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        mine = {
+            "world": discover_layout(),
+            "dp": discover_layout(dp[rank % 2]),
+            "tp": discover_layout(tp[rank // 2]),
+        }
+        torch.save({k: (v.job_id, v.rank, v.world_size) for k, v in mine.items()}, f"{tmp}/j{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_smaller_than_the_world_is_a_job_of_its_own(tmp_path: Path) -> None:
+    """Under HSDP or DP x TP each data-parallel group names its blocks alike: one job name for
+    all of them would make them one namespace on a daemon, where one group's results would be
+    installed in another's parameters (see distributed/layout.py)."""
+    mp.start_processes(_group_jobs_rank, args=(str(tmp_path),), nprocs=4, start_method="spawn")
+    jobs = [torch.load(tmp_path / f"j{r}", weights_only=False) for r in range(4)]
+    assert {j["world"][0] for j in jobs} == {"mesh-job"}  # the world keeps the job's name
+    dp = [j["dp"] for j in jobs]
+    tp = [j["tp"] for j in jobs]
+    assert dp[0][0] == dp[2][0] == group_job("mesh-job", [0, 2])  # one name per group
+    assert dp[1][0] == dp[3][0] == group_job("mesh-job", [3, 1])
+    assert tp[0][0] == tp[1][0] and tp[2][0] == tp[3][0]
+    names = {dp[0][0], dp[1][0], tp[0][0], tp[2][0], "mesh-job"}
+    assert len(names) == 5, names  # every group another one, {0, 1} and {0, 2} included
+    assert all(n.startswith("mesh-job/g") for n in names - {"mesh-job"})
+    assert [d[1:] for d in dp] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # ranks within the group

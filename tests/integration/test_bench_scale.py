@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from asteria_client.bench.scale import BLOCK_SIZES, report_section
+from asteria_client.bench.scale import BLOCK_SIZES, HSDP_SHARDS, report_section, shard_jobs
 from asteria_client.cli import main
 
 
@@ -31,10 +31,12 @@ def test_bench_scale_counts_no_duplicates_and_near_minimal_bytes(tmp_path: Path)
     # HSDP: the shard blocks (names with "@") of both shards, each held on both nodes, are
     # synced like replicated ones: one owner per shard block, each version solved once.
     assert all("@shard" in b for b in hsdp_two["blocks_solved"])
-    assert len(hsdp_two["blocks_solved"]) == len(BLOCK_SIZES)
+    # each shard's replicas are a job of their own, as the client makes them
+    assert {b.split(":")[0] for b in hsdp_two["blocks_solved"]} == set(shard_jobs("hsdp", 2))
+    assert len(hsdp_two["blocks_solved"]) == HSDP_SHARDS * len(BLOCK_SIZES)
     assert hsdp_one["duplicate_solves"] == 0 and hsdp_two["duplicate_solves"] == 0
     assert hsdp_two["daemon_fallbacks"] == 0 and hsdp_two["rank_fallbacks"] == 0
-    assert 0 < hsdp_two["solves"] <= len(BLOCK_SIZES) * report["config"]["refreshes"]
+    assert 0 < hsdp_two["solves"] <= HSDP_SHARDS * len(BLOCK_SIZES) * report["config"]["refreshes"]
     assert hsdp_two["balance_of_owner_map"] <= 1.25
     assert all(d["solves"] > 0 and d["bytes_pushed"] > 0 for d in hsdp_two["daemons"])
     assert 1.0 <= hsdp_two["bytes_over_minimum"] < 1.05

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from unittest.mock import patch
 
 from asteria_client.distributed import BlockOwners, JobLayout, PullChoosers
 from asteria_client.distributed.replicas import _members, _shared
-from asteria_client.optim.base import AsteriaOptimizer
-from asteria_client.runtime import Mode, Refresh, StalenessPolicy
 from asteria_server.owners import SHARD_MARK, balance, is_shard_block, owner_map
 
 
@@ -120,34 +117,3 @@ def test_nodes_that_share_a_daemon_choose_on_the_lowest_of_them() -> None:
 def test_members_number_the_distinct_daemons_in_node_order() -> None:
     nodes = [SimpleNamespace(daemon_address=a) for a in ["x:1", "y:1", "x:1", "z:1"]]
     assert _members(nodes) == [0, 1, 0, 2]
-
-
-# --------------------------------------------------------------------------- what is refused
-
-
-def _refusal(nodes: int, *, hsdp: bool = False, group_size: int | None = None) -> str | None:
-    """AsteriaOptimizer._continuous_refused of a daemon-mode continuous job on ``nodes`` nodes
-    of 4 ranks in all (``group_size``: the process_group's, None: the world)."""
-    hosts = [f"n{r * nodes // 4}" for r in range(4)]
-    fake = SimpleNamespace(
-        layout=JobLayout.from_hosts(hosts, 0, "job"), _replica_group=lambda group: (group, hsdp)
-    )
-    policy = StalenessPolicy(budget_intervals=1, refresh=Refresh.CONTINUOUS)
-    group = None if group_size is None else object()
-
-    def world_size(g: object = None) -> int:
-        return 4 if g is None else int(group_size or 4)
-
-    with patch("torch.distributed.get_world_size", world_size):
-        refuse = AsteriaOptimizer._continuous_refused
-        return refuse(fake, Mode.DAEMON, policy, group)  # type: ignore[arg-type]
-
-
-def test_continuous_on_several_nodes_is_refused_only_where_no_chooser_rule_holds() -> None:
-    assert _refusal(1) is None and _refusal(1, hsdp=True) is None  # one node: the uploader
-    assert _refusal(2) is None  # the world's DDP replicas: PullChoosers
-    assert _refusal(2, group_size=4) is None  # a group that is the world
-    hsdp = _refusal(2, hsdp=True)
-    assert hsdp is not None and "HSDP" in hsdp and "refresh='amortized'" in hsdp
-    smaller = _refusal(2, group_size=2)
-    assert smaller is not None and "smaller than the world" in smaller
