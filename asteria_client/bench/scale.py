@@ -421,7 +421,8 @@ def report_section(report: dict[str, Any]) -> str:
         "",
         "Columns: mesh: `dp`, one data-parallel rank per node holding every block, or "
         f"`hsdp`, {HSDP_SHARDS} ranks per node each holding one shard's blocks (names with "
-        "`@`), the shards replicated across nodes; solves per daemon; `dup`: (block, "
+        "`@`; a block of every size per shard), the shards replicated across nodes, each "
+        "shard's replicas a job of their own; solves per daemon; `dup`: (block, "
         "version) pairs solved more than once in the cluster (a result kept or thrown "
         "away); balance: largest over mean estimated "
         "solve CPU-seconds, of the owner map and of the solves done (a snapshot replaced by "
