@@ -20,7 +20,8 @@ times n³), bytes pushed to and received from its peers; and overall:
   replaced by a newer one before its solve is not solved: latest wins), the latter also
   weighed by n³ alone (each daemon's calibrated cost per n³ differs on a loaded host);
 - bytes between daemons per refresh against the minimum (each result once to each peer that
-  needs it: K-1 copies of every result solved);
+  needs it: K-1 copies of every result solved; a result overtaken by a newer one of its block
+  before its push is not sent, so the ratio can be a little under 1);
 - the staleness observed: the largest lag, in steps, of a block a rank used (the budget is
   S·f), and the barrier waits and local fallbacks.
 

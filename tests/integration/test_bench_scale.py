@@ -22,7 +22,9 @@ def test_bench_scale_counts_no_duplicates_and_near_minimal_bytes(tmp_path: Path)
     # A claim (the owner's push would have been late) moves a solve, it does not repeat it.
     assert two["claims_granted"] == sum(d["claims_handed_over"] for d in two["daemons"])
     assert 0 < two["solves"] <= len(BLOCK_SIZES) * report["config"]["refreshes"]
-    assert 1.0 <= two["bytes_over_minimum"] < 1.05
+    # Under 1 only by results overtaken before their push (a newer version of the block was
+    # in by then: not sent); a result sent twice puts it over.
+    assert 0.9 <= two["bytes_over_minimum"] < 1.05
     assert two["balance_of_owner_map"] <= 1.25
     assert two["max_lag_steps"] <= two["budget_steps"] and two["rank_fallbacks"] == 0
     assert all(d["bytes_pushed"] > 0 and d["bytes_received"] > 0 for d in two["daemons"])
@@ -39,6 +41,6 @@ def test_bench_scale_counts_no_duplicates_and_near_minimal_bytes(tmp_path: Path)
     assert 0 < hsdp_two["solves"] <= HSDP_SHARDS * len(BLOCK_SIZES) * report["config"]["refreshes"]
     assert hsdp_two["balance_of_owner_map"] <= 1.25
     assert all(d["solves"] > 0 and d["bytes_pushed"] > 0 for d in hsdp_two["daemons"])
-    assert 1.0 <= hsdp_two["bytes_over_minimum"] < 1.05
+    assert 0.9 <= hsdp_two["bytes_over_minimum"] < 1.05
     assert hsdp_two["max_lag_steps"] <= hsdp_two["budget_steps"]
     assert "| mesh | K |" in section and "bytes/min" in section and "claims" in section
