@@ -37,7 +37,12 @@ from pathlib import Path
 from types import TracebackType
 
 from asteria_server.engine.coordinator import Coordinator
-from asteria_server.engine.registry import StatusRow, SummaryRow, block_table, summarize
+from asteria_server.engine.registry import (
+    SummaryRow,
+    block_table,
+    empty_status_columns,
+    summarize,
+)
 from asteria_server.engine.scheduler import CostModel
 from asteria_server.engine.solvers import SolverConfig
 from asteria_server.engine.tiers import ResultTiers, SpillEnd, write_spill_file
@@ -633,24 +638,22 @@ class PreconditionerEngine:
         and read their queue positions (O(log Q) each), and the table is made after it is
         released, so a status read of thousands of blocks holds up no submit or result for
         long. The positions are the queue's at each chunk's copy, as the records are."""
-        rows: list[StatusRow] = []
-        positions: dict[tuple[str, str], int] = {}
+        columns = empty_status_columns()
+        positions: list[int | None] = []
         total, now = 0, 0.0
-        while len(rows) < limit:
-            want = min(limit - len(rows), STATUS_CHUNK_BLOCKS)
+        while len(positions) < limit:
+            want = min(limit - len(positions), STATUS_CHUNK_BLOCKS)
+            start = columns["block"][-1] if positions else after
             with self._cond:
-                chunk, total, now = self._coord.registry.status_rows(
-                    tenant, rows[-1][0] if rows else after, want, self._tiers.tier
+                chunk, total, now = self._coord.registry.status_columns(
+                    tenant, start, want, self._tiers.tiers
                 )
-                names = [row[0] for row in chunk]
-                queued = self._coord.scheduler.positions_of(tenant, names)
-            for name, at in zip(names, queued, strict=True):
-                if at is not None:
-                    positions[(tenant, name)] = at
-            rows += chunk
-            if len(chunk) < want:
+                positions += self._coord.scheduler.positions_of(tenant, chunk["block"])
+            for name, column in columns.items():
+                column += chunk[name]
+            if len(chunk["block"]) < want:
                 break
-        return block_table(tenant, rows, now, positions), total
+        return block_table(tenant, columns, now, positions), total
 
     def status_summary(self, tenant: str, worst: int = SUMMARY_WORST_BLOCKS) -> BlockSummary:
         """What ``tenant``'s blocks add up to, with its ``worst`` blocks' records: one pass over
@@ -671,9 +674,9 @@ class PreconditionerEngine:
             now = self._coord.registry.now()
         numbers, names = summarize(rows, now, worst)
         with self._cond:
-            shown = self._coord.registry.status_rows_of(tenant, names, self._tiers.tier)
+            shown = self._coord.registry.status_columns_of(tenant, names, self._tiers.tiers)
             now = self._coord.registry.now()
-        return BlockSummary(**numbers, worst=block_table(tenant, shown, now, {}))
+        return BlockSummary(**numbers, worst=block_table(tenant, shown, now, None))
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """Engine-wide numbers. The workers' block names are shown for tenant ``viewer``'s tasks
