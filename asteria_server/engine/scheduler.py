@@ -319,6 +319,11 @@ class Scheduler:
         """Snapshots of ``tenant`` waiting for a worker."""
         return len(self._pending.get(tenant, ()))
 
+    def num_tenants_queued(self) -> int:
+        """Tenants with snapshots waiting: each other one adds a count per block to
+        :meth:`positions_of`."""
+        return len(self._pending)
+
     def __iter__(self) -> Iterator[ScheduledTask]:
         for queue in self._pending.values():
             yield from queue.values()
