@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import operator
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, Protocol, cast
@@ -103,8 +104,10 @@ _INT_FIELDS = frozenset(
         *("consecutive_failures", "duplicates", "stale_ignored", "superseded"),
     )
 )
-#: Each state's JSON text.
-_STATE_JSON = {state: json.dumps(state.value) for state in BlockState}
+#: Each state's JSON text, by the state's ``_value_`` (an attribute, where ``value`` is a
+#: property and an Enum's hash a Python call: looked up by the state, 160,000 rows took ~50 ms).
+_STATE_JSON = {state.value: json.dumps(state.value) for state in BlockState}
+_STATE_VALUE = operator.attrgetter("_value_")
 #: What comes before each field's value in a row's text; the first field's also closes the
 #: row before (the chunk's first row and last ``}`` are written apart).
 _FIELD_PREFIXES = [f", {json.dumps(name)}: " for name in _ROW_FIELDS]
@@ -182,7 +185,7 @@ def _json_rows(table: BlockTable, start: int, stop: int) -> str:
         "staleness_steps": _json_ints(
             [s - v for s, v in zip(c["submitted_version"], c["version"], strict=True)]
         ),
-        "state": list(map(_STATE_JSON.__getitem__, c["state"])),
+        "state": list(map(_STATE_JSON.__getitem__, map(_STATE_VALUE, c["state"]))),
     }
     for name in _STATUS_FIELDS:
         if name in encoded:

@@ -73,7 +73,8 @@ def queued_engine(queued: int, tenants: int) -> tuple[Any, TimedLock]:
         )
         coord.submit(task, f"job{i % 8}")
     lock = TimedLock()
-    return SimpleNamespace(_cond=lock, _coord=coord, _tiers=SimpleNamespace(tier=None)), lock
+    tiers = SimpleNamespace(tier=None, tiers=None)  # an old engine reads tier, a new one tiers
+    return SimpleNamespace(_cond=lock, _coord=coord, _tiers=tiers), lock
 
 
 def time_pages(engine: Any, lock: TimedLock, repeats: int) -> dict[str, float]:

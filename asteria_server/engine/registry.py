@@ -42,9 +42,11 @@ from asteria_server.types import (
 
 Key = tuple[str, str]
 
-#: What :meth:`CoherenceRegistry.status_rows` copies of each record, in one C call.
-_ROW_FIELDS = (
-    "block",
+#: What :meth:`CoherenceRegistry.status_columns` copies of each record: one list per field,
+#: each filled by one C loop (``map`` of an attrgetter) over the chunk's records. A tuple per
+#: record, transposed into columns after, cost ~3x more (the tuples, the transpose, the
+#: ``block`` property read per record where the names are at hand).
+_COLUMN_FIELDS = (
     "computed_version",
     "submitted_version",
     "queued_version",
@@ -62,25 +64,35 @@ _ROW_FIELDS = (
     "failed",
     "last_error",
 )
-_copy_row = operator.attrgetter(*_ROW_FIELDS)
-#: One status row: the record's fields above, then its tier.
-StatusRow = tuple[Any, ...]
+_COLUMN_GETTERS = tuple((name, operator.attrgetter(name)) for name in _COLUMN_FIELDS)
+#: Copied status fields of many blocks: the record fields above, ``block`` and ``tier``, a list
+#: each, entry i of every list of block i.
+StatusColumns = dict[str, list[Any]]
+#: The tiers of many blocks at once, from their keys and held results (``ResultTiers.tiers``).
+TiersOf = Callable[[list[Key], list[SolveResult | None]], list[str]]
+
+
+def empty_status_columns() -> StatusColumns:
+    """:data:`StatusColumns` of no block, for a reader to extend chunk by chunk."""
+    return {name: [] for name in ("block", *_COLUMN_FIELDS, "tier")}
 
 
 def block_table(
-    tenant: str, rows: list[StatusRow], now: float, positions: Mapping[Key, int]
+    tenant: str,
+    columns: StatusColumns,
+    now: float,
+    positions: list[int | None] | None,
 ) -> BlockTable:
-    """The :class:`BlockTable` of ``rows`` (from :meth:`CoherenceRegistry.status_rows`, taken
-    at ``now``) with the queue ``positions``: the part of a status page built without the
-    engine's lock."""
-    if not rows:
+    """The :class:`BlockTable` of ``columns`` (from :meth:`CoherenceRegistry.status_columns`,
+    taken at ``now``) with the queue ``positions``, block by block (None: none queued): the
+    part of a status page built without the engine's lock."""
+    c = columns
+    if not c["block"]:
         return BlockTable(tenant)
-    (block, version, submitted, queued, running, delivered, computed_at, submitted_at,
-     delivered_at, last_solve, failures, consecutive, duplicates, stale, superseded, failed,
-     last_error, tier) = (list(c) for c in zip(*rows, strict=True))  # fmt: skip
 
     def ages(times: list[float | None]) -> list[float | None]:
-        return [None if t is None else max(0.0, now - t) for t in times]
+        # max(0.0, now - t) without a call per block
+        return [None if t is None else d if (d := now - t) > 0.0 else 0.0 for t in times]
 
     state = [
         BlockState.FAILED
@@ -90,13 +102,14 @@ def block_table(
         else BlockState.QUEUED
         if q >= 0
         else BlockState.IDLE
-        for f, r, q in zip(failed, running, queued, strict=True)
+        for f, r, q in zip(c["failed"], c["running_version"], c["queued_version"], strict=True)
     ]
-    position = [positions.get((tenant, b)) for b in block] if positions else [None] * len(block)
     values = (
-        block, version, submitted, queued, running, delivered, ages(computed_at),
-        ages(submitted_at), ages(delivered_at), last_solve, failures, consecutive, duplicates,
-        stale, superseded, state, last_error, position, tier,
+        c["block"], c["computed_version"], c["submitted_version"], c["queued_version"],
+        c["running_version"], c["delivered_version"], ages(c["computed_at"]),
+        ages(c["submitted_at"]), ages(c["delivered_at"]), c["last_solve_s"], c["failures"],
+        c["consecutive_failures"], c["duplicates"], c["stale_ignored"], c["superseded"], state,
+        c["last_error"], [None] * len(state) if positions is None else positions, c["tier"],
     )  # fmt: skip
     return BlockTable(tenant, dict(zip(BLOCK_COLUMNS, values, strict=True)))
 
@@ -538,30 +551,41 @@ class CoherenceRegistry:
         """The registry's clock now (what its ages are measured against)."""
         return self._clock()
 
-    def status_rows(
+    def status_columns(
         self,
         tenant: str,
         after: str,
         limit: int,
-        tier_of: Callable[[Key, SolveResult | None], str] | None = None,
-    ) -> tuple[list[StatusRow], int, float]:
-        """The page :meth:`status_page` would give, as plain copies of the records' fields (one
-        tuple per block, no status object), how many blocks the tenant has, and the clock's
+        tiers_of: TiersOf | None = None,
+    ) -> tuple[StatusColumns, int, float]:
+        """The page :meth:`status_page` would give, as plain copies of the records' fields (a
+        list per field, no object per block), how many blocks the tenant has, and the clock's
         time they were copied at. :func:`block_table` makes them a table, outside any lock."""
         names = self._names(tenant)
         first = bisect.bisect_right(names, after) if after else 0
-        keys = list(zip(itertools.repeat(tenant), names[first : first + limit]))
-        return self._rows(keys, _copy_row, tier_of), len(names), self._clock()
+        page = names[first : first + limit]
+        return self._columns(tenant, page, tiers_of), len(names), self._clock()
 
-    def status_rows_of(
-        self,
-        tenant: str,
-        names: Iterable[str],
-        tier_of: Callable[[Key, SolveResult | None], str] | None = None,
-    ) -> list[StatusRow]:
-        """:meth:`status_rows` of the named blocks (those still held)."""
-        keys = [(tenant, name) for name in names if (tenant, name) in self._records]
-        return self._rows(keys, _copy_row, tier_of)
+    def status_columns_of(
+        self, tenant: str, names: Iterable[str], tiers_of: TiersOf | None = None
+    ) -> StatusColumns:
+        """:meth:`status_columns` of the named blocks (those still held)."""
+        held = [name for name in names if (tenant, name) in self._records]
+        return self._columns(tenant, held, tiers_of)
+
+    def _columns(self, tenant: str, names: list[str], tiers_of: TiersOf | None) -> StatusColumns:
+        """The fields of the records of ``tenant``'s ``names``, one C loop per field: what a
+        status read does under the engine's lock, so as little as can be."""
+        keys = list(zip(itertools.repeat(tenant), names))
+        records = list(map(self._records.__getitem__, keys))
+        columns: StatusColumns = {"block": names}
+        for name, copy in _COLUMN_GETTERS:
+            columns[name] = list(map(copy, records))
+        if tiers_of is None:
+            columns["tier"] = [""] * len(keys)
+        else:
+            columns["tier"] = tiers_of(keys, list(map(_result_of, records)))
+        return columns
 
     def summary_rows(
         self,

@@ -319,6 +319,11 @@ class Scheduler:
         """Snapshots of ``tenant`` waiting for a worker."""
         return len(self._pending.get(tenant, ()))
 
+    def num_tenants_queued(self) -> int:
+        """Tenants with snapshots waiting: each other one adds a count per block to
+        :meth:`positions_of`."""
+        return len(self._pending)
+
     def __iter__(self) -> Iterator[ScheduledTask]:
         for queue in self._pending.values():
             yield from queue.values()
@@ -366,29 +371,31 @@ class Scheduler:
     def positions_of(self, tenant: str, blocks: list[str]) -> list[int | None]:
         """The 0-based position in :meth:`order` of each of ``tenant``'s ``blocks`` (None: not
         queued), read from the tenants' ordered queues: O(tenants * log Q) a block, so a status
-        page pays for its own blocks, not for the whole queue."""
+        page pays for its own blocks, not for the whole queue. With one tenant queued the whole
+        page is looked up in C loops (:meth:`RankedQueue.ranks`); each other tenant queued
+        adds a :meth:`RankedQueue.count_before` a block."""
         queue = self._pending.get(tenant)
         if queue is None:
             return [None] * len(blocks)
-        ranked = self._ranked[tenant]
-        consumed = self._consumed.get(tenant, 0.0)
+        entries = list(map(queue.get, blocks))
+        queued = [entry for entry in entries if entry is not None]
+        keys = list(map(_RANK_KEY, queued))
         others = [
             (self._ranked[t], self._consumed.get(t, 0.0)) for t in self._pending if t != tenant
         ]
-        entries = [queue.get(block) for block in blocks]
-        queued = [entry for entry in entries if entry is not None]
-        ranks = iter(ranked.ranks([entry.rank_key for entry in queued]))
-        out: list[int | None] = []
-        for entry in entries:
-            if entry is None:
-                out.append(None)
-                continue
-            rank, cost_before = next(ranks)
-            if others:
+        ranked = self._ranked[tenant]
+        if others:
+            ranks, costs = ranked.ranks_and_costs(keys)
+            consumed = self._consumed.get(tenant, 0.0)
+            for i, (entry, cost_before) in enumerate(zip(queued, costs, strict=True)):
                 spent = consumed + cost_before
-                rank += sum(q.count_before(spent, entry.seq, c) for q, c in others)
-            out.append(rank)
-        return out
+                ranks[i] += sum(q.count_before(spent, entry.seq, c) for q, c in others)
+        else:
+            ranks = ranked.ranks(keys)
+        if len(queued) == len(entries):
+            return list(ranks)
+        found = iter(ranks)
+        return [None if entry is None else next(found) for entry in entries]
 
     def positions(self) -> dict[Key, int]:
         """``{key: 0-based position in order()}`` for every queued block."""
@@ -396,6 +403,7 @@ class Scheduler:
 
 
 _PRIORITY = operator.attrgetter("task.deadline", "cost_s", "seq")
+_RANK_KEY = operator.attrgetter("rank_key")
 
 
 def queue_order(queues: dict[str, list[ScheduledTask]], consumed: dict[str, float]) -> list[Key]:

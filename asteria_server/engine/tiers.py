@@ -257,6 +257,17 @@ class ResultTiers:
             return "shm" if result.shm is not None else "host"
         return "spill" if key in self._spilled else ""
 
+    def tiers(self, keys: list[Key], results: list[SolveResult | None]) -> list[str]:
+        """:meth:`tier` of many blocks, in one comprehension: a status read of 160,000 blocks
+        made a method call per block."""
+        spilled = self._spilled
+        return [
+            ("host" if result.shm is None else "shm")
+            if result is not None
+            else ("spill" if key in spilled else "")
+            for key, result in zip(keys, results, strict=True)
+        ]
+
     @property
     def memory_bytes(self) -> int:
         """Bytes of results in the daemon's memory: the host tier and those being spilled."""

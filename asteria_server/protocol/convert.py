@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,11 @@ _DTYPES: dict[np.dtype, pb.DType.ValueType] = {
 _KINDS_BACK: dict[int, SolveKind] = {v: k for k, v in _KINDS.items()}
 _OUTCOMES_BACK: dict[int, SubmitOutcome] = {v: k for k, v in _OUTCOMES.items()}
 _STATES_BACK: dict[int, BlockState] = {v: k for k, v in _STATES.items()}
+#: :data:`_STATES` by the state's value, for a column of states: an Enum's hash is a Python
+#: call (``hash(self._name_)``) and its ``value`` a property, where ``_value_`` is a plain
+#: attribute and a str's hash is kept, so a page's states map in C (10,000: ~4 ms less).
+_STATES_BY_VALUE: dict[str, pb.BlockState.ValueType] = {k.value: v for k, v in _STATES.items()}
+_ENUM_VALUE = operator.attrgetter("_value_")
 _DTYPES_BACK: dict[int, np.dtype] = {v: k for k, v in _DTYPES.items()}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _INT64 = (np.dtype(np.int64),)
@@ -565,7 +571,7 @@ def block_table_to_proto(table: BlockTable) -> pb.BlockColumns:
         duplicates=c["duplicates"],
         stale_ignored=c["stale_ignored"],
         superseded=c["superseded"],
-        state=[_STATES[s] for s in c["state"]],
+        state=list(map(_STATES_BY_VALUE.__getitem__, map(_ENUM_VALUE, c["state"]))),
         queue_position=[-1 if p is None else p for p in c["queue_position"]],
         tier=c["tier"],
         error_index=[i for i, _ in errors],

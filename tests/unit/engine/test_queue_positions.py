@@ -111,8 +111,47 @@ def test_a_ranked_queue_is_a_sorted_list_with_its_cost_prefixes(
             spent = rng.randrange(0, 40) * 0.25
             count = sum(1 for j in range(len(order)) if sum(e[1] for e in order[:j]) < spent)
             assert q.count_before(spent, -1, 0.0) == count
+            # many keys at once, in any order: each the one-key answer
+            some = rng.sample(order, min(len(order), 9))
+            keys = [rank_key(*e) for e in some]
+            one = [q.rank(k) for k in keys]
+            assert q.ranks(keys) == [r for r, _ in one]
+            assert q.ranks_and_costs(keys) == ([r for r, _ in one], [c for _, c in one])
+            for gone in ((0.0, 1.0, 10_000), (math.inf, 99.0, 10_001), (-math.inf, 0.0, 0)):
+                with pytest.raises(KeyError):
+                    q.ranks([*keys, rank_key(*gone)])
     with pytest.raises(KeyError):
         q.remove(rank_key(0.0, 1.0, 10_000))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_page_of_positions_equals_a_full_sort_with_one_tenant_queued_or_more(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One tenant queued: its page is looked up in C loops, without the per-block count of
+    other tenants' entries before it; a block not queued, or never seen, is None."""
+    monkeypatch.setattr(ranked_module, "LOAD", 4)
+    rng = random.Random(seed)
+    s = Scheduler(COST)
+    page = [*BLOCKS, "never-queued"]
+    for i, block in enumerate(BLOCKS):
+        s.push(_task(rng, "A", block, i + 1))
+    for _ in range(5):
+        entry = s.pop()
+        assert entry is not None
+        s.finish(*entry.task.key)
+    s.withdraw("A", BLOCKS[7])
+    expected = s.positions()
+    assert {t for t, _ in expected} == {"A"}
+    for names in (page, rng.sample(page, len(page)), page[:1], []):  # any names, any order
+        assert s.positions_of("A", names) == [expected.get(("A", b)) for b in names]
+    queued = [b for b in BLOCKS if ("A", b) in expected]  # every one queued
+    assert s.positions_of("A", queued) == [expected[("A", b)] for b in queued]
+    for i, block in enumerate(BLOCKS[:20]):  # a second tenant: each block counts its entries
+        s.push(_task(rng, "B", block, i + 1))
+    expected = s.positions()
+    for tenant in ("A", "B"):
+        assert s.positions_of(tenant, page) == [expected.get((tenant, b)) for b in page]
 
 
 def _queued_coordinator(count: int) -> Coordinator:

@@ -52,6 +52,9 @@ def test_a_spilled_result_counts_in_memory_until_written_then_on_disk(tmp_path: 
     assert tiers.end_spill(("t", "a"), a, size) is SpillEnd.SPILLED
     assert tiers.memory_bytes == 256 and tiers.spill_bytes == size
     assert tiers.tier(("t", "a"), None) == "spill"
+    keys, held = [("t", "a"), ("t", "b"), ("t", "c")], [None, b, None]
+    assert tiers.tiers(keys, held) == ["spill", "host", ""]  # a status read's, many at once
+    assert tiers.tiers(keys, held) == list(map(tiers.tier, keys, held))
     np.testing.assert_array_equal(read_spill_file(path).matrix, a.matrix)
 
 

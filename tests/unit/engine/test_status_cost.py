@@ -134,6 +134,7 @@ def test_a_status_page_is_columns_built_outside_the_lock_with_no_record_per_bloc
     eng, lock = engine
     names = _submit(eng, 40)  # solves of n=192 keep most of them queued for a while
     monkeypatch.setattr(engine_module, "STATUS_CHUNK_BLOCKS", 16)
+    monkeypatch.setattr(engine_module, "STATUS_CHUNK_BLOCKS_ALONE", 16)
     table_held = _record_lock(monkeypatch, engine_module, "block_table", lock)
     made = _count_status_records(monkeypatch)
     asked: list[int] = []
