@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -210,7 +211,7 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
                 d.address,
                 tenant=TENANT,
                 token=TOKEN,
-                job=jobs[j % len(jobs)],
+                job=jobs[j],
                 rank=i,
             )
             for i, d in enumerate(daemons)
@@ -258,7 +259,7 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
                 d.stop()
 
     sizes = {
-        f"{jobs[shard % len(jobs)]}:{name}": BLOCK_SIZES[i]
+        f"{jobs[shard]}:{name}": BLOCK_SIZES[i]
         for shard in range(per_node)
         for i, name in job_blocks(layout, shard).items()
     }
@@ -274,7 +275,7 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
                 solved.setdefault(b["block"], []).extend(versions)  # "job:name"
                 est += stats.seconds_per_n3 * b["n"] ** 3 * len(versions)
                 work += float(b["n"]) ** 3 * len(versions)
-            if i == 0:
+            if i == 0:  # every daemon holds the same owner maps: read them once
                 for p in group["peers"]:
                     planned[p["node"]] += p["owned_cost_s"]
         peers = [p for g in groups for p in g["peers"] if p["state"] != "self"]
@@ -282,10 +283,7 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
         def total(key: str, groups: list[dict[str, Any]] = groups) -> int:
             return sum(g[key] for g in groups)
 
-        reasons: dict[str, int] = {}
-        for g in groups:
-            for why, n in g["fallback_reasons"].items():
-                reasons[why] = reasons.get(why, 0) + n
+        reasons = sum((Counter(g["fallback_reasons"]) for g in groups), Counter[str]())
         per_daemon.append(
             {
                 "node": i,
@@ -298,7 +296,7 @@ def run_k(cfg: ScaleConfig, k: int, layout: str = "dp") -> dict[str, Any]:
                 "bytes_received": sum(p["bytes_received"] for p in peers),
                 "results_pushed": sum(p["results_sent"] for p in peers),
                 "fallbacks": total("fallbacks"),
-                "fallback_reasons": reasons,
+                "fallback_reasons": dict(reasons),
                 "claims_sent": total("claims_sent"),
                 "claims_granted": total("claims_granted"),
                 "claims_handed_over": total("claims_handed_over"),

@@ -80,18 +80,23 @@ class RunSpec:
         return len(self.node_of_rank)
 
 
-def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
-    spec = RunSpec(**json.loads(spec_json))
-    node = spec.node_of_rank[rank]
+def enter_node(node: int, env: dict[str, str] | None = None) -> None:
+    """Make this rank's process one of simulated node ``node``'s, a rank of the job's tenant."""
     os.environ.update(
         {
             "ASTERIA_NODE": f"node{node}",
             "ASTERIA_TENANT": TENANT,
             "ASTERIA_TOKEN": TOKEN,
             "ASTERIA_JOB": JOB,
-            **spec.env,
+            **(env or {}),
         }
     )
+
+
+def _rank(rank: int, world: int, tmp: str, spec_json: str) -> None:
+    spec = RunSpec(**json.loads(spec_json))
+    node = spec.node_of_rank[rank]
+    enter_node(node, spec.env)
     from asteria_client import SOAP
 
     torch.set_num_threads(1)

@@ -491,14 +491,7 @@ def _hsdp_rank(
     from tests.distributed import spawn as ranks
 
     node = rank // 2
-    os.environ.update(
-        {
-            "ASTERIA_NODE": f"node{node}",
-            "ASTERIA_TENANT": sc.TENANT,
-            "ASTERIA_TOKEN": sc.TOKEN,
-            "ASTERIA_JOB": sc.JOB,
-        }
-    )
+    sc.enter_node(node)
     ranks.init(rank, world, tmp)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

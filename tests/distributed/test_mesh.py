@@ -16,7 +16,6 @@ split wrong), so the mesh's loss is also held against one process with the globa
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
@@ -156,14 +155,7 @@ def _mesh_rank(
     if addresses is not None:
         node = rank // 2
         address = addresses[node]
-        os.environ.update(
-            {
-                "ASTERIA_NODE": f"node{node}",
-                "ASTERIA_TENANT": sc.TENANT,
-                "ASTERIA_TOKEN": sc.TOKEN,
-                "ASTERIA_JOB": sc.JOB,
-            }
-        )
+        sc.enter_node(node)
     init(rank, world, tmp)
     try:
         tp, dp = rank % 2, rank // 2
