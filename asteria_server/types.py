@@ -199,9 +199,11 @@ class SolveTask:
         deadline: priority; smaller is more urgent. The client passes the step at which this
             block would exceed its staleness budget. Compared only within one tenant.
         tenant: who the block belongs to; tenants never see each other's blocks.
-        shm_source: set when ``matrix`` and ``basis`` are views of a client's segment (the
-            daemon's same-host path): nobody but the solver worker reads them, under the seqlock
-            at ``shm_source.sequence``; a newer write there supersedes this task.
+        shm_source: set when the snapshot lies in a client's segment (the daemon's same-host
+            path): nobody but the solver worker reads it, there, under the seqlock at
+            ``shm_source.sequence``; a newer write there supersedes this task. ``matrix`` and
+            ``basis`` are then only the arrays' dtypes and shapes: views of the segment or
+            stand-ins that hold nothing (``Segment.stand_ins``: what a daemon queues).
         shm_result: the client's segment that receives this task's result, if it has one.
         shm_basis: EIGENBASIS only, with ``basis`` None: the basis to refresh is the block's
             result of ``base_version``, which lies in a client's result segment (written with
@@ -296,8 +298,11 @@ class SolveResult:
             a crash or timeout before it.
         tenant: copied from the task.
         shm: set when the worker wrote the arrays into a client's result segment (the write
-            that ended with ``shm.sequence``): the arrays are then views of it, which the client
-            may overwrite; whoever copies them must read under that seqlock.
+            that ended with ``shm.sequence``), which the client may overwrite: the arrays here
+            are then only their dtypes and shapes (stand-ins that hold nothing,
+            ``Segment.stand_ins``: a daemon keeps no views of every block's result), and
+            whoever wants their values reads them there under that seqlock
+            (``protocol.shm.private_result``).
     """
 
     block: str
@@ -320,7 +325,11 @@ class SolveResult:
         return (self.tenant, self.block)
 
     def is_finite(self) -> bool:
-        """True when every array in the result is finite (the engine never delivers otherwise)."""
+        """True when every array in the result is finite (the engine never delivers otherwise).
+        Not for a result in a client's segment, whose arrays here hold nothing: read it with
+        ``protocol.shm.private_result`` first."""
+        if self.shm is not None:
+            raise ValueError(f"result of {self.block!r} lies in a shared segment: copy it first")
         arrays = [a for a in (self.matrix, self.eigenvalues, self.rotation) if a is not None]
         return all(bool(np.isfinite(a).all()) for a in arrays)
 

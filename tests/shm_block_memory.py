@@ -4,9 +4,10 @@ The daemon side of the same-host path, in one process and without gRPC: a real
 :class:`SegmentHandover` on a Unix socket (its own thread), a real :class:`PreconditionerEngine`
 (one solver worker), and a client that hands over two arenas and binds every block's snapshot
 and result slot there (``asteria_client.transport.shm``, as ``DaemonSource`` does). Each block's
-snapshot is then submitted the way the servicer's ``AnnounceSnapshots`` builds it (views of the
-handed-over slot, block and segment names decoded afresh as protobuf gives them) and solved into
-the block's result slot; the engine keeps the result, which lies in the client's slot.
+snapshot is then submitted the way the servicer's ``AnnounceSnapshots`` builds it (stand-ins of
+the handed-over slot's arrays, block and segment names decoded afresh as protobuf gives them)
+and solved into the block's result slot; the engine keeps the result, which lies in the client's
+slot.
 
 Measured: the Python memory (``tracemalloc``) that stays allocated once ``blocks`` more blocks
 went through, divided by ``blocks``. A first small session runs before the baseline so that
@@ -57,6 +58,9 @@ class Measurement:
     blocks: int
     bytes_per_block: float
     top: list[tuple[str, float]]  # source line -> bytes per block, largest first
+    #: the height while the blocks went through (every snapshot queued at once, at most): what
+    #: the daemon's RSS keeps, as freed small objects leave their arenas mapped
+    peak_bytes_per_block: float = 0.0
 
 
 def block_names(count: int, offset: int = 0) -> list[str]:
@@ -135,7 +139,7 @@ def announce(
     for snap, _ in pairs:
         block, segment_id = _fresh(snap.block), _fresh(snap.segment_id)
         segment = handover.segment(SESSION, segment_id)
-        views = segment.views(specs)
+        views = segment.stand_ins(specs)
         found = handover.result_segment(SESSION, block)
         assert found is not None
         header = pb.SnapshotHeader(
@@ -152,7 +156,7 @@ def announce(
             views[0],
             None,
             tenant=TENANT,
-            shm_source=SharedArrays(segment, segment_id, segment.sequence),
+            shm_source=SharedArrays(segment, sequence=segment.sequence),
             shm_result=SharedArrays(found[1], found[0]),
         )
         engine.submit(task, job="job0")
@@ -187,7 +191,10 @@ def measure(blocks: int, *, top: int = 0, warmup: int = 4) -> Measurement:
             try:
                 before = _daemon_only(tracemalloc.take_snapshot())
                 pairs = client.bind(block_names(blocks))
+                base, _ = tracemalloc.get_traced_memory()
+                tracemalloc.reset_peak()
                 announce(engine, handover, pairs, client.snap_specs)
+                _, peak = tracemalloc.get_traced_memory()
                 del pairs  # the client's slots: not the daemon's
                 gc.collect()
                 after = _daemon_only(tracemalloc.take_snapshot())
@@ -201,7 +208,7 @@ def measure(blocks: int, *, top: int = 0, warmup: int = 4) -> Measurement:
         (f"{stat.traceback[0].filename}:{stat.traceback[0].lineno}", stat.size_diff / blocks)
         for stat in stats[:top]
     ]
-    return Measurement(blocks, total / blocks, lines)
+    return Measurement(blocks, total / blocks, lines, (peak - base) / blocks)
 
 
 def main() -> None:
@@ -211,7 +218,10 @@ def main() -> None:
     args = parser.parse_args()
     result = measure(args.blocks, top=args.top)
     print(f"daemon Python memory per shm block ({result.blocks} blocks): ", end="")
-    print(f"{result.bytes_per_block:.0f} B")
+    print(
+        f"{result.bytes_per_block:.0f} B kept, "
+        f"{result.peak_bytes_per_block:.0f} B more at the height"
+    )
     for where, size in result.top:
         print(f"  {size:8.1f} B/block  {where}")
 

@@ -44,6 +44,11 @@ def rank_key(deadline: float, cost_s: float, seq: int) -> int:
     return (_ordered_bits(deadline) << 128) | (_ordered_bits(cost_s) << 64) | seq
 
 
+def rank_seq(key: int) -> int:
+    """The ``seq`` that :func:`rank_key` packed into ``key``."""
+    return key & _LOW64
+
+
 def _ordered_bits(value: float) -> int:
     """A float's IEEE bits as an unsigned int that sorts as the floats do (not NaN): the
     sign bit set for positive ones, every bit flipped for negative ones."""

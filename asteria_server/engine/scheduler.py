@@ -35,18 +35,19 @@ The cost model is ``seconds ~ c * n^3``; ``c`` comes from timing one small eigh 
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import math
 import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from asteria_server.engine.ranked import RankedQueue, rank_key
+from asteria_server.engine.ranked import RankedQueue, rank_key, rank_seq
 from asteria_server.types import SolveTask, SubmitOutcome
 
 Key = tuple[str, str]
@@ -59,6 +60,11 @@ DEFAULT_SHARE_WINDOW_S = 10.0
 DEFAULT_SECONDS_PER_N3 = 1.2e-10
 #: a QR refresh (two GEMMs and a QR) relative to a full eigh of the same size.
 DEFAULT_REFRESH_RATIO = 0.3
+
+
+@functools.lru_cache(maxsize=1024)
+def _cost_s(model: CostModel, n: int, refresh: bool) -> float:
+    return model.estimate_s(n, refresh=refresh)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,8 +87,9 @@ class CostModel:
         return seconds * self.refresh_ratio if refresh else seconds
 
     def task_cost_s(self, task: SolveTask) -> float:
-        """Estimated seconds for ``task``."""
-        return self.estimate_s(task.n, refresh=task.is_refresh)
+        """Estimated seconds for ``task``: one float object per model, size and kind of solve,
+        shared by every queued task of them (a float each was ~24 bytes a queued block)."""
+        return _cost_s(self, task.n, task.is_refresh)
 
     @classmethod
     def calibrate(cls, n: int = 256, repeats: int = 3, blas_threads: int | None = 1) -> CostModel:
@@ -120,14 +127,21 @@ class ScheduledTask:
 
     task: SolveTask
     cost_s: float
-    seq: int
+    #: the arrival number, kept only inside :attr:`rank_key` (its low 64 bits): an int object
+    #: of its own was ~30 bytes a queued block
+    arrival: InitVar[int]
     #: :attr:`priority` as one int, as its tenant's :class:`RankedQueue` holds it (the same
     #: object: kept here, a status read finds the entry without packing it again).
     rank_key: int = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        key = rank_key(float(self.task.deadline), self.cost_s, self.seq)
+    def __post_init__(self, arrival: int) -> None:
+        key = rank_key(float(self.task.deadline), self.cost_s, arrival)
         object.__setattr__(self, "rank_key", key)
+
+    @property
+    def seq(self) -> int:
+        """The arrival number: the order of submission across all tenants."""
+        return rank_seq(self.rank_key)
 
     @property
     def priority(self) -> tuple[float, float, int]:

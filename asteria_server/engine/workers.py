@@ -757,9 +757,9 @@ class WorkerPool:
             arrays = slot.out.read(specs, sequence)
             if arrays is None:  # only this pool writes there; a worker killed mid-write?
                 return PoolEvent(job.job_id, task, None, "result segment was torn", job.runs)
-        else:  # the client's: views of it, and where the client will read it
+        else:  # the client's: where the client will read it (stand-ins of its arrays here)
             assert isinstance(segment, Segment) and task.shm_result is not None
-            arrays = segment.views(specs)
+            arrays = segment.stand_ins(specs)
             shm = SharedArrays(segment, task.shm_result.segment_id, sequence)
         by_name = dict(zip(names, arrays, strict=True))
         result = SolveResult(

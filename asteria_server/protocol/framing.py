@@ -238,9 +238,9 @@ class SnapshotReceiver:
         shm_result: SharedArrays | None = None,
     ) -> SolveTask:
         """The task of a snapshot in shared memory, its arrays given as ``views`` of the
-        segment (in :attr:`specs` order; ``shm_source`` and ``shm_result``: see
-        :class:`SolveTask`). Nothing is copied: whoever reads the views must do so under the
-        segment's seqlock, at :attr:`shm`'s sequence."""
+        segment or stand-ins of them (in :attr:`specs` order; ``shm_source`` and
+        ``shm_result``: see :class:`SolveTask`). Nothing is copied: whoever reads the arrays
+        must do so in the segment, under its seqlock, at :attr:`shm`'s sequence."""
         basis = views[1] if self.header.has_basis else None
         return convert.task_from_header(
             self.header,

@@ -140,6 +140,18 @@ def _placement(specs: tuple[ArraySpec, ...]) -> tuple[int, tuple[tuple[int, int]
     return end, tuple(places)
 
 
+@functools.lru_cache(maxsize=256)
+def stand_in(spec: ArraySpec) -> np.ndarray:
+    """A read-only array of ``spec``'s dtype and shape that holds one element (zero strides):
+    it stands for arrays that lie elsewhere, to code that looks only at their dtype and shape.
+    Every read of it gives 0.0, so only a task whose arrays a worker reads from a segment
+    may carry it (:attr:`SolveTask.shm_source`); one is shared by every such task of a shape."""
+    one = np.zeros(1, dtype=spec.dtype)
+    held = np.lib.stride_tricks.as_strided(one, shape=spec.shape, strides=(0,) * len(spec.shape))
+    held.flags.writeable = False
+    return held
+
+
 def payload_bytes(specs: Sequence[ArraySpec]) -> int:
     """Bytes the arrays ``specs`` take after the header, alignment included."""
     return _placement(tuple(specs))[0]
@@ -361,12 +373,7 @@ class Segment:
     def views(self, specs: Sequence[ArraySpec]) -> list[np.ndarray]:
         """Writable NumPy views of the arrays ``specs`` (they must fit the capacity)."""
         specs = tuple(specs)
-        needed, places = _placement(specs)
-        if needed > self.capacity_bytes:
-            raise InvalidInputError(
-                f"the arrays need {needed} bytes but the shared-memory segment holds "
-                f"{self.capacity_bytes}; the client must hand over a larger segment"
-            )
+        places = self._places(specs)
         base, whole = self.base, self._bytes
         # Cut from the mapping's one byte view (a ~130-byte array each, its base that view),
         # not np.frombuffer: that is a new buffer export each, ~550 bytes a view, and an engine
@@ -377,6 +384,24 @@ class Segment:
             .reshape(spec.shape)
             for spec, (offset, count) in zip(specs, places, strict=True)
         ]
+
+    def stand_ins(self, specs: Sequence[ArraySpec]) -> list[np.ndarray]:
+        """Arrays of ``specs``' dtypes and shapes that hold nothing, for a task whose arrays
+        only a solver worker reads, there, under the seqlock (a queued shared-memory snapshot):
+        the daemon keeps no view per queued snapshot (~130 bytes each at the height of a
+        refresh round). Checked to fit the capacity as :meth:`views` is; see :func:`stand_in`."""
+        specs = tuple(specs)
+        self._places(specs)
+        return [stand_in(spec) for spec in specs]
+
+    def _places(self, specs: tuple[ArraySpec, ...]) -> tuple[tuple[int, int], ...]:
+        needed, places = _placement(specs)
+        if needed > self.capacity_bytes:
+            raise InvalidInputError(
+                f"the arrays need {needed} bytes but the shared-memory segment holds "
+                f"{self.capacity_bytes}; the client must hand over a larger segment"
+            )
+        return places
 
     # ------------------------------------------------------------------ the seqlock
     def begin_write(self) -> None:

@@ -1017,16 +1017,17 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
     async def _from_segment(
         self, receiver: framing.SnapshotReceiver, session: Session
     ) -> SolveTask | None:
-        """The task of a snapshot announced in shared memory, *not copied*: its arrays are views
-        of the session's segment, which the solver worker reads itself (under the seqlock), and
-        its result goes to the session's result segment of the block, if there is one. None
-        when a newer write already replaced it (a cheap look at the sequence word)."""
+        """The task of a snapshot announced in shared memory, *not copied*: its arrays lie in
+        the session's segment, which the solver worker reads itself (under the seqlock; the
+        task carries stand-ins of their dtypes and shapes, :meth:`Segment.stand_ins`), and its
+        result goes to the session's result segment of the block, if there is one. None when a
+        newer write already replaced it (a cheap look at the sequence word)."""
         if self._handover is None:
             raise InvalidInputError("this daemon offers no shared memory; send chunks instead")
         ref = receiver.shm
         assert ref is not None
         segment = self._handover.segment(session.session_id, ref.segment_id)
-        views = segment.views(receiver.specs)  # InvalidInputError: does not fit the segment
+        views = segment.stand_ins(receiver.specs)  # InvalidInputError: does not fit it
         if segment.sequence != ref.sequence:
             return None
         found = self._handover.result_segment(session.session_id, receiver.header.block)

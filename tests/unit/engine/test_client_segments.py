@@ -20,6 +20,7 @@ import pytest
 
 from asteria_server.engine import solve
 from asteria_server.engine.workers import PoolConfig, PoolEvent, WorkerPool
+from asteria_server.errors import InvalidInputError
 from asteria_server.protocol.shm import (
     Segment,
     create_segment,
@@ -68,10 +69,10 @@ def client_segments(kind: SolveKind) -> tuple[Segment, Segment]:
 def shm_task(kind: SolveKind, snap: Segment, result: Segment, version: int) -> SolveTask:
     plain = SolveTask(block="b", version=version, kind=kind, matrix=spd(N, version))
     sequence = snap.write(snapshot_specs(plain), [plain.matrix])
-    views = snap.views(snapshot_specs(plain))
+    stand_ins = snap.stand_ins(snapshot_specs(plain))  # as the servicer queues it: no values
     return dataclasses.replace(
         plain,
-        matrix=views[0],
+        matrix=stand_ins[0],
         shm_source=SharedArrays(snap, "snap", sequence),
         shm_result=SharedArrays(result, "res"),
     )
@@ -87,6 +88,10 @@ def test_the_worker_writes_the_result_into_the_clients_segment(
     event = run(pool, 1, task)
     assert event.result is not None and event.result.shm is not None
     assert event.result.shm.segment is res and event.result.shm.segment_id == "res"
+    # The task's matrix held no values (a stand-in): the worker read the client's segment. The
+    # result here holds none either: its values lie in the client's segment alone.
+    assert not np.any(task.matrix) and task.matrix.strides == (0, 0)
+    assert event.result.matrix.strides == (0, 0) and not event.result.matrix.flags.writeable
     # What the client reads under the seqlock at the announced sequence is the solver's result.
     specs = [spec for spec in result_layout(N, kind)][: 2 if kind is SolveKind.EIGENBASIS else 1]
     copies = res.read(specs, event.result.shm.sequence)
@@ -243,3 +248,15 @@ def test_a_solve_that_fails_after_writing_leaves_no_readable_result() -> None:
         faulty.close()
         snap.close()
         res.close()
+
+
+def test_stand_ins_are_shared_read_only_and_checked_against_the_capacity() -> None:
+    snap, _ = client_segments(SolveKind.EIGENBASIS)
+    specs = snapshot_layout(N, SolveKind.EIGENBASIS, 4)
+    first, second = snap.stand_ins(specs)
+    assert first.shape == (N, N) and first.dtype == np.float32 and first is second
+    with pytest.raises(ValueError):
+        first[0, 0] = 1.0
+    too_big = snapshot_layout(4 * N, SolveKind.EIGENBASIS, 4)
+    with pytest.raises(InvalidInputError, match="larger segment"):
+        snap.stand_ins(too_big)
