@@ -121,6 +121,9 @@ class EmbeddedSource(PreconditionerSource):
     def results_since(self, epoch: int) -> list[str] | None:
         return self._engine.blocks_with_results_since(epoch, self.tenant)
 
+    def solves_on_this_host(self) -> bool:
+        return True
+
     def credit(self) -> int | None:
         """Idle workers + 1 - snapshots queued in the engine or still being copied; 0 while
         every worker is busy (or the engine is closed)."""

@@ -29,14 +29,18 @@ block less often than amortized at the same f, and extra refreshes come on top (
 not move the block's phase: its next floor snapshot comes at its phase's next step).
 
 Each refresh costs the training thread a snapshot copy and, when its result is installed, a
-rotation of the moments. A fast worker would otherwise let refreshes eat the step it was meant
-to spare, so the runtime keeps an *overhead budget*: once the snapshots and installs of a step
-took ``refresh_overhead`` of the step period (4% by default), the hooks pull nothing more until
-the step ends. The budget is for extra refreshes only: floor snapshots and their installs are
-the amortized schedule's own cost, never refused and not charged to it; an extra pull is made
-only while the budget left covers the measured cost of a snapshot, at the step end too (there
-it starts afresh). A source without a credit limit (native: it solves at once) refreshes every
-block at every step end, whatever the budget: deterministic on every rank.
+rotation of the moments; where the solver shares the training's cores (a model trained on this
+host's CPU, solved in the process or by a daemon on this host), its solve costs the step too. A
+fast worker would otherwise let refreshes eat the step it was meant to spare, so the runtime
+keeps an *overhead budget*: extra refreshes may take ``refresh_overhead`` of the training time
+(4% by default). Their snapshots and installs are charged to it as they happen, and such a
+solve's seconds when its result is installed; once a step has spent its share (the step period
+times ``refresh_overhead``), the hooks pull nothing more until the step ends, and what a step
+spent beyond it is owed by the steps after it. The budget is for extra refreshes only: floor
+snapshots, their solves and installs are the amortized schedule's own cost, never refused and
+not charged to it; an extra pull is made only while the budget left covers the measured cost of
+a snapshot, at the step end too. A source without a credit limit (native: it solves at once)
+refreshes every block at every step end, whatever the budget: deterministic on every rank.
 
 Which factors: the blocks whose basis fits their current factor worst, per CPU-second of solve.
 The fit is the off-diagonal energy of QᵀLQ relative to ‖L‖²_F, for the basis Q in use and the

@@ -149,6 +149,14 @@ class PreconditionerSource(abc.ABC):
         """Another replica hands this snapshot over (``request`` names the block, version and
         device; its tensors are not read): count its result as in flight here."""
 
+    def solves_on_this_host(self) -> bool:
+        """Whether this source's solves run on the training process's own host (an engine in
+        the process, a daemon on a Unix socket): for a model trained on that host's CPU they
+        take cores from the step, so the continuous schedule charges an extra refresh's solve
+        time to its overhead budget (``FreshnessRuntime``). False: they cost the step nothing
+        (a remote daemon), or the source solves in the training thread itself (native)."""
+        return False
+
     def credit(self) -> int | None:
         """How many more snapshots this source would start promptly (the continuous schedule
         copies no more): free solver workers plus one, less the snapshots already waiting for

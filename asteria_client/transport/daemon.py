@@ -778,6 +778,9 @@ class DaemonSource(PreconditionerSource):
     def snapshot_transfer(self) -> DeviceTransfer:
         return self._transfer
 
+    def solves_on_this_host(self) -> bool:
+        return self.address.startswith("unix:")
+
     def credit_wanted(self) -> bool:
         return self._pulls
 

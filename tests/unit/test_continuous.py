@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -565,13 +565,32 @@ class SlowInstallSOAP(SOAP):
         SOAP._install(tile, dim, result)
 
 
-def _hook_pulls(overhead: float) -> tuple[int, int, dict[str, Any]]:
+class HostSolvesSource(DelayedSource):
+    """A :class:`DelayedSource` whose solver runs on this host (as an embedded engine's does),
+    each of its solves reported as taking ``solve_s``."""
+
+    def __init__(self, solve_s: float, *, on_this_host: bool = True) -> None:
+        super().__init__(1, [0])
+        self.solve_s = solve_s
+        self.on_this_host = on_this_host
+
+    def solves_on_this_host(self) -> bool:
+        return self.on_this_host
+
+    def take(self, block: str) -> PreconditionerResult | None:
+        result = super().take(block)
+        return None if result is None else replace(result, solve_time_s=self.solve_s)
+
+
+def _hook_pulls(
+    overhead: float, source: DelayedSource | None = None
+) -> tuple[int, int, dict[str, Any]]:
     """Pulls made by hooks and by step ends in steps 3-12 (two step ends measure the step
     period first) of a model with four Linear layers, whose one (simulated) worker finishes
     every job by the next hook, with 2 ms installs."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(4)))
-    source = DelayedSource(1, [0])
+    source = DelayedSource(1, [0]) if source is None else source
     opt = SlowInstallSOAP(
         model.named_parameters(),
         source=source,
@@ -619,6 +638,19 @@ def test_hooks_pull_while_the_overhead_budget_lasts() -> None:
     # the step ends pulled the floor alone (steps 6 and 11 of 3-12 at f = 5: 8 blocks each)
     assert step_tight == 16, stats
     assert stats["extra_limited_steps"]["overhead_budget"] >= 9, stats
+
+
+def test_solves_on_the_training_cores_are_charged_to_the_overhead_budget() -> None:
+    """A CPU model whose solver shares its host: each extra refresh's solve (100 ms here, ten
+    steps' budget) is charged when it is installed, and the steps after it owe it, so the hooks
+    pull a few extras where a solver elsewhere lets them pull one at every signal. The floor
+    is pulled all the same."""
+    hook_elsewhere, step_elsewhere, _ = _hook_pulls(1.0, HostSolvesSource(0.1, on_this_host=False))
+    hook_here, step_here, stats = _hook_pulls(1.0, HostSolvesSource(0.1))
+    assert hook_elsewhere >= 20, (hook_elsewhere, step_elsewhere)
+    assert hook_here <= 4, (hook_here, step_here, stats)
+    assert step_here >= 16, stats  # the floor: steps 6 and 11 of 3-12 at f = 5, 8 blocks each
+    assert stats["extra_limited_steps"]["overhead_budget"] >= 6, stats
 
 
 def test_refresh_overhead_is_checked() -> None:
