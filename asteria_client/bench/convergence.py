@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from asteria_client.bench import convergence_summary as summary
-from asteria_client.bench import output
+from asteria_client.bench import output, run_records
+from asteria_client.bench.run_records import RunRecords
 from asteria_client.config import environ_without_asteria
 from asteria_client.daemon_process import DaemonProcess
 from asteria_server.errors import AsteriaError
@@ -419,6 +420,8 @@ class _Progress:
             if record["ok"]
             else f"FAILED ({record['error'].strip().splitlines()[-1] if record['error'] else ''})"
         )
+        if record.get("reused_from"):
+            outcome += f", kept in {record['reused_from']}"
         lr = f" lr {record['lr']:g}" if record["lr"] is not None else ""
         shape = f" [{record['shape']}]" if record.get("shape") else ""
         logger.info(
@@ -442,13 +445,20 @@ def plan_size(cfg: ConvergenceConfig) -> int:
 
 
 def run_convergence(
-    cfg: ConvergenceConfig, *, progress: Callable[[dict[str, Any]], None] | None = None
+    cfg: ConvergenceConfig,
+    *,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    runs_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Per model shape: sweep AdamW's lr, then run every configuration on every seed (seed by
     seed, so slow machine drifts spread over all configurations), then summarize. One shape
     (the default without ``--schedules``) reports at the top level as before; several report
-    one block each under ``"shapes"``."""
+    one block each under ``"shapes"``. With ``runs_dir``, every finished run is kept there and
+    runs already kept there are taken instead of trained (:mod:`.run_records`)."""
     started = time.time()
+    records = None
+    if runs_dir is not None:
+        records = RunRecords(runs_dir, {name: getattr(cfg, name) for name in run_records.SETTINGS})
     configs = [CONFIGS[name] for name in cfg.configs]
     report_progress = progress if progress is not None else _Progress(plan_size(cfg))
     logger.info(
@@ -464,7 +474,7 @@ def run_convergence(
     with tempfile.TemporaryDirectory(prefix="asteria-convergence-") as tmp:
         for name in cfg.shapes:
             shape = SHAPES[name] if several or name != "train" else None
-            block = _run_shape(cfg, configs, shape, Path(tmp), report_progress)
+            block = _run_shape(cfg, configs, shape, Path(tmp), report_progress, records)
             blocks.append({"shape": asdict(SHAPES[name]), **block})
     config_dicts = [{**asdict(c), "label": c.label} for c in configs]
     report: dict[str, Any] = {
@@ -479,6 +489,9 @@ def run_convergence(
         "started_unix_s": started,
         "configs": config_dicts,
     }
+    if records is not None:
+        report["runs_dir"] = str(runs_dir)
+        report["runs_reused"] = records.reused
     if several:
         report["shapes"] = blocks
     else:
@@ -493,11 +506,17 @@ def _run_shape(
     shape: ModelShape | None,
     workdir: Path,
     report_progress: Callable[[dict[str, Any]], None],
+    records: RunRecords | None = None,
 ) -> dict[str, Any]:
     """One shape's sweep, runs and summaries (``shape`` None: `asteria train`'s own model)."""
+    shape_name = None if shape is None else shape.name
 
     def run(config: RunConfig, seed: int, lr: float | None) -> dict[str, Any]:
-        record = run_one(cfg, config, seed, lr, workdir, shape)
+        record = None if records is None else records.load(shape_name, config.name, seed, lr)
+        if record is None:
+            record = run_one(cfg, config, seed, lr, workdir, shape)
+            if records is not None and record["ok"]:
+                records.save(shape_name, config.name, seed, lr, record)
         report_progress(record)
         return record
 
@@ -611,6 +630,16 @@ def register(subparsers: Any) -> Any:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     output.add_flush_denormal_argument(parser, "every training process")
     parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep every finished run here (a JSON file each) and take the runs already kept "
+        "there, made with the same steps, evaluation, threads, workers and device, instead of "
+        "training them again: an interrupted benchmark resumes, and one report can be made "
+        "from runs trained at different times (the code is not compared: clear DIR after "
+        "changing it)",
+    )
+    parser.add_argument(
         "--json", type=Path, metavar="PATH", help="write the report here, with PNG plots beside it"
     )
     return run_command
@@ -661,6 +690,6 @@ def report_section(data: dict[str, Any]) -> str:
 
 def run_command(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    report = run_convergence(cfg)
+    report = run_convergence(cfg, runs_dir=args.runs_dir)
     output.publish(report, summary.format_report(report), args.json, summary.write_figures)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -220,3 +221,53 @@ def test_several_shapes_report_every_row_per_shape(monkeypatch: pytest.MonkeyPat
     assert "25.0 (20.0+5.0)" in text and "3/1/9 of 9" in text
     terminal = convergence.summary.format_report(data)
     assert terminal.count("Shape deep: 6 layers") == 1
+
+
+def test_a_runs_dir_keeps_finished_runs_and_resumes_from_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a runs dir, a second invocation trains only what the first did not finish: the
+    kept runs are taken as they were, a failed run and an unreadable file train again, and a
+    change of settings (steps) trains everything again."""
+    from asteria_client.bench import convergence
+
+    calls: list[tuple[str, int]] = []
+    failing = {"soap-continuous-s1"}
+
+    def fake_run_one(cfg: Any, run: Any, seed: int, lr: Any, workdir: Any, shape: Any) -> Any:
+        calls.append((run.name, seed))
+        record = _run(run.name, [3.0, 2.5, 2.0], 0.1, seed=seed, lr=lr or 1e-3)
+        record.update(label=run.label, shape=None if shape is None else shape.name)
+        if run.name in failing:
+            record.update(ok=False, error="exit code 1")
+        return record
+
+    monkeypatch.setattr(convergence, "run_one", fake_run_one)
+    names = ("adamw", "soap-embedded-f5-s1", "soap-continuous-s1")
+    cfg = ConvergenceConfig(
+        configs=names, shapes=("deep",), seeds=(0, 1), adamw_lrs=(1e-3, 2e-3), schedules=True
+    )
+    runs_dir = tmp_path / "runs"
+    first = convergence.run_convergence(cfg, progress=lambda r: None, runs_dir=runs_dir)
+    assert len(calls) == convergence.plan_size(cfg) == 2 + 2 * 3 - 1
+    assert first["runs_reused"] == 0
+    kept = sorted(p.name for p in runs_dir.glob("*.json"))
+    assert "deep-adamw-seed0-lr0.002.json" in kept and len(kept) == 5  # not the 2 failed runs
+
+    calls.clear()
+    failing.clear()
+    (runs_dir / "deep-soap-embedded-f5-s1-seed1.json").write_text("{cut short")
+    second = convergence.run_convergence(cfg, progress=lambda r: None, runs_dir=runs_dir)
+    retrained = [("soap-continuous-s1", 0), ("soap-continuous-s1", 1), ("soap-embedded-f5-s1", 1)]
+    assert sorted(calls) == retrained
+    assert second["runs_reused"] == 4
+    block = second  # one shape: reported at the top level
+    kept_run = next(r for r in block["runs"] if r["config"] == "soap-embedded-f5-s1")
+    assert kept_run["reused_from"].endswith("deep-soap-embedded-f5-s1-seed0.json")
+    continuous = next(s for s in block["summaries"] if s["config"] == "soap-continuous-s1")
+    assert continuous["num_runs"] == 2 and continuous["num_failed"] == 0
+
+    calls.clear()
+    longer = dataclasses.replace(cfg, steps=cfg.steps + 100)
+    third = convergence.run_convergence(longer, progress=lambda r: None, runs_dir=runs_dir)
+    assert len(calls) == convergence.plan_size(cfg) and third["runs_reused"] == 0
