@@ -224,6 +224,8 @@ class ConvergenceConfig:
     schedules: bool = False  # the report compares refresh schedules (a "schedules" benchmark)
     #: model shapes (names in SHAPES), each with its own AdamW sweep, target and table
     shapes: tuple[str, ...] = ("train",)
+    #: the continuous schedule's overhead budget (None: the optimizer's default)
+    refresh_overhead: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_denormal, bool):
@@ -240,6 +242,9 @@ class ConvergenceConfig:
             object.__setattr__(self, "configs", ("adamw", *self.configs))
         if not self.adamw_lrs or not all(0 < lr < math.inf for lr in self.adamw_lrs):
             raise ValueError(f"adamw_lrs must be positive finite numbers, got {self.adamw_lrs}")
+        overhead = self.refresh_overhead
+        if overhead is not None and not 0.0 < overhead <= 1.0:
+            raise ValueError(f"refresh_overhead must be in (0, 1], got {overhead}")
         unknown = [s for s in self.shapes if s not in SHAPES]
         if not self.shapes or unknown or len(set(self.shapes)) != len(self.shapes):
             raise ValueError(
@@ -286,6 +291,8 @@ def _train_command(
         cmd += ["--precondition-frequency", str(run.precondition_frequency)]
     if run.refresh is not None:
         cmd += ["--refresh", run.refresh]
+    if run.refresh == "continuous" and cfg.refresh_overhead is not None:
+        cmd += ["--refresh-overhead", repr(cfg.refresh_overhead)]
     if not run.attach:
         cmd += ["--no-attach"]
     return cmd
@@ -628,6 +635,13 @@ def register(subparsers: Any) -> Any:
         help="solver processes of the embedded engine and of each daemon (default 1)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument(
+        "--refresh-overhead",
+        type=float,
+        metavar="SHARE",
+        help="the continuous schedule's overhead budget, a share of the step time in (0, 1] "
+        "(default: the optimizer's own)",
+    )
     output.add_flush_denormal_argument(parser, "every training process")
     parser.add_argument(
         "--runs-dir",
@@ -678,6 +692,7 @@ def config_from_args(args: argparse.Namespace) -> ConvergenceConfig:
         engine_workers=args.engine_workers,
         device=args.device,
         flush_denormal=args.flush_denormal,
+        refresh_overhead=getattr(args, "refresh_overhead", None),
         quick=quick,
         schedules=schedules is not None,
     )

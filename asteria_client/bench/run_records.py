@@ -38,6 +38,7 @@ SETTINGS = (
     "engine_workers",
     "device",
     "flush_denormal",
+    "refresh_overhead",
 )
 
 

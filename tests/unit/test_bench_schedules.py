@@ -168,6 +168,19 @@ def test_shapes_and_attach_reach_the_training_commands() -> None:
     assert SCHEDULES["soap-daemon-continuous-s1-noattach"].label.endswith("no attach")
     embedded = _train_command(cfg, SCHEDULES["soap-embedded-f5-s1"], 0, None)
     assert embedded[embedded.index("--precondition-frequency") + 1] == "5"
+    assert "--refresh-overhead" not in plain  # the optimizer's default unless given
+    tight = dataclasses.replace(cfg, refresh_overhead=0.02)
+    cont = _train_command(tight, SCHEDULES["soap-continuous-s1"], 0, None)
+    assert cont[cont.index("--refresh-overhead") + 1] == "0.02"
+    assert "--refresh-overhead" not in _train_command(
+        tight, SCHEDULES["soap-embedded-f5-s1"], 0, None
+    )
+    assert (
+        config_from_args(_args("--schedules", "--refresh-overhead", "0.02")).refresh_overhead
+        == 0.02
+    )
+    with pytest.raises(ValueError, match="refresh_overhead"):
+        ConvergenceConfig(refresh_overhead=1.5)
 
 
 def test_several_shapes_report_every_row_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
