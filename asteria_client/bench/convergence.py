@@ -519,11 +519,14 @@ def _run_shape(
     shape_name = None if shape is None else shape.name
 
     def run(config: RunConfig, seed: int, lr: float | None) -> dict[str, Any]:
-        record = None if records is None else records.load(shape_name, config.name, seed, lr)
+        name = config.name  # as kept in the runs dir: with the budget that changes its run
+        if config.refresh == "continuous" and cfg.refresh_overhead is not None:
+            name += f"-overhead{cfg.refresh_overhead:g}"
+        record = None if records is None else records.load(shape_name, name, seed, lr)
         if record is None:
             record = run_one(cfg, config, seed, lr, workdir, shape)
             if records is not None and record["ok"]:
-                records.save(shape_name, config.name, seed, lr, record)
+                records.save(shape_name, name, seed, lr, record)
         report_progress(record)
         return record
 

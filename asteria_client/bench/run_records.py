@@ -12,10 +12,12 @@ their steps to target are the same on a busy host) can so be run at another time
 timed rows and the report made once from all of them.
 
 A record is reused only when it was made with the same settings (steps, evaluation, threads,
-engine workers, device, subnormal flushing) and finished; otherwise that run trains again and
-its file is replaced. The code is not compared: whoever changes the code between two
-invocations decides whether the old runs still stand (each record carries the ``code`` it ran,
-when the package lies in a git checkout, and the report says how many runs were reused).
+engine workers, device, subnormal flushing) and finished (a continuous row's overhead budget,
+when one is given, is part of its name: the other rows stand for every budget); otherwise
+that run trains again and its file is replaced. The code is not compared: whoever changes the
+code between two invocations decides whether the old runs still stand (each record carries the
+``code`` it ran, when the package lies in a git checkout, and the report says how many runs
+were reused).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ SETTINGS = (
     "engine_workers",
     "device",
     "flush_denormal",
-    "refresh_overhead",
 )
 
 

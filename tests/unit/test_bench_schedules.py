@@ -281,6 +281,12 @@ def test_a_runs_dir_keeps_finished_runs_and_resumes_from_them(
     assert continuous["num_runs"] == 2 and continuous["num_failed"] == 0
 
     calls.clear()
+    tight = dataclasses.replace(cfg, refresh_overhead=0.02)  # only the continuous rows differ
+    convergence.run_convergence(tight, progress=lambda r: None, runs_dir=runs_dir)
+    assert sorted(calls) == [("soap-continuous-s1", 0), ("soap-continuous-s1", 1)]
+    assert (runs_dir / "deep-soap-continuous-s1-overhead0.02-seed1.json").exists()
+
+    calls.clear()
     longer = dataclasses.replace(cfg, steps=cfg.steps + 100)
     third = convergence.run_convergence(longer, progress=lambda r: None, runs_dir=runs_dir)
     assert len(calls) == convergence.plan_size(cfg) and third["runs_reused"] == 0
