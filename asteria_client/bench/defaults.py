@@ -54,6 +54,9 @@ class DefaultsConfig:
     flush_denormal: bool = True
     include_adamw: bool = True  # False: a part of a sweep split over processes (--jobs)
     quick: bool = False
+    #: the model shape trained (a name in ``convergence.SHAPES``): a default chosen on one
+    #: shape can lose on the next
+    shape: str = "train"
 
     def __post_init__(self) -> None:
         for name in ("steps", "eval_interval", "eval_batches", "threads", "engine_workers"):
@@ -72,6 +75,10 @@ class DefaultsConfig:
             raise ValueError(f"frequencies must be integers >= 1, got {self.frequencies}")
         if self.staleness_budget < 0:
             raise ValueError(f"staleness_budget must be >= 0, got {self.staleness_budget}")
+        from asteria_client.bench.convergence import SHAPES
+
+        if self.shape not in SHAPES:
+            raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {self.shape!r}")
 
 
 def setting_name(optimizer: str, mode: str, beta1: float, frequency: int) -> str:
@@ -86,12 +93,17 @@ def _arm(
     beta1: float,
     frequency: int | None,
 ) -> Arm:
+    from asteria_client.bench.convergence import SHAPES
     from asteria_client.optim.base import Mode
     from asteria_client.train.config import TrainConfig
     from asteria_client.train.optimizers import OptimizerKind, OptimizerSettings, build_optimizer
 
     engine_mode = "embedded" if mode == "continuous" else mode
+    shape = SHAPES[cfg.shape]
     train = TrainConfig(
+        n_layer=shape.n_layer,
+        n_embd=shape.n_embd,
+        n_head=shape.n_head,
         optimizer=OptimizerKind(optimizer),
         mode=None if engine_mode is None else Mode(engine_mode),
         steps=cfg.steps,
@@ -375,6 +387,7 @@ def _notes(data: dict[str, Any]) -> list[str]:
     cfg = data["config"]
     target = data["target_val_loss"]
     notes = [
+        f"Model: `asteria train`'s GPT, shape {cfg.get('shape', 'train')}; "
         f"{cfg['steps']} steps, evaluation every {cfg['eval_interval']} steps on "
         f"{cfg['eval_batches']} fixed validation batches, seeds {cfg['seeds']}, modes "
         f"{', '.join(cfg['modes'])} (staleness budget {cfg['staleness_budget']}), "
@@ -492,6 +505,12 @@ def register(subparsers: Any) -> Any:
     )
     parser.add_argument("--beta1s", type=_csv(float, "numbers"), help="default 0.9,0.95")
     parser.add_argument("--frequencies", type=_csv(int, "integers"), help="default 1,2,5,10")
+    parser.add_argument(
+        "--shape",
+        default="train",
+        help="the model shape: train (`asteria train`'s GPT), wide or deep, as `asteria bench "
+        "convergence --shapes` names them (default train)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument(
         "--engine-workers",
@@ -556,6 +575,7 @@ def config_from_args(args: argparse.Namespace) -> DefaultsConfig:
         flush_denormal=args.flush_denormal,
         include_adamw=args.include_adamw,
         quick=quick,
+        shape=args.shape,
     )
 
 
@@ -567,8 +587,8 @@ def merge_reports(paths: list[Path]) -> dict[str, Any]:
     for path, part in zip(paths, parts, strict=True):
         if part.get("benchmark") != "defaults":
             raise ValueError(f"{path} is not a report of `asteria bench defaults`")
-        for key in ("steps", "eval_interval", "eval_batches", "staleness_budget"):
-            if part["config"][key] != first[key]:
+        for key in ("steps", "eval_interval", "eval_batches", "staleness_budget", "shape"):
+            if part["config"].get(key, "train") != first.get(key, "train"):
                 raise ValueError(f"{path}: {key} {part['config'][key]} != {first[key]}")
     union: dict[str, Any] = {}
     for key in ("seeds", "optimizers", "modes", "beta1s", "frequencies"):
@@ -623,6 +643,7 @@ def _single_run_command(cfg: DefaultsConfig, arm: Arm, json_path: Path) -> list[
     cmd += ["--steps", str(cfg.steps), "--eval-interval", str(cfg.eval_interval)]
     cmd += ["--seeds", str(arm.train_config.seed), "--threads", str(cfg.threads)]
     cmd += ["--engine-workers", str(cfg.engine_workers), "--json", str(json_path)]
+    cmd += ["--shape", cfg.shape]
     cmd += ["--quick"] if cfg.quick else []
     if not cfg.flush_denormal:
         cmd += ["--no-flush-denormal"]

@@ -177,3 +177,21 @@ def test_the_swept_defaults_hold_and_the_reference_is_one_keyword_away(name: str
     assert (ref_group["betas"], ref_group["precondition_frequency"]) == ((0.95, 0.95), 10)
     chosen.close()
     reference.close()
+
+
+def test_the_defaults_sweep_trains_the_shape_it_is_given() -> None:
+    """`--shape` reaches every run's model (in this process and in a --jobs child's command),
+    and a shape the convergence bench does not know is refused by name."""
+    from asteria_client.bench.convergence import SHAPES
+
+    cfg = defaults.DefaultsConfig(shape="deep", seeds=(0,), frequencies=(5,), beta1s=(0.9,))
+    arms = defaults.plan(cfg)
+    assert {a.train_config.n_layer for a in arms} == {SHAPES["deep"].n_layer}
+    assert {a.train_config.n_embd for a in arms} == {SHAPES["deep"].n_embd}
+    plain = defaults.plan(defaults.DefaultsConfig(seeds=(0,), frequencies=(5,), beta1s=(0.9,)))
+    assert {a.train_config.n_layer for a in plain} == {SHAPES["train"].n_layer}
+    soap = next(a for a in arms if a.info is not None)
+    cmd = defaults._single_run_command(cfg, soap, Path("x.json"))
+    assert cmd[cmd.index("--shape") + 1] == "deep"
+    with pytest.raises(ValueError, match="shape"):
+        defaults.DefaultsConfig(shape="tall")
