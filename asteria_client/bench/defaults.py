@@ -588,8 +588,10 @@ def merge_reports(paths: list[Path]) -> dict[str, Any]:
         if part.get("benchmark") != "defaults":
             raise ValueError(f"{path} is not a report of `asteria bench defaults`")
         for key in ("steps", "eval_interval", "eval_batches", "staleness_budget", "shape"):
-            if part["config"].get(key, "train") != first.get(key, "train"):
-                raise ValueError(f"{path}: {key} {part['config'][key]} != {first[key]}")
+            # a report from before --shape has no shape: it trained `asteria train`'s GPT
+            theirs, ours = part["config"].get(key, "train"), first.get(key, "train")
+            if theirs != ours:
+                raise ValueError(f"{path}: {key} {theirs} != {ours}")
     union: dict[str, Any] = {}
     for key in ("seeds", "optimizers", "modes", "beta1s", "frequencies"):
         values = [v for part in parts for v in part["config"][key]]
