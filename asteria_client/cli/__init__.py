@@ -50,6 +50,8 @@ __all__ = [
 
 Registrar = Callable[["argparse._SubParsersAction[ArgumentParser]"], Handler]
 
+HELPS = {"train": train.HELP, "bench": bench.HELP, "status": status.HELP, "forget": forget.HELP}
+
 SUBCOMMANDS: dict[str, Registrar] = {
     "train": train.register,
     "bench": bench.register,
@@ -58,7 +60,11 @@ SUBCOMMANDS: dict[str, Registrar] = {
 }
 
 
-def build_parser() -> tuple[ArgumentParser, dict[str, Handler]]:
+def build_parser(command: str | None = None) -> tuple[ArgumentParser, dict[str, Handler]]:
+    """The parser of every command and each command's handler. With ``command`` (the one a
+    command line names, or "" for none) only that command's parser gets its arguments, the
+    others their name and help line: ``train``'s and ``bench``'s import torch to build theirs,
+    and ``asteria status`` took ~3 s of a 2-core host before its first call."""
     parser = ArgumentParser(
         prog=PROG,
         description="Asteria: second-order optimizers with their matrix work off the training "
@@ -68,7 +74,14 @@ def build_parser() -> tuple[ArgumentParser, dict[str, Handler]]:
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=ArgumentParser
     )
-    handlers = {name: register(subparsers) for name, register in SUBCOMMANDS.items()}
+    handlers = {
+        name: (
+            register(subparsers)
+            if command in (None, name)
+            else _unparsed(subparsers, name, HELPS[name])
+        )
+        for name, register in SUBCOMMANDS.items()
+    }
     return parser, handlers
 
 
@@ -81,8 +94,27 @@ def _setup_logging() -> None:
     logging.getLogger("asteria_client").setLevel(logging.INFO)
 
 
+def _unparsed(
+    subparsers: argparse._SubParsersAction[ArgumentParser], name: str, help: str
+) -> Handler:
+    """A command listed by ``asteria --help`` whose arguments this command line never reads."""
+    parser = subparsers.add_parser(name, help=help)
+    return lambda args: _print_usage(parser)
+
+
+def _print_usage(parser: ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def _command_of(argv: Sequence[str]) -> str:
+    """The command ``argv`` names: its first word that is not an option ("" if none; the
+    top-level options take no value)."""
+    return next((word for word in argv if not word.startswith("-")), "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, handlers = build_parser()
+    parser, handlers = build_parser(_command_of(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
         if args.command is None:

@@ -13,6 +13,13 @@ one invocation (shared machines are noisy), never an absolute time to compare ac
 """
 
 
+#: The one line ``asteria --help`` shows for the command.
+HELP = (
+    "benchmarks (convergence, peers, defaults, spikes, step, transport, throughput, "
+    "sharing, soak, scale, blocks) and their report"
+)
+
+
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     from asteria_client.bench import (
         blocks,
@@ -31,8 +38,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
 
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks (convergence, peers, defaults, spikes, step, transport, throughput, "
-        "sharing, soak, scale, blocks) and their report",
+        help=HELP,
         description=BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -38,10 +38,14 @@ In a job epilog, where the daemon may be down: --if-running --timeout-s 10.
 """
 
 
+#: The one line ``asteria --help`` shows for the command.
+HELP = "drop a job's blocks and results from a daemon"
+
+
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     parser = subparsers.add_parser(
         "forget",
-        help="drop a job's blocks and results from a daemon",
+        help=HELP,
         description=FORGET_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -55,10 +55,14 @@ example:
 DEFAULT_WATCH_S = 2.0
 
 
+#: The one line ``asteria --help`` shows for the command.
+HELP = "show a daemon's workers, queue and blocks"
+
+
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     parser = subparsers.add_parser(
         "status",
-        help="show a daemon's workers, queue and blocks",
+        help=HELP,
         description=STATUS_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

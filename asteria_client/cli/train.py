@@ -55,6 +55,10 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda, cuda:N or auto")
 
 
+#: The one line ``asteria --help`` shows for the command.
+HELP = "train a character-level GPT on Shakespeare and measure the optimizer"
+
+
 def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     from asteria_client.optim.base import Mode
     from asteria_client.runtime.staleness import DEFAULT_REFRESH_OVERHEAD, Refresh
@@ -65,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction[ArgumentParser]) -> Handler:
     lr_defaults = ", ".join(f"{kind.value} {lr:g}" for kind, lr in DEFAULT_LR.items())
     parser = subparsers.add_parser(
         "train",
-        help="train a character-level GPT on Shakespeare and measure the optimizer",
+        help=HELP,
         description=TRAIN_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,3 +276,24 @@ def test_status_connection_reads_without_a_session(daemon: Daemon) -> None:
     finally:
         conn.close()
     assert stats.incarnation_id == incarnation(daemon) and list(blocks) == []
+
+
+def test_status_and_forget_run_without_torch(daemon: Daemon) -> None:
+    """``asteria status`` (every form) and ``asteria forget`` against a real daemon, in a fresh
+    interpreter, never import torch: it cost them ~3 s of a 2-core host and 190 MB before their
+    first call (this interpreter has torch already, so it runs in another)."""
+    code = (
+        "import sys\n"
+        "from asteria_client.cli import main\n"
+        "address = sys.argv[1]\n"
+        "for extra in ([], ['--json'], ['--blocks'], ['--json', '--blocks']):\n"
+        "    assert main(['status', '--address', address, *extra]) == 0, extra\n"
+        "assert main(['forget', '--address', address, '--job', 'nobody']) == 0\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not loaded, loaded[:5]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, daemon.target], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"incarnation_id"' in done.stdout
