@@ -29,7 +29,8 @@ the embedded engine, then on one daemon (Unix socket, shared memory, one worker)
   over shared memory, where the payload is the client's memfd: RssShmem, reported beside it);
 - with ``--clients`` C, C - 1 more clients (processes) then register as many blocks each and
   train: ``asteria status`` latency and JSON size over all pages of the C × N blocks, and the
-  Status RPC's p99 while they train.
+  Status RPC's p99 while they train; and ``asteria status`` (the summary) and ``asteria status
+  --json --blocks`` as a user runs them, each a process timed from start to exit.
 
 A progress line goes to stderr per phase. On a 2-core host the clients and the daemon share the
 cores: these are this host's times; the ratios between N in one run are what to read.
@@ -42,6 +43,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -375,6 +377,29 @@ def _status_read(address: str) -> tuple[float, int, int]:
     return time.perf_counter() - start, sink.bytes, rows
 
 
+def _status_cli(address: str, *args: str) -> float:
+    """``asteria status --tenant local ARGS`` as a user runs it, a process of its own from
+    start to exit (its imports included: they once took longer than the read), its output to
+    /dev/null: seconds. Raises RuntimeError if it fails."""
+    command = [sys.executable, "-m", "asteria_client.cli", "status", "--address", address]
+    start = time.perf_counter()
+    done = subprocess.run(
+        [*command, "--tenant", TENANT, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"asteria status {' '.join(args)} exited {done.returncode}: "
+            f"{done.stderr.strip()[-300:]}"
+        )
+    return seconds
+
+
 class _ByteCount:
     """A text sink that keeps only the UTF-8 size of what is written (stdout encodes it too)."""
 
@@ -597,6 +622,16 @@ def _measure_daemon(
                 except (RuntimeError, AttributeError) as exc:  # a tree without summaries
                     summaries = []
                     result["errors"].append(f"asteria status summary: {exc!r}")
+                try:
+                    cli = {
+                        "summary_s": [_status_cli(daemon.address) for _ in range(3)],
+                        "blocks_json_s": [
+                            _status_cli(daemon.address, "--json", "--blocks") for _ in range(3)
+                        ],
+                    }
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    cli = {}
+                    result["errors"].append(f"asteria status as a process: {exc!r}")
             except Exception as exc:  # reported with the figures that were measured
                 result["errors"].append(f"{cfg.clients} clients: {exc!r}")
                 _progress(f"daemon N={n}: {cfg.clients} clients failed: {exc!r}")
@@ -612,6 +647,11 @@ def _measure_daemon(
                     "blocks": summaries[0][2],
                     "median_s": percentile([r[0] for r in summaries], 50),
                     "bytes": summaries[0][1],
+                }
+            if cli:
+                result["status_cli_all_clients"] = {
+                    "summary_median_s": percentile(cli["summary_s"], 50),
+                    "blocks_json_median_s": percentile(cli["blocks_json_s"], 50),
                 }
             result["status_rpc"] = {
                 "calls": len(latencies),
@@ -695,6 +735,9 @@ def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out["status_rpc_p99_s"] = last["status_rpc"]["p99_s"]
         if "status_summary_all_clients" in last:
             out["status_summary_s"] = last["status_summary_all_clients"]["median_s"]
+        if "status_cli_all_clients" in last:
+            out["status_cli_summary_s"] = last["status_cli_all_clients"]["summary_median_s"]
+            out["status_cli_blocks_json_s"] = last["status_cli_all_clients"]["blocks_json_median_s"]
     return out
 
 
@@ -721,6 +764,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
             "daemon RSS B/block",
             "status s (blocks seen)",
             "status KiB",
+            "CLI status s (summary / --json --blocks)",
             "Status p99 ms",
         ]
     ]
@@ -733,6 +777,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
                 continue
             status = m.get("status_all_clients")
             rpc = m.get("status_rpc")
+            cli = m.get("status_cli_all_clients")
             cpu = m.get("daemon_cpu_per_snapshot_and_result_s")
             rss = m.get("daemon_rss_per_block_bytes")
             opened = m["open_s"] + m.get("register_s", 0.0)
@@ -750,6 +795,9 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
                     "-" if rss is None else f"{rss:.0f}",
                     "-" if status is None else f"{status['median_s']:.2f} ({status['blocks']})",
                     "-" if status is None else f"{status['bytes'] / 1024:.0f}",
+                    "-"
+                    if cli is None
+                    else f"{cli['summary_median_s']:.2f} / {cli['blocks_json_median_s']:.2f}",
                     "-" if rpc is None else _ms(rpc["p99_s"], 1),
                 ]
             )
@@ -780,6 +828,9 @@ def _targets_text(report: dict[str, Any]) -> list[str]:
         f"{fmt(t.get('status_all_clients_s'), 's')} over the {t.get('status_blocks_seen', '?')} "
         "blocks the daemon held then (target ≤ 2 s); Status RPC p99 while "
         f"they train: {fmt(t.get('status_rpc_p99_s'), 's')} (target ≤ 0.1 s)",
+        "- the same as a user runs it, `asteria status` a process from start to exit: "
+        f"{fmt(t.get('status_cli_summary_s'), 's')} (summary, text); --json --blocks "
+        f"{fmt(t.get('status_cli_blocks_json_s'), 's')} (target ≤ 2 s)",
     ]
 
 
@@ -800,6 +851,8 @@ _COMPARED: tuple[tuple[tuple[str, ...], float, int, bool], ...] = (
     (("daemon_cpu_per_snapshot_and_result_s",), 1e6, 0, True),
     (("daemon_rss_per_block_bytes",), 1, 0, True),
     (("status_all_clients", "median_s"), 1, 2, True),
+    (("status_cli_all_clients", "summary_median_s"), 1, 2, True),
+    (("status_cli_all_clients", "blocks_json_median_s"), 1, 2, True),
     (("status_rpc", "p99_s"), 1e3, 1, True),
 )
 
@@ -816,6 +869,8 @@ def _comparison_rows(report: dict[str, Any]) -> list[list[str]]:
             "daemon CPU µs/snap+result",
             "daemon RSS B/block",
             "status C×N s",
+            "CLI status s",
+            "CLI status --json --blocks s",
             "Status p99 ms",
         ]
     ]

@@ -31,8 +31,11 @@ def test_bench_blocks_reports_every_figure_per_n(tmp_path: Path) -> None:
         assert daemon["status_all_clients"]["blocks"] == 2 * run["blocks"]
         assert daemon["status_summary_all_clients"]["blocks"] == 2 * run["blocks"]
         assert daemon["status_rpc"]["calls"] > 0 and not daemon["errors"]
+        cli = daemon["status_cli_all_clients"]  # the command as a process, start to exit
+        assert cli["summary_median_s"] > 0 and cli["blocks_json_median_s"] > 0
     assert report["targets"]["daemon_idle_step_growth"] is not None
     assert "surrogate" in report["surrogate"] or "SPD" in report["surrogate"]
     section = report_section({**report, "before": report})
     assert "Before and after" in section and "idle step" in section
+    assert "CLI status --json --blocks s" in section
     assert len(report["figures"]) == 4
