@@ -38,9 +38,9 @@ from types import TracebackType
 
 from asteria_server.engine.coordinator import Coordinator
 from asteria_server.engine.registry import (
-    SummaryRow,
     block_table,
     empty_status_columns,
+    empty_summary_columns,
     summarize,
 )
 from asteria_server.engine.scheduler import CostModel
@@ -677,20 +677,21 @@ class PreconditionerEngine:
         """What ``tenant``'s blocks add up to, with its ``worst`` blocks' records: one pass over
         a few fields of each block, copied under the lock ``SUMMARY_CHUNK_BLOCKS`` blocks at a
         time (a submit or result waits for one chunk at most) and added up outside it."""
-        rows: list[SummaryRow] = []
+        columns = empty_summary_columns()
         after = ""
         while True:
             with self._cond:
-                chunk = self._coord.registry.summary_rows(
-                    tenant, after, SUMMARY_CHUNK_BLOCKS, self._tiers.tier
+                chunk = self._coord.registry.summary_columns(
+                    tenant, after, SUMMARY_CHUNK_BLOCKS, self._tiers.tiers
                 )
-            rows += chunk
-            if len(chunk) < SUMMARY_CHUNK_BLOCKS:
+            for name, values in chunk.items():
+                columns[name] += values
+            if len(chunk["block"]) < SUMMARY_CHUNK_BLOCKS:
                 break
-            after = chunk[-1][0]
+            after = chunk["block"][-1]
         with self._cond:
             now = self._coord.registry.now()
-        numbers, names = summarize(rows, now, worst)
+        numbers, names = summarize(columns, now, worst)
         with self._cond:
             shown = self._coord.registry.status_columns_of(tenant, names, self._tiers.tiers)
             now = self._coord.registry.now()

@@ -9,7 +9,11 @@ knows its owner, so "held by this thread" is exact even while the dispatcher thr
 
 from __future__ import annotations
 
+import heapq
+import math
+import operator
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -188,14 +192,14 @@ def test_a_summary_copies_chunks_under_the_lock_and_adds_them_up_outside(
     monkeypatch.setattr(engine_module, "SUMMARY_CHUNK_BLOCKS", 8)
     sum_held = _record_lock(monkeypatch, engine_module, "summarize", lock)
     limits: list[int] = []
-    rows_of = registry_module.CoherenceRegistry.summary_rows
+    columns_of = registry_module.CoherenceRegistry.summary_columns
 
-    def chunk(self: Any, tenant: str, after: str, limit: int, tier_of: Any = None) -> Any:
+    def chunk(self: Any, tenant: str, after: str, limit: int, tiers_of: Any = None) -> Any:
         limits.append(limit)
         assert lock.held_here()
-        return rows_of(self, tenant, after, limit, tier_of)
+        return columns_of(self, tenant, after, limit, tiers_of)
 
-    monkeypatch.setattr(registry_module.CoherenceRegistry, "summary_rows", chunk)
+    monkeypatch.setattr(registry_module.CoherenceRegistry, "summary_columns", chunk)
     made = _count_status_records(monkeypatch)
     before = lock.mine()
 
@@ -213,6 +217,57 @@ def test_a_summary_copies_chunks_under_the_lock_and_adds_them_up_outside(
     worst = summary.worst.columns["block"]
     assert len(worst) == 3 and worst[0] == "zz.bad" and set(worst[1:]) <= set(names)
     assert summary.worst[0].state is BlockState.FAILED and summary.worst[0].last_error
+
+
+def _reference_summary(columns: dict[str, list[Any]], now: float, count: int) -> Any:
+    """The summary as its first version added it up, a Python expression per block (kept
+    here to check the array one against)."""
+    c = columns
+    stale = [s - v for s, v in zip(c["submitted_version"], c["computed_version"], strict=True)]
+    states = Counter(
+        "failed" if f else "running" if r >= 0 else "queued" if q >= 0 else "idle"
+        for f, r, q in zip(c["failed"], c["running_version"], c["queued_version"], strict=True)
+    )
+    tiers = Counter(c["tier"])
+    ordered, n = sorted(stale), len(stale)
+    times = [t for t in c["computed_at"] if t is not None]
+    numbers = {
+        **{state: states[state] for state in ("idle", "queued", "running", "failed")},
+        **{f"tier_{t or 'none'}": tiers[t] for t in ("host", "shm", "spill", "")},
+        "never_computed": n - len(times),
+        "staleness_steps_p50": ordered[n // 2],
+        "staleness_steps_p99": ordered[min(n - 1, (99 * n) // 100)],
+        "staleness_steps_max": ordered[-1],
+        "oldest_result_age_s": max(0.0, now - min(times)) if times else None,
+        "failures": sum(c["failures"]),
+    }
+    older = [math.inf if t is None else -t for t in c["computed_at"]]
+    keyed = zip(c["failed"], stale, older, c["block"], strict=True)
+    return numbers, [row[3] for row in heapq.nlargest(count, keyed)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 100, 2000])
+def test_the_summary_of_arrays_is_the_summary_of_tuples(n: int) -> None:
+    """Random blocks, many of them equal in the worst-block keys (the name decides then),
+    some never computed, failed, running or queued: the same numbers and worst blocks."""
+    rng = np.random.default_rng(n)
+    computed = rng.integers(-1, 4, n).tolist()
+    behind = rng.integers(0, 3, n).tolist()
+    columns = {
+        "block": [f"b{i:05d}" for i in rng.permutation(n)],
+        "submitted_version": list(map(operator.add, computed, behind)),
+        "computed_version": computed,
+        "failed": (rng.random(n) < 0.05).tolist(),
+        "running_version": np.where(rng.random(n) < 0.2, 3, -1).tolist(),
+        "queued_version": np.where(rng.random(n) < 0.3, 4, -1).tolist(),
+        "computed_at": [None if v < 0 else float(rng.integers(0, 5)) for v in computed],
+        "failures": rng.integers(0, 2, n).tolist(),
+        "tier": rng.choice(["", "host", "shm", "spill"], n).tolist(),
+    }
+    for count in (0, 1, 3, n, n + 5):
+        numbers, worst = registry_module.summarize(columns, 10.0, count)
+        assert (numbers, worst) == _reference_summary(columns, 10.0, count)
+        assert all(type(v) in (int, float, type(None)) for v in numbers.values())
 
 
 def _reference_order(queues: dict[str, list[Any]], consumed: dict[str, float]) -> list[Any]:
