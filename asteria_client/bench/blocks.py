@@ -381,10 +381,14 @@ def _status_cli(address: str, *args: str) -> float:
     """``asteria status --tenant local ARGS`` as a user runs it, a process of its own from
     start to exit (its imports included: they once took longer than the read), its output to
     /dev/null: seconds. Raises RuntimeError if it fails."""
-    command = [sys.executable, "-m", "asteria_client.cli", "status", "--address", address]
+    command = [sys.executable, "-P", "-m", "asteria_client.cli", "status", "--address", address]
+    # this process's import path, so the command is the asteria it measures, not the working
+    # directory's (-P: none prepended)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     start = time.perf_counter()
     done = subprocess.run(
         [*command, "--tenant", TENANT, *args],
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
