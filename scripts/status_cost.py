@@ -1,6 +1,7 @@
 """In-process cost of a status read with a long queue (issue 27): one Status page of columns
 (``PreconditionerEngine.status_table``, the engine's own code on a coordinator holding Q queued
-snapshots) and the writing of ``asteria status --json --blocks`` for R rows.
+snapshots), the summary of them all (``status_summary``, ``asteria status``'s default) and the
+writing of ``asteria status --json --blocks`` for R rows.
 
 Runs against whichever asteria is importable (``PYTHONPATH=<old checkout>`` for a before
 figure), so it calls only what both versions have. No daemon, no workers: the queue stays full.
@@ -114,6 +115,23 @@ def time_full_read(engine: Any, page: int = 5000) -> dict[str, float]:
     return {"read_all_pages_s": time.perf_counter() - t0, "pages": pages, "blocks": len(table)}
 
 
+def time_summary(engine: Any, lock: TimedLock, repeats: int) -> dict[str, float]:
+    """``asteria status``'s default read: the daemon adding up every block of tenant t0."""
+    seconds = []
+    for _ in range(repeats):
+        lock.holds.clear()
+        t0 = time.perf_counter()
+        summary = PreconditionerEngine.status_summary(engine, "t0")
+        seconds.append(time.perf_counter() - t0)
+        assert summary.blocks > 0
+    return {
+        "summary_s_median": statistics.median(seconds),
+        "summary_s_max": max(seconds),
+        "lock_hold_s_max": max(lock.holds),
+        "lock_holds": len(lock.holds),
+    }
+
+
 def rows_table(rows: int) -> BlockTable:
     blocks = [
         BlockStatus(
@@ -192,6 +210,7 @@ def main() -> None:
         engine, lock = queued_engine(args.queued, args.tenants)
         report["page"] = time_pages(engine, lock, args.repeats)
         report["full_read"] = time_full_read(engine)
+        report["summary"] = time_summary(engine, lock, args.repeats)
     if args.rows:
         report["json"] = time_json(args.rows, args.repeats)
     print(json.dumps(report, indent=1))
