@@ -597,13 +597,20 @@ class CoherenceRegistry:
         held = [name for name in names if (tenant, name) in self._records]
         return self._columns(tenant, held, tiers_of)
 
-    def _columns(self, tenant: str, names: list[str], tiers_of: TiersOf | None) -> StatusColumns:
-        """The fields of the records of ``tenant``'s ``names``, one C loop per field: what a
-        status read does under the engine's lock, so as little as can be."""
+    def _columns(
+        self,
+        tenant: str,
+        names: list[str],
+        tiers_of: TiersOf | None,
+        getters: tuple[tuple[str, Callable[[_Record], Any]], ...] = _COLUMN_GETTERS,
+    ) -> StatusColumns:
+        """The fields ``getters`` copy of the records of ``tenant``'s ``names`` (a status
+        page's by default), one C loop per field, and their tiers: what a status read does
+        under the engine's lock, so as little as can be."""
         keys = list(zip(itertools.repeat(tenant), names))
         records = list(map(self._records.__getitem__, keys))
         columns: StatusColumns = {"block": names}
-        for name, copy in _COLUMN_GETTERS:
+        for name, copy in getters:
             columns[name] = list(map(copy, records))
         if tiers_of is None:
             columns["tier"] = [""] * len(keys)
@@ -618,17 +625,7 @@ class CoherenceRegistry:
         by name after ``after``: a list per field, each copied in one C loop."""
         names = self._names(tenant)
         first = bisect.bisect_right(names, after) if after else 0
-        page = names[first : first + limit]
-        keys = list(zip(itertools.repeat(tenant), page))
-        records = list(map(self._records.__getitem__, keys))
-        columns: StatusColumns = {"block": page}
-        for name, copy in _SUMMARY_GETTERS:
-            columns[name] = list(map(copy, records))
-        if tiers_of is None:
-            columns["tier"] = [""] * len(keys)
-        else:
-            columns["tier"] = tiers_of(keys, list(map(_result_of, records)))
-        return columns
+        return self._columns(tenant, names[first : first + limit], tiers_of, _SUMMARY_GETTERS)
 
     def _names(self, tenant: str) -> list[str]:
         names = self._sorted_names.get(tenant)
