@@ -196,6 +196,9 @@ class DaemonConnection:
         self._tenant, self._token, self._job, self._rank = tenant, token, job, rank
         self._ticket = ""  # the caller ticket of the last open_session (see caller_ticket)
         self._announce_supported = True  # False once the daemon answered UNIMPLEMENTED
+        #: StreamResults messages received, all streams of this connection (a daemon that
+        #: batches result headers sends fewer messages than results)
+        self.result_messages = 0
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -528,6 +531,7 @@ class DaemonConnection:
             held_versions=held_versions,
             shm_results=reader is not None,
             credit=on_credit is not None,
+            batch_results=True,
         )
         call = self._stub.StreamResults(request)
         on_call(call.cancel)
@@ -540,9 +544,8 @@ class DaemonConnection:
         )
         try:
             for message in call:
-                result = receiver.feed(message)
-                if result is not None:
-                    yield result
+                self.result_messages += 1
+                yield from receiver.feed_all(message)
         except grpc.RpcError as exc:
             raise _error(exc) from None
         finally:

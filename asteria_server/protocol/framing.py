@@ -271,6 +271,29 @@ def result_messages(
                 yield pb.StreamResultsResponse(chunk=chunk)
 
 
+def batched_result(
+    result: SolveResult, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, shm: SegmentRef | None = None
+) -> pb.BatchedResult:
+    """``result`` as one entry of a StreamResults batch: its header and, unless ``shm`` says
+    where the arrays were written, each array whole (so each must fit in ``chunk_bytes``)."""
+    check_limit("chunk_bytes", chunk_bytes)
+    header = convert.result_header(result, shm=shm)
+    if shm is not None:
+        return pb.BatchedResult(header=header)
+    arrays = []
+    for name in RESULT_FIELDS:
+        array = getattr(result, name)
+        if array is not None:
+            (data,) = array_chunks(array, max(chunk_bytes, array.nbytes))
+            if len(data) > chunk_bytes:
+                raise ValueError(
+                    f"{convert.result_what(header)}: {name} is {len(data)} bytes, more than a "
+                    f"chunk ({chunk_bytes}): send it in chunks, not in a batch"
+                )
+            arrays.append(data)
+    return pb.BatchedResult(header=header, arrays=arrays)
+
+
 class ResultReceiver:
     """Rebuilds :class:`SolveResult` values from a StreamResults stream, one message at a time."""
 
@@ -328,10 +351,59 @@ class ResultReceiver:
             if self._on_credit is not None:  # else not asked for: ignored
                 self._on_credit(convert.credit_from_proto(message.credit))
             return None
+        elif part == "batch":
+            raise _bad("StreamResults stream", "a batch of results: read it with feed_all")
         else:
             raise _bad(self._what or "StreamResults stream", "an empty message arrived")
         assert self._assembler is not None
         return self._finish() if self._assembler.complete else None
+
+    def feed_all(self, message: pb.StreamResultsResponse) -> Iterator[SolveResult]:
+        """Take the next message, a batch (``batch_results``) or any other part; yields the
+        results it completed, in order, each before the next one of a batch is read (a reader
+        that stages a result for whoever takes it next relies on that). A batched result whose
+        segment was already overwritten gives nothing, as :meth:`feed` gives None."""
+        if message.WhichOneof("part") != "batch":
+            result = self.feed(message)
+            if result is not None:
+                yield result
+            return
+        if self._header is not None:
+            raise _bad(self._what, "a batch of results arrived inside this result")
+        for batched in message.batch.results:
+            result = self._batched(batched)
+            if result is not None:
+                yield result
+        # nothing follows a batch: a chunk now is one too many
+        self._assembler = _Assembler(
+            self._what or "StreamResults stream", [], self._max_chunk_bytes
+        )
+
+    def _batched(self, batched: pb.BatchedResult) -> SolveResult | None:
+        header = batched.header
+        what = convert.result_what(header)
+        arrays = convert.result_arrays_announced(header, max_matrix_n=self._max_matrix_n)
+        self._what, self._arrays = what, arrays
+        if header.HasField("shm"):
+            if batched.arrays:
+                raise _bad(what, "a batched result announced in a segment also carries arrays")
+            return self._from_segment(header)
+        if len(batched.arrays) != len(arrays):
+            raise _bad(
+                what,
+                f"a batched result carries {len(batched.arrays)} arrays, its header announces "
+                f"{len(arrays)} (and names no result segment)",
+            )
+        allocate = self._allocate
+        assembler = _Assembler(
+            what,
+            arrays,
+            self._max_chunk_bytes,
+            None if allocate is None else lambda specs: allocate(header.block, specs),
+        )
+        for data in batched.arrays:
+            assembler.add(data)
+        return self._result(header, assembler.finish())
 
     def close(self) -> None:
         """The stream ended; raises if it ended inside a result."""

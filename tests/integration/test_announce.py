@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from asteria_server.errors import InvalidInputError, UnknownSessionError
 from asteria_server.protocol import convert
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.shm import SegmentRef
+from asteria_server.service.servicer import RESULT_BATCH_RESULTS
 from asteria_server.types import SolveKind, SolveResult, SolveTask, SubmitOutcome
 from tests.integration.test_daemon import Daemon, start_daemon, stop_daemon
 
@@ -164,3 +166,54 @@ def test_the_call_fails_for_an_unknown_session_or_a_snapshot_without_segment(
         daemon.stub().AnnounceSnapshots(request, timeout=10.0)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "SubmitSnapshot" in (info.value.details() or "")
+
+
+def test_results_that_piled_up_reach_the_stream_several_to_a_message(daemon: Daemon) -> None:
+    """``batch_results``: results that are ready when the stream gets to them (here all of
+    them: no stream was open while they were solved, as when a busy daemon's worker finishes
+    faster than its loop writes) come many to a message, not a message each: read from its
+    segment by the session that owns it, and copied out, arrays in the batch, to another
+    session of the tenant that has no segments (a data-parallel replica's case)."""
+    conn = DaemonConnection(daemon.target)
+    session = conn.open_session()
+    replica = DaemonConnection(daemon.target)
+    replica_session = replica.open_session()
+    shm = SegmentSet(enabled=True)
+    shm.open(session)
+    count = 300
+    try:
+        tasks = [task(f"b{i:03d}", 2, spd(8, seed=i)) for i in range(count)]
+        refs = []
+        for t in tasks:
+            made = shm.create(t)
+            assert made is not None
+            refs.append((t, made[0].write_snapshot(t)))
+        assert conn.announce(session, refs) == [SubmitOutcome.QUEUED] * count
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            _, summary, _ = conn.status_summary(session.session_id)
+            assert summary is not None
+            if summary.blocks == count and summary.never_computed == 0:
+                break
+            assert time.monotonic() < deadline, summary
+            time.sleep(0.05)
+        cancels: list[Callable[[], object]] = []
+        for c, s, reader in [
+            (conn, session, shm.read_result),
+            (replica, replica_session, None),
+        ]:
+            got: dict[str, SolveResult] = {}
+            for result in c.results(s, {}, cancels.append, reader=reader):
+                got[result.block] = result
+                if len(got) == count:
+                    break
+            for t in tasks[:: count // 10]:
+                expected = inverse_root(t.matrix)
+                assert got[t.block].version == 2
+                assert np.abs(got[t.block].matrix - expected).max() <= 1e-4 * np.abs(expected).max()
+            assert c.result_messages <= -(-count // RESULT_BATCH_RESULTS) + 1, c.result_messages
+    finally:
+        for c, s in [(conn, session), (replica, replica_session)]:
+            c.close_session(s.session_id)
+            c.close()
+        shm.close()

@@ -24,6 +24,7 @@ from asteria_server.errors import InvalidInputError
 from asteria_server.protocol import convert, framing
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2 as pb
 from asteria_server.protocol.generated.asteria.v1 import preconditioner_pb2_grpc as pb_grpc
+from asteria_server.protocol.shm import RESULT_FIELDS, SegmentRef
 from asteria_server.types import (
     BlockSummary,
     BlockTable,
@@ -353,6 +354,74 @@ def test_several_results_share_one_stream() -> None:
     assert len(got) == 3
     for g, want in zip(got, results, strict=True):
         _assert_same_result(g, want)
+
+
+def test_a_batch_gives_each_result_it_can_read() -> None:
+    """``batch_results``: several complete results in one message, each announced in its
+    segment or carrying its arrays whole. A result whose segment was overwritten gives nothing
+    (as ``feed`` gives None); a batch never comes inside a result, nor is followed by a chunk;
+    an entry's arrays must be the ones its header announces."""
+    results = [_result(4, np.float32, block=f"b{i}", version=10 + i) for i in range(4)]
+    segments = {f"seg{i}": r for i, r in enumerate(results)}
+    overwritten = {"seg1"}
+
+    events: list[tuple[str, str]] = []
+
+    def reader(ref: SegmentRef, specs: list[Any]) -> list[np.ndarray] | None:
+        events.append(("read", ref.segment_id))
+        if ref.segment_id in overwritten:
+            return None
+        held = segments[ref.segment_id]
+        arrays = [getattr(held, name) for name in RESULT_FIELDS]
+        return [a.copy() for a in arrays if a is not None]
+
+    entries = [
+        framing.batched_result(r, shm=SegmentRef(f"seg{i}", 2)) for i, r in enumerate(results[:3])
+    ]
+    entries.insert(1, framing.batched_result(results[3], chunk_bytes=64))  # arrays inline
+    assert not entries[0].arrays and len(entries[1].arrays) == 4
+    (batch,) = _wire([pb.StreamResultsResponse(batch=pb.ResultBatch(results=entries))])
+    receiver = framing.ResultReceiver(reader=reader)
+    got = []
+    for result in receiver.feed_all(batch):
+        events.append(("got", result.block))
+        got.append(result)
+    # each result reaches its taker before the next is read (DaemonSource stages as it reads)
+    assert events == [
+        ("read", "seg0"), ("got", "b0"), ("got", "b3"), ("read", "seg1"), ("read", "seg2"),
+        ("got", "b2"),
+    ]  # fmt: skip
+    assert [r.block for r in got] == ["b0", "b3", "b2"]
+    for g, want in zip(got, [results[0], results[3], results[2]], strict=True):
+        _assert_same_result(g, want)
+    with pytest.raises(InvalidInputError, match="longer than announced"):
+        list(receiver.feed_all(pb.StreamResultsResponse(chunk=b"\0" * 8)))
+    with pytest.raises(InvalidInputError, match="read it with feed_all"):
+        framing.ResultReceiver(reader=reader).feed(batch)
+    chunked = _result_stream()
+    inside = framing.ResultReceiver(reader=reader)
+    assert list(inside.feed_all(chunked[0])) == []
+    with pytest.raises(InvalidInputError, match="a batch of results arrived inside"):
+        list(inside.feed_all(batch))
+    short = pb.BatchedResult()
+    short.CopyFrom(entries[1])
+    del short.arrays[-1]
+    both = pb.BatchedResult()
+    both.CopyFrom(entries[0])
+    both.arrays.append(b"\0" * 64)
+    for entry, problem in [
+        (short, "b3.*carries 3 arrays, its header announces 4"),
+        (both, "b0.*announced in a segment also carries arrays"),
+    ]:
+        message = pb.StreamResultsResponse(batch=pb.ResultBatch(results=[entry]))
+        with pytest.raises(InvalidInputError, match=problem):
+            list(framing.ResultReceiver(reader=reader).feed_all(message))
+    with pytest.raises(ValueError, match="more than a chunk"):
+        framing.batched_result(results[3], chunk_bytes=32)
+    # any other part reads as feed reads it
+    plain = framing.ResultReceiver()
+    (whole,) = [r for m in chunked for r in plain.feed_all(m)]
+    _assert_same_result(whole, _result(8, np.float32))
 
 
 @pytest.mark.parametrize("refresh", [False, True])

@@ -688,6 +688,7 @@ class StreamResultsRequest(_message.Message):
     HELD_VERSIONS_FIELD_NUMBER: _builtins.int
     SHM_RESULTS_FIELD_NUMBER: _builtins.int
     CREDIT_FIELD_NUMBER: _builtins.int
+    BATCH_RESULTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session whose results to deliver."""
     shm_results: _builtins.bool
@@ -698,6 +699,12 @@ class StreamResultsRequest(_message.Message):
     """Also send Credit messages: how many snapshots the daemon would start promptly (a client that
     refreshes continuously pulls no more snapshots than that). A daemon that does not know the
     field sends none; the client then keeps one snapshot outstanding at a time.
+    """
+    batch_results: _builtins.bool
+    """Send results several to a message (StreamResultsResponse.batch) where they are small or
+    lie in result segments, instead of a header and chunks each: each gRPC message costs the
+    daemon's event loop about as much as preparing the result did. A daemon that does not know
+    the field sends a header and chunks a result.
     """
     @_builtins.property
     def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -717,10 +724,11 @@ class StreamResultsRequest(_message.Message):
         held_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         shm_results: _builtins.bool = ...,
         credit: _builtins.bool = ...,
+        batch_results: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "credit", b"credit", "held_versions", b"held_versions", "session_id", b"session_id", "shm_results", b"shm_results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_results", b"batch_results", "blocks", b"blocks", "credit", b"credit", "held_versions", b"held_versions", "session_id", b"session_id", "shm_results", b"shm_results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -891,6 +899,7 @@ class StreamResultsResponse(_message.Message):
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
     CREDIT_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
     """The next 1..max_chunk_bytes raw bytes of the current result's arrays."""
     @_builtins.property
@@ -903,22 +912,81 @@ class StreamResultsResponse(_message.Message):
         never sent inside a result, between its header and its last chunk.
         """
 
+    @_builtins.property
+    def batch(self) -> Global___ResultBatch:
+        """Several complete results (no chunks follow). Only when StreamResultsRequest.batch_results
+        is set; never sent inside a result.
+        """
+
     def __init__(
         self,
         *,
         header: Global___ResultHeader | None = ...,
         chunk: _builtins.bytes = ...,
         credit: Global___Credit | None = ...,
+        batch: Global___ResultBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "credit", b"credit", "header", b"header", "part", b"part"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "chunk", b"chunk", "credit", b"credit", "header", b"header", "part", b"part"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "credit", b"credit", "header", b"header", "part", b"part"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "chunk", b"chunk", "credit", b"credit", "header", b"header", "part", b"part"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk", "credit"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk", "credit", "batch"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
 Global___StreamResultsResponse: _TypeAlias = StreamResultsResponse  # noqa: Y015
+
+@_typing.final
+class BatchedResult(_message.Message):
+    """One result of a ResultBatch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    ARRAYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___ResultHeader: ...
+    @_builtins.property
+    def arrays(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Unless `header.shm` is set: the result's arrays, one entry each, in the order chunks would
+        carry them, each at most the session's max_chunk_bytes. Empty when `header.shm` is set.
+        """
+
+    def __init__(
+        self,
+        *,
+        header: Global___ResultHeader | None = ...,
+        arrays: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrays", b"arrays", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchedResult: _TypeAlias = BatchedResult  # noqa: Y015
+
+@_typing.final
+class ResultBatch(_message.Message):
+    """Complete results, in the order the daemon took them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchedResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___BatchedResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResultBatch: _TypeAlias = ResultBatch  # noqa: Y015
 
 @_typing.final
 class StatusRequest(_message.Message):
