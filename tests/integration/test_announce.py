@@ -172,12 +172,13 @@ def test_results_that_piled_up_reach_the_stream_several_to_a_message(daemon: Dae
     """``batch_results``: results that are ready when the stream gets to them (here all of
     them: no stream was open while they were solved, as when a busy daemon's worker finishes
     faster than its loop writes) come many to a message, not a message each: read from its
-    segment by the session that owns it, and copied out, arrays in the batch, to another
-    session of the tenant that has no segments (a data-parallel replica's case)."""
+    segment by the session that owns it, and copied out, arrays in the batch, to the other
+    sessions of the tenant that have no segments (data-parallel replicas; two at once, which
+    share the entries one of them copied)."""
     conn = DaemonConnection(daemon.target)
     session = conn.open_session()
-    replica = DaemonConnection(daemon.target)
-    replica_session = replica.open_session()
+    replicas = [DaemonConnection(daemon.target) for _ in range(2)]
+    sessions = [session, *(r.open_session() for r in replicas)]
     shm = SegmentSet(enabled=True)
     shm.open(session)
     count = 300
@@ -198,22 +199,33 @@ def test_results_that_piled_up_reach_the_stream_several_to_a_message(daemon: Dae
             assert time.monotonic() < deadline, summary
             time.sleep(0.05)
         cancels: list[Callable[[], object]] = []
-        for c, s, reader in [
-            (conn, session, shm.read_result),
-            (replica, replica_session, None),
-        ]:
-            got: dict[str, SolveResult] = {}
-            for result in c.results(s, {}, cancels.append, reader=reader):
-                got[result.block] = result
-                if len(got) == count:
+        got: list[dict[str, SolveResult]] = [{}, {}, {}]
+
+        def drain(i: int, c: DaemonConnection, reader: Any) -> None:
+            for result in c.results(sessions[i], {}, cancels.append, reader=reader):
+                got[i][result.block] = result
+                if len(got[i]) == count:
                     break
+
+        drain(0, conn, shm.read_result)
+        threads = [
+            threading.Thread(target=drain, args=(i + 1, c, None), daemon=True)
+            for i, c in enumerate(replicas)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S)
+        for i, c in enumerate([conn, *replicas]):
+            assert len(got[i]) == count, (i, len(got[i]))
             for t in tasks[:: count // 10]:
                 expected = inverse_root(t.matrix)
-                assert got[t.block].version == 2
-                assert np.abs(got[t.block].matrix - expected).max() <= 1e-4 * np.abs(expected).max()
+                assert got[i][t.block].version == 2
+                error = np.abs(got[i][t.block].matrix - expected).max()
+                assert error <= 1e-4 * np.abs(expected).max()
             assert c.result_messages <= -(-count // RESULT_BATCH_RESULTS) + 1, c.result_messages
     finally:
-        for c, s in [(conn, session), (replica, replica_session)]:
+        for c, s in zip([conn, *replicas], sessions, strict=True):
             c.close_session(s.session_id)
             c.close()
         shm.close()
