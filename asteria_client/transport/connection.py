@@ -197,7 +197,7 @@ class DaemonConnection:
         self._ticket = ""  # the caller ticket of the last open_session (see caller_ticket)
         self._announce_supported = True  # False once the daemon answered UNIMPLEMENTED
         #: StreamResults messages received, all streams of this connection (a daemon that
-        #: batches result headers sends fewer messages than results)
+        #: batches results sends fewer messages than results)
         self.result_messages = 0
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -284,12 +284,12 @@ def batched_result(
     for name in RESULT_FIELDS:
         array = getattr(result, name)
         if array is not None:
-            (data,) = array_chunks(array, max(chunk_bytes, array.nbytes))
-            if len(data) > chunk_bytes:
+            if array.nbytes > chunk_bytes:
                 raise ValueError(
-                    f"{convert.result_what(header)}: {name} is {len(data)} bytes, more than a "
-                    f"chunk ({chunk_bytes}): send it in chunks, not in a batch"
+                    f"{convert.result_what(header)}: {name} is {array.nbytes} bytes, more than "
+                    f"a chunk ({chunk_bytes}): send it in chunks, not in a batch"
                 )
+            (data,) = array_chunks(array, chunk_bytes)
             arrays.append(data)
     return pb.BatchedResult(header=header, arrays=arrays)
 

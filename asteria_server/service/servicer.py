@@ -403,10 +403,11 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         #: told (tenant, job) when CloseSession forgets a job's blocks (the job registry, the
         #: sync's peer group of the job)
         self.on_forget_job: Callable[[str, str], None] | None = None
-        #: (tenant, block) -> the frames of the result streams are sending now
+        #: (tenant, block) -> the batch entry with arrays that result streams hold now
         self._entries: weakref.WeakValueDictionary[tuple[str, str], _Entry] = (
             weakref.WeakValueDictionary()
         )
+        #: (tenant, block) -> the frames of the result streams are sending now
         self._frames: weakref.WeakValueDictionary[tuple[str, str], _Frames] = (
             weakref.WeakValueDictionary()
         )
@@ -1206,26 +1207,20 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                         )
                         if result is None:
                             continue
-                        if batch is not None and batch.since_yield >= RESULT_YIELD_EVERY:
-                            batch.since_yield = 0
-                            await asyncio.sleep(0)  # let the loop serve the other calls
-                        shared = None
+                        entry = sending = None
                         if batch is not None:
-                            shared = self._shared_entry(
+                            if batch.since_yield >= RESULT_YIELD_EVERY:
+                                batch.since_yield = 0
+                                await asyncio.sleep(0)  # let the loop serve the other calls
+                            # one another stream copied out and still holds, if any
+                            entry = self._shared_entry(
                                 session.session_id, result, request.shm_results
                             )
-                        if shared is not None and batch is not None:  # another stream copied it
-                            failed_copies.pop(block, None)
-                            sent[block] = result.version
-                            result = None
-                            full = batch.add(shared)
-                            if full is not None:
-                                await self._write(context, full)
-                            continue
-                        sending = await self._to_send(
-                            session.session_id, result, request.shm_results
-                        )
-                        if sending is None:
+                        if entry is None:
+                            sending = await self._to_send(
+                                session.session_id, result, request.shm_results
+                            )
+                        if entry is None and sending is None:
                             # Overwritten while copied out (another replica's segment): look
                             # again shortly, whether or not a newer result is announced, a
                             # bounded number of times.
@@ -1238,15 +1233,15 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
                             continue
                         failed_copies.pop(block, None)
                         sent[block] = result.version
-                        if batch is not None and (
-                            sending[1] is not None or _nbytes(sending[0]) <= batch.max_bytes // 2
-                        ):
-                            entry = self._entry_of(sending[0], sending[1])
+                        if batch is not None and entry is None and sending is not None:
+                            entry = self._entry_of(*sending, max_inline=batch.max_bytes // 2)
+                        if batch is not None and entry is not None:
                             result = sending = None  # hold no client's segment while idle
                             full = batch.add(entry)
                             if full is not None:
                                 await self._write(context, full)
                             continue
+                        assert sending is not None
                         if batch is not None and (gathered := batch.take()) is not None:
                             await self._write(context, gathered)  # in the order taken
                         frames = await self._frames_of(sending[0], sending[1])
@@ -1326,13 +1321,16 @@ class PreconditionerServicer(pb_grpc.PreconditionerServicer):
         entry = self._entries.get((result.tenant, result.block))
         if entry is None or entry.version != result.version:
             return None
-        if result.shm is not None and self._own_ref(session_id, result, shm_results) is not None:
-            return None
-        return entry
+        return None if self._own_ref(session_id, result, shm_results) else entry
 
-    def _entry_of(self, result: SolveResult, shm: SegmentRef | None) -> _Entry:
+    def _entry_of(
+        self, result: SolveResult, shm: SegmentRef | None, *, max_inline: int
+    ) -> _Entry | None:
         """``result`` as a batch entry: announced in ``shm``, or with its arrays (shared with
-        the other streams that send it meanwhile)."""
+        the other streams that send it meanwhile); None when its arrays, to go with it, take
+        more than ``max_inline`` bytes (it goes as a header and chunks)."""
+        if shm is None and _nbytes(result) > max_inline:
+            return None
         entry = _Entry(
             result.version,
             framing.batched_result(result, chunk_bytes=self._limits.chunk_bytes, shm=shm),
