@@ -74,7 +74,8 @@ def queued_engine(queued: int, tenants: int) -> tuple[Any, TimedLock]:
         )
         coord.submit(task, f"job{i % 8}")
     lock = TimedLock()
-    tiers = SimpleNamespace(tier=None, tiers=None)  # an old engine reads tier, a new one tiers
+    # an old engine reads tier, a newer one tiers, and one with a tally the spilled blocks
+    tiers = SimpleNamespace(tier=None, tiers=None, spilled_keys=tuple)
     return SimpleNamespace(_cond=lock, _coord=coord, _tiers=tiers), lock
 
 

@@ -40,8 +40,6 @@ from asteria_server.engine.coordinator import Coordinator
 from asteria_server.engine.registry import (
     block_table,
     empty_status_columns,
-    empty_summary_columns,
-    summarize,
 )
 from asteria_server.engine.scheduler import CostModel
 from asteria_server.engine.solvers import SolverConfig
@@ -76,8 +74,6 @@ logger = logging.getLogger(__name__)
 #: Results that may wait for their spill files at least (bytes; at most the cache budget if
 #: larger): beyond, results leaving the host tier are dropped until the disk catches up.
 SPILL_BACKLOG_MIN_BYTES = 64 << 20
-#: Blocks whose fields a status summary copies per hold of the engine's lock.
-SUMMARY_CHUNK_BLOCKS = 10_000
 #: Blocks whose fields and queue positions a status page copies per hold of the engine's lock
 #: while other tenants have snapshots queued too (each of a page's blocks then counts their
 #: entries before it, a few µs per tenant).
@@ -674,28 +670,24 @@ class PreconditionerEngine:
         return block_table(tenant, columns, now, positions), total
 
     def status_summary(self, tenant: str, worst: int = SUMMARY_WORST_BLOCKS) -> BlockSummary:
-        """What ``tenant``'s blocks add up to, with its ``worst`` blocks' records: one pass over
-        a few fields of each block, copied under the lock ``SUMMARY_CHUNK_BLOCKS`` blocks at a
-        time (a submit or result waits for one chunk at most) and added up outside it."""
-        columns = empty_summary_columns()
-        after = ""
-        while True:
-            with self._cond:
-                chunk = self._coord.registry.summary_columns(
-                    tenant, after, SUMMARY_CHUNK_BLOCKS, self._tiers.tiers
-                )
-            for name, values in chunk.items():
-                columns[name] += values
-            if len(chunk["block"]) < SUMMARY_CHUNK_BLOCKS:
-                break
-            after = chunk["block"][-1]
+        """What ``tenant``'s blocks add up to, with its ``worst`` blocks' records: read from the
+        counts the registry keeps as blocks change (see ``tally``), in one short hold of the
+        lock that does not grow with the blocks held (the spilled ones are counted from the
+        spill tier's own table)."""
+        registry = self._coord.registry
         with self._cond:
-            now = self._coord.registry.now()
-        numbers, names = summarize(columns, now, worst)
-        with self._cond:
-            shown = self._coord.registry.status_columns_of(tenant, names, self._tiers.tiers)
-            now = self._coord.registry.now()
-        return BlockSummary(**numbers, worst=block_table(tenant, shown, now, None))
+            numbers, names = registry.summary(tenant, worst)
+            if not numbers:
+                return BlockSummary(worst=BlockTable(tenant))
+            spilled = registry.without_result(tenant, self._tiers.spilled_keys())
+            shown = registry.status_columns_of(tenant, names, self._tiers.tiers)
+            now = registry.now()
+        numbers["tier_none"] -= spilled
+        return BlockSummary(
+            **numbers,
+            tier_spill=spilled,
+            worst=block_table(tenant, shown, now, None),
+        )
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """Engine-wide numbers. The workers' block names are shown for tenant ``viewer``'s tasks

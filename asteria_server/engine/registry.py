@@ -21,18 +21,20 @@ The registry is not thread-safe; the engine serializes access with its lock.
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
-import math
 import operator
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from asteria_server.engine.tally import (
+    HOST_RESULT,
+    NO_RESULT,
+    SHM_RESULT,
+    Tally,
+    facts,
+)
 from asteria_server.types import (
     BLOCK_COLUMNS,
     BlockState,
@@ -70,6 +72,7 @@ _COLUMN_GETTERS = tuple((name, operator.attrgetter(name)) for name in _COLUMN_FI
 #: Copied status fields of many blocks: the record fields above, ``block`` and ``tier``, a list
 #: each, entry i of every list of block i.
 StatusColumns = dict[str, list[Any]]
+_result_of = operator.attrgetter("result")
 #: The tiers of many blocks at once, from their keys and held results (``ResultTiers.tiers``).
 TiersOf = Callable[[list[Key], list[SolveResult | None]], list[str]]
 
@@ -116,93 +119,11 @@ def block_table(
     return BlockTable(tenant, dict(zip(BLOCK_COLUMNS, values, strict=True)))
 
 
-#: The record fields a summary adds up (:meth:`CoherenceRegistry.summary_columns`).
-_SUMMARY_FIELDS = (
-    "submitted_version",
-    "computed_version",
-    "failed",
-    "running_version",
-    "queued_version",
-    "computed_at",
-    "failures",
-)
-_SUMMARY_GETTERS = tuple((name, operator.attrgetter(name)) for name in _SUMMARY_FIELDS)
-_result_of = operator.attrgetter("result")
-
-
-def empty_summary_columns() -> StatusColumns:
-    """What :meth:`CoherenceRegistry.summary_columns` gives, of no block: a summary's chunks
-    are added to it field by field."""
-    return {name: [] for name in ("block", *_SUMMARY_FIELDS, "tier")}
-
-
-def summarize(columns: StatusColumns, now: float, count: int) -> tuple[dict[str, Any], list[str]]:
-    """The :class:`BlockSummary` numbers of ``columns`` (from
-    :meth:`CoherenceRegistry.summary_columns`, at ``now``) and the names of its ``count`` worst
-    blocks: the failed ones, then the largest staleness, the oldest result first among equals
-    (never computed counts as oldest), then the last name.
-
-    Added up as arrays (a NumPy pass per field), not a Python expression per block: 160,000
-    blocks took ~0.3 s here as tuples, and the daemon holds the GIL that its clients' calls
-    wait for while it adds them."""
-    c = columns
-    n = len(c["block"])
-    if not n:
-        return {}, []
-    failed = np.array(c["failed"], dtype=bool)
-    running = np.array(c["running_version"], dtype=np.int64) >= 0
-    queued = np.array(c["queued_version"], dtype=np.int64) >= 0
-    stale = np.array(c["submitted_version"], dtype=np.int64)
-    stale -= np.array(c["computed_version"], dtype=np.int64)
-    computed_at = np.array(c["computed_at"], dtype=np.float64)  # None: NaN
-    never = np.isnan(computed_at)
-    n_failed = int(np.count_nonzero(failed))
-    n_running = int(np.count_nonzero(running & ~failed))
-    n_queued = int(np.count_nonzero(queued & ~running & ~failed))
-    tiers = Counter(c["tier"])
-    p50, p99 = n // 2, min(n - 1, (99 * n) // 100)
-    ordered = np.partition(stale, sorted({p50, p99, n - 1}))
-    numbers = {
-        "idle": n - n_failed - n_running - n_queued,
-        "queued": n_queued,
-        "running": n_running,
-        "failed": n_failed,
-        "tier_host": tiers["host"],
-        "tier_shm": tiers["shm"],
-        "tier_spill": tiers["spill"],
-        "tier_none": tiers[""],
-        "never_computed": int(np.count_nonzero(never)),
-        "staleness_steps_p50": int(ordered[p50]),
-        "staleness_steps_p99": int(ordered[p99]),
-        "staleness_steps_max": int(ordered[n - 1]),
-        "oldest_result_age_s": (
-            None if never.all() else max(0.0, now - float(np.nanmin(computed_at)))
-        ),
-        "failures": sum(c["failures"]),
-    }
-    older = np.where(never, math.inf, -computed_at)
-    return numbers, _worst(c["block"], failed, stale, older, count)
-
-
-def _worst(
-    names: list[str], failed: np.ndarray, stale: np.ndarray, older: np.ndarray, count: int
-) -> list[str]:
-    """The names of the ``count`` largest ``(failed, stale, older, name)``: the blocks whose
-    first three keys reach the ``count``-th largest's are ranked by all four in Python (the
-    name decides among equals), the rest never leave the arrays."""
-    n = len(names)
-    if count <= 0:
-        return []
-    if count < n:
-        order = np.lexsort((older, stale, failed))  # ascending, failed the primary key
-        edge = order[n - count]
-        f, s, o = failed[edge], stale[edge], older[edge]
-        reach = (failed > f) | ((failed == f) & ((stale > s) | ((stale == s) & (older >= o))))
-        chosen = np.flatnonzero(reach).tolist()
-    else:
-        chosen = list(range(n))
-    keyed = [(bool(failed[i]), int(stale[i]), float(older[i]), names[i]) for i in chosen]
-    return [row[3] for row in heapq.nlargest(count, keyed)]
+def held_kind(result: SolveResult | None) -> int:
+    """What a held result is, as a :class:`~asteria_server.engine.tally.Tally` counts it."""
+    if result is None:
+        return NO_RESULT
+    return HOST_RESULT if result.shm is None else SHM_RESULT
 
 
 def host_bytes(result: SolveResult | None) -> int:
@@ -296,6 +217,9 @@ class CoherenceRegistry:
         #: page sorted all 160,000 names again, under the engine's lock: the daemon spent most of
         #: its time there and its clients' calls ran past their deadlines.
         self._new_names: dict[str, list[str]] = {}
+        #: tenant -> what its blocks add up to, kept at each event (``asteria status``'s
+        #: default reads it instead of every record)
+        self._tallies: dict[str, Tally] = {}
 
     def key(self, tenant: str, block: str) -> Key:
         """The block's key tuple as the registry holds it (a new one if it holds no record):
@@ -309,6 +233,10 @@ class CoherenceRegistry:
             key = (tenant, block)
             rec = self._records[key] = _Record(key)
             self._blocks_of[tenant] = self._blocks_of.get(tenant, 0) + 1
+            tally = self._tallies.get(tenant)
+            if tally is None:
+                tally = self._tallies[tenant] = Tally()
+            tally.add(rec)
             if tenant in self._sorted_names:
                 self._new_names.setdefault(tenant, []).append(block)
         return rec
@@ -316,6 +244,9 @@ class CoherenceRegistry:
     def _set_result(self, rec: _Record, result: SolveResult | None) -> None:
         """Every change of a record's held result goes through here (the byte accounting)."""
         delta = host_bytes(result) - host_bytes(rec.result)
+        before, after = held_kind(rec.result), held_kind(result)
+        if before != after:
+            self._tallies[rec.tenant].held(before, after)
         rec.result = result
         if delta:
             total = self._host_bytes_of.get(rec.tenant, 0) + delta
@@ -357,6 +288,7 @@ class CoherenceRegistry:
         if version == rec.submitted_version and not (rec.resubmit_ok and idle) and not elsewhere:
             rec.duplicates += 1
             return SubmitOutcome.DUPLICATE
+        before = facts(rec)
         rec.resubmit_ok = False
         rec.elsewhere_version = -1
         outcome = SubmitOutcome.QUEUED
@@ -365,6 +297,7 @@ class CoherenceRegistry:
             outcome = SubmitOutcome.SUPERSEDED_QUEUED
         rec.submitted_version = rec.queued_version = version
         rec.submitted_at = self._clock()
+        self._tallies[tenant].change(rec, before)
         return outcome
 
     def on_elsewhere(self, tenant: str, block: str, version: int, job: str = "") -> None:
@@ -375,28 +308,36 @@ class CoherenceRegistry:
         if job:
             rec.job = job
         if version > rec.submitted_version:
+            before = facts(rec)
             rec.submitted_version = rec.elsewhere_version = version
             rec.submitted_at = self._clock()
+            self._tallies[tenant].change(rec, before)
 
     def on_withdrawn(self, tenant: str, block: str, version: int) -> None:
         """The queued ``version`` left the queue: another daemon solves it (as
         :meth:`on_elsewhere`, it may still be submitted here once)."""
         rec = self._record(tenant, block)
+        before = facts(rec)
         if rec.queued_version == version:
             rec.queued_version = -1
         rec.elsewhere_version = version
+        self._tallies[tenant].change(rec, before)
 
     def on_dispatch(self, tenant: str, block: str, version: int) -> None:
         """The queued version of a block was handed to a worker."""
         rec = self._record(tenant, block)
         assert rec.queued_version == version, (rec.queued_version, version)
         assert rec.running_version < 0, rec.running_version
+        before = facts(rec)
         rec.queued_version = -1
         rec.running_version = version
+        self._tallies[tenant].change(rec, before)
 
     def on_result(self, result: SolveResult) -> bool:
         """A solve succeeded; store it if it is newer than the computed one. Returns accepted."""
         rec = self._record(result.tenant, result.block)
+        tally = self._tallies[rec.tenant]
+        before = facts(rec)
         if rec.running_version == result.version:
             rec.running_version = -1
         rec.consecutive_failures = 0
@@ -404,20 +345,25 @@ class CoherenceRegistry:
         if result.version < rec.computed_version or (
             result.version == rec.computed_version and rec.result is not None
         ):
+            tally.change(rec, before)
             return False
         rec.computed_version = result.version
         rec.computed_at = self._clock()
         rec.last_solve_s = result.solve_time_s
         self._set_result(rec, result)
+        tally.change(rec, before)
+        tally.computed(rec.key)
         return True
 
     def on_requeue(self, tenant: str, block: str, version: int) -> None:
         """A running version goes back to the queue (its worker was lost, it runs again)."""
         rec = self._record(tenant, block)
+        before = facts(rec)
         if rec.running_version == version:
             rec.running_version = -1
         if rec.queued_version < 0:
             rec.queued_version = version
+        self._tallies[tenant].change(rec, before)
 
     def on_overwritten(self, tenant: str, block: str, version: int) -> None:
         """A dispatched snapshot was overwritten in the client's segment before it was read (or
@@ -427,20 +373,24 @@ class CoherenceRegistry:
         rec = self._record(tenant, block)
         rec.superseded += 1
         if rec.running_version == version:
+            before = facts(rec)
             rec.running_version = -1
+            self._tallies[tenant].change(rec, before)
 
     def on_failure(self, tenant: str, block: str, version: int, message: str) -> bool:
         """A solve failed for good. Returns True when this failure marked the block FAILED."""
         rec = self._record(tenant, block)
+        before = facts(rec)
         if rec.running_version == version:
             rec.running_version = -1
         rec.failures += 1
         rec.consecutive_failures += 1
         rec.last_error = message
-        if rec.failed or rec.consecutive_failures < self.max_consecutive_failures:
-            return False
-        rec.failed = True
-        return True
+        marked = not rec.failed and rec.consecutive_failures >= self.max_consecutive_failures
+        if marked:
+            rec.failed = True
+        self._tallies[tenant].change(rec, before)
+        return marked
 
     def replace_results(self, fn: Callable[[SolveResult], SolveResult | None]) -> None:
         """Hold ``fn(r)`` instead of each held result ``r``; None drops it (the block keeps its
@@ -469,6 +419,10 @@ class CoherenceRegistry:
         rec = self._records.pop((tenant, block), None)
         if rec is not None:
             self._set_result(rec, None)
+            tally = self._tallies[tenant]
+            tally.remove(rec, NO_RESULT)
+            if not tally.blocks:
+                del self._tallies[tenant]
             self._sorted_names.pop(tenant, None)
             self._new_names.pop(tenant, None)
             self._blocks_of[tenant] = self._blocks_of.get(tenant, 1) - 1
@@ -618,14 +572,23 @@ class CoherenceRegistry:
             columns["tier"] = tiers_of(keys, list(map(_result_of, records)))
         return columns
 
-    def summary_columns(
-        self, tenant: str, after: str, limit: int, tiers_of: TiersOf | None = None
-    ) -> StatusColumns:
-        """What :func:`summarize` needs of at most ``limit`` of ``tenant``'s blocks, the first
-        by name after ``after``: a list per field, each copied in one C loop."""
-        names = self._names(tenant)
-        first = bisect.bisect_right(names, after) if after else 0
-        return self._columns(tenant, names[first : first + limit], tiers_of, _SUMMARY_GETTERS)
+    def summary(self, tenant: str, worst: int) -> tuple[dict[str, Any], list[str]]:
+        """What ``tenant``'s blocks add up to (the :class:`~asteria_server.types.BlockSummary`
+        numbers but the split of blocks without a result into spilled and none), and the names
+        of its ``worst`` worst blocks: read from its tally, without a visit to every block."""
+        tally = self._tallies.get(tenant)
+        if tally is None:
+            return {}, []
+        return tally.numbers(self._records, self._clock()), tally.worst(worst, self._records)
+
+    def without_result(self, tenant: str, keys: Iterable[Key]) -> int:
+        """How many of ``keys`` are ``tenant``'s blocks that hold no result."""
+        records = self._records
+        return sum(
+            1
+            for key in keys
+            if key[0] == tenant and (rec := records.get(key)) is not None and rec.result is None
+        )
 
     def _names(self, tenant: str) -> list[str]:
         names = self._sorted_names.get(tenant)

@@ -43,6 +43,7 @@ import os
 import struct
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,10 @@ class ResultTiers:
     @property
     def num_spilled(self) -> int:
         return len(self._spilled)
+
+    def spilled_keys(self) -> Iterable[Key]:
+        """The blocks whose newest result lies in a spill file."""
+        return self._spilled.keys()
 
     def tier(self, key: Key, result: SolveResult | None) -> str:
         """``host``, ``shm``, ``spill`` or ``""`` for a block holding ``result`` in the registry."""

@@ -1,7 +1,7 @@
 """What a status read costs the engine: a page of columns is built without a record object per
 block, holding the engine's lock a chunk of blocks at a time to copy their records and read
-their queue positions (by rank: no sort of the queue); a summary copies the blocks a
-chunk per hold of the lock and adds them up after releasing it.
+their queue positions (by rank: no sort of the queue); a summary reads the counts the registry
+keeps as blocks change, in one hold, and copies only its worst blocks' records.
 
 A real engine (one solver worker) runs under these tests; its lock is swapped for one that
 knows its owner, so "held by this thread" is exact even while the dispatcher thread takes it.
@@ -9,13 +9,13 @@ knows its owner, so "held by this thread" is exact even while the dispatcher thr
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
-import operator
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -24,7 +24,8 @@ from asteria_server.engine import engine as engine_module
 from asteria_server.engine import registry as registry_module
 from asteria_server.engine import scheduler as scheduler_module
 from asteria_server.engine.engine import EngineConfig, PreconditionerEngine
-from asteria_server.types import BlockState, BlockStatus, SolveKind, SolveTask
+from asteria_server.engine.registry import CoherenceRegistry
+from asteria_server.types import BlockState, BlockStatus, SolveKind, SolveResult, SolveTask
 
 TENANT = "t"
 
@@ -179,7 +180,7 @@ def test_a_status_page_is_columns_built_outside_the_lock_with_no_record_per_bloc
     assert all(b.state is BlockState.IDLE and b.version == 1 for b in settled)
 
 
-def test_a_summary_copies_chunks_under_the_lock_and_adds_them_up_outside(
+def test_a_summary_reads_counts_in_one_hold_and_copies_only_its_worst_blocks(
     engine: tuple[PreconditionerEngine, OwnedLock], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     eng, lock = engine
@@ -189,24 +190,20 @@ def test_a_summary_copies_chunks_under_the_lock_and_adds_them_up_outside(
         SolveTask(block="zz.bad", version=3, kind=SolveKind.INVERSE_ROOT, matrix=bad, tenant=TENANT)
     )
     assert eng.wait_idle(60.0)
-    monkeypatch.setattr(engine_module, "SUMMARY_CHUNK_BLOCKS", 8)
-    sum_held = _record_lock(monkeypatch, engine_module, "summarize", lock)
-    limits: list[int] = []
-    columns_of = registry_module.CoherenceRegistry.summary_columns
+    copied: list[int] = []
+    columns_of = registry_module.CoherenceRegistry._columns
 
-    def chunk(self: Any, tenant: str, after: str, limit: int, tiers_of: Any = None) -> Any:
-        limits.append(limit)
-        assert lock.held_here()
-        return columns_of(self, tenant, after, limit, tiers_of)
+    def counting(self: Any, tenant: str, names: list[str], *args: Any) -> Any:
+        copied.append(len(names))
+        return columns_of(self, tenant, names, *args)
 
-    monkeypatch.setattr(registry_module.CoherenceRegistry, "summary_columns", chunk)
+    monkeypatch.setattr(registry_module.CoherenceRegistry, "_columns", counting)
     made = _count_status_records(monkeypatch)
     before = lock.mine()
 
     summary = eng.status_summary(TENANT, worst=3)
-    # 31 blocks, 8 a hold: 4 holds to copy them, one for the clock, one for the worst 3 rows.
-    assert lock.mine() - before == 6 and limits == [8, 8, 8, 8]
-    assert sum_held == [False], "the summary was added up under the engine's lock"
+    assert lock.mine() - before == 1, "a summary held the engine's lock more than once"
+    assert copied == [3], "a summary copied more records than its worst blocks'"
     assert made[0] == 0
     assert summary.blocks == 31 and summary.failed == 1 and summary.idle == 30
     assert summary.never_computed == 1 and summary.failures == 1
@@ -221,7 +218,7 @@ def test_a_summary_copies_chunks_under_the_lock_and_adds_them_up_outside(
 
 def _reference_summary(columns: dict[str, list[Any]], now: float, count: int) -> Any:
     """The summary as its first version added it up, a Python expression per block (kept
-    here to check the array one against)."""
+    here to check the tally against)."""
     c = columns
     stale = [s - v for s, v in zip(c["submitted_version"], c["computed_version"], strict=True)]
     states = Counter(
@@ -246,28 +243,85 @@ def _reference_summary(columns: dict[str, list[Any]], now: float, count: int) ->
     return numbers, [row[3] for row in heapq.nlargest(count, keyed)]
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 100, 2000])
-def test_the_summary_of_arrays_is_the_summary_of_tuples(n: int) -> None:
-    """Random blocks, many of them equal in the worst-block keys (the name decides then),
-    some never computed, failed, running or queued: the same numbers and worst blocks."""
-    rng = np.random.default_rng(n)
-    computed = rng.integers(-1, 4, n).tolist()
-    behind = rng.integers(0, 3, n).tolist()
-    columns = {
-        "block": [f"b{i:05d}" for i in rng.permutation(n)],
-        "submitted_version": list(map(operator.add, computed, behind)),
-        "computed_version": computed,
-        "failed": (rng.random(n) < 0.05).tolist(),
-        "running_version": np.where(rng.random(n) < 0.2, 3, -1).tolist(),
-        "queued_version": np.where(rng.random(n) < 0.3, 4, -1).tolist(),
-        "computed_at": [None if v < 0 else float(rng.integers(0, 5)) for v in computed],
-        "failures": rng.integers(0, 2, n).tolist(),
-        "tier": rng.choice(["", "host", "shm", "spill"], n).tolist(),
-    }
-    for count in (0, 1, 3, n, n + 5):
-        numbers, worst = registry_module.summarize(columns, 10.0, count)
-        assert (numbers, worst) == _reference_summary(columns, 10.0, count)
-        assert all(type(v) in (int, float, type(None)) for v in numbers.values())
+def _result(tenant: str, block: str, version: int, shm: bool) -> SolveResult:
+    result = SolveResult(
+        block=block,
+        version=version,
+        kind=SolveKind.INVERSE_ROOT,
+        matrix=np.eye(2, dtype=np.float32),
+        eigenvalues=None,
+        permutation=None,
+        base_version=-1,
+        epsilon_used=0.0,
+        solve_time_s=0.0,
+        attempts=1,
+        tenant=tenant,
+    )
+    # a result in a client's segment: only whether it has one counts here
+    return dataclasses.replace(result, shm=cast(Any, "segment")) if shm else result
+
+
+def _random_event(
+    registry: CoherenceRegistry, rng: np.random.Generator, blocks: int, clock: list[float]
+) -> None:
+    """One event of any kind on a random block of two tenants, as the engine would send it
+    (a dispatch of the queued version, a result of the running one or of any other)."""
+    clock[0] += float(rng.random() < 0.1)  # many equal times: the name decides among them
+    tenant = ("t", "u")[int(rng.integers(2))]
+    block = f"b{int(rng.integers(blocks)):03d}"
+    rec = registry._records.get((tenant, block))
+    submitted = -1 if rec is None else rec.submitted_version
+    running = -1 if rec is None else rec.running_version
+    kind = int(rng.integers(12))
+    if kind <= 2:
+        registry.on_submit(tenant, block, max(0, submitted + int(rng.integers(-1, 3))))
+    elif kind == 3 and rec is not None and rec.queued_version >= 0 and running < 0:
+        registry.on_dispatch(tenant, block, rec.queued_version)
+    elif kind == 4:
+        version = running if running >= 0 else int(rng.integers(-1, submitted + 2))
+        registry.on_result(_result(tenant, block, version, bool(rng.integers(2))))
+    elif kind == 5:
+        registry.on_failure(tenant, block, running, "no good")
+    elif kind == 6 and running >= 0:
+        registry.on_requeue(tenant, block, running)
+    elif kind == 7:
+        registry.on_overwritten(tenant, block, running)
+    elif kind == 8 and rec is not None:
+        registry.on_withdrawn(tenant, block, rec.queued_version)
+    elif kind == 9:
+        registry.on_elsewhere(tenant, block, submitted + 1)
+    elif kind == 10:
+        (registry.drop if rng.integers(2) else registry.forget)(tenant, block)
+    elif kind == 11 and rec is not None and rec.result is not None:
+        registry.hold(tenant, block, None)  # spilled
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_tally_gives_the_summary_of_every_record(seed: int) -> None:
+    """Random events of every kind on two tenants' blocks: at each check the summary read from
+    the tally is what adding up every record gives (the reference, a Python expression per
+    block), numbers and worst blocks alike."""
+    rng = np.random.default_rng(seed)
+    clock = [0.0]
+    registry = CoherenceRegistry(max_consecutive_failures=2, clock=lambda: clock[0])
+    blocks = (5, 40, 200)[seed % 3]
+
+    def tiers(keys: list[Any], results: list[SolveResult | None]) -> list[str]:
+        return ["" if r is None else "host" if r.shm is None else "shm" for r in results]
+
+    for _ in range(60):
+        for _ in range(int(rng.integers(1, 3 * blocks))):
+            _random_event(registry, rng, blocks, clock)
+        for tenant in ("t", "u"):
+            columns, total, _ = registry.status_columns(tenant, "", 10**6, tiers)
+            count = int(rng.integers(0, 12))
+            numbers, worst = registry.summary(tenant, count)
+            if not total:
+                assert (numbers, worst) == ({}, [])
+                continue
+            # the engine splits the blocks without a result into spilled and none
+            reference = _reference_summary(columns, clock[0], count)
+            assert ({**numbers, "tier_spill": 0}, worst) == reference
 
 
 def _reference_order(queues: dict[str, list[Any]], consumed: dict[str, float]) -> list[Any]:
