@@ -21,6 +21,7 @@ The registry is not thread-safe; the engine serializes access with its lock.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import operator
 import time
@@ -165,6 +166,12 @@ class _Record:
     #: the newest version another daemon solves for it (the sync between node daemons): a
     #: submission of that version here is still accepted once (a local fallback)
     elsewhere_version: int = -1
+    #: links a tenant's :class:`~asteria_server.engine.tally.Tally` keeps: the next older and
+    #: newer result, and the neighbours in its staleness bucket
+    older: _Record | None = dataclasses.field(default=None, repr=False, compare=False)
+    newer: _Record | None = dataclasses.field(default=None, repr=False, compare=False)
+    prev_same: _Record | None = dataclasses.field(default=None, repr=False, compare=False)
+    next_same: _Record | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def tenant(self) -> str:
@@ -347,12 +354,13 @@ class CoherenceRegistry:
         ):
             tally.change(rec, before)
             return False
+        had_result = rec.computed_at is not None
         rec.computed_version = result.version
         rec.computed_at = self._clock()
         rec.last_solve_s = result.solve_time_s
         self._set_result(rec, result)
         tally.change(rec, before)
-        tally.computed(rec.key)
+        tally.computed(rec, had_result)
         return True
 
     def on_requeue(self, tenant: str, block: str, version: int) -> None:
@@ -579,7 +587,7 @@ class CoherenceRegistry:
         tally = self._tallies.get(tenant)
         if tally is None:
             return {}, []
-        return tally.numbers(self._records, self._clock()), tally.worst(worst, self._records)
+        return tally.numbers(self._clock()), tally.worst(worst)
 
     def without_result(self, tenant: str, keys: Iterable[Key]) -> int:
         """How many of ``keys`` are ``tenant``'s blocks that hold no result."""
