@@ -27,6 +27,8 @@ from asteria_server.engine.engine import EngineConfig, PreconditionerEngine
 from asteria_server.engine.registry import CoherenceRegistry
 from asteria_server.types import BlockState, BlockStatus, SolveKind, SolveResult, SolveTask
 
+from .test_spill import _result as spill_result
+
 TENANT = "t"
 
 
@@ -244,21 +246,9 @@ def _reference_summary(columns: dict[str, list[Any]], now: float, count: int) ->
 
 
 def _result(tenant: str, block: str, version: int, shm: bool) -> SolveResult:
-    result = SolveResult(
-        block=block,
-        version=version,
-        kind=SolveKind.INVERSE_ROOT,
-        matrix=np.eye(2, dtype=np.float32),
-        eigenvalues=None,
-        permutation=None,
-        base_version=-1,
-        epsilon_used=0.0,
-        solve_time_s=0.0,
-        attempts=1,
-        tenant=tenant,
-    )
-    # a result in a client's segment: only whether it has one counts here
-    return dataclasses.replace(result, shm=cast(Any, "segment")) if shm else result
+    # with shm: a result in a client's segment (only whether it has one counts here)
+    segment = cast(Any, "segment") if shm else None
+    return dataclasses.replace(spill_result(block, version, 2), tenant=tenant, shm=segment)
 
 
 def _random_event(
